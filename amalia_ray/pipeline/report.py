@@ -1,0 +1,110 @@
+"""`runs/<name>/report.md`: what each stage did and cost, the loss curves, and the evaluation table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from amalia_ray.core.manifest import Manifest
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
+
+
+def plot_losses(run_dir: Path, train_stages: list[str]) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = False
+    offset = 0
+    for name in train_stages:
+        history = _read_metrics(run_dir / name / "metrics.jsonl")
+        if not history:
+            continue
+        steps = [offset + h["step"] for h in history]
+        ax.plot(steps, [h["loss"] for h in history], label=f"{name} train")
+        val = [(offset + h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
+        if val:
+            ax.plot(*zip(*val), "o--", label=f"{name} validation")
+        offset = steps[-1]
+        plotted = True
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"Loss — {run_dir.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = run_dir / "loss.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_report(run_dir: Path, manifest: Manifest) -> Path:
+    stages = manifest.stages
+    train_stages = [n for n, rec in stages.items() if (run_dir / n / "metrics.jsonl").exists()]
+    parts = [f"# Run report: {manifest.run_name}", "", f"Recipe: `{manifest.recipe_path}` (hash {manifest.recipe_hash})", ""]
+
+    parts += ["## Stages", "", _table(
+        ["stage", "status", "wall time (s)", "attempts", "resources", "code version"],
+        [[n, r.status, r.wall_time_s, r.attempts, ", ".join(f"{k}={v}" for k, v in r.resources.items()),
+          r.code_version] for n, r in stages.items()],
+    ), ""]
+
+    data = stages.get("data")
+    if data and data.metrics.get("per_filter"):
+        m = data.metrics
+        parts += ["## Data", "", f"{m['documents_in']} documents read, {m['documents_after_filters']} passed the "
+                  f"filters, {m['exact_duplicates_removed']} exact duplicates removed, {m['documents_kept']} kept.", "",
+                  _table(["source", "outcome", "documents"],
+                         [[r["source"], r["reason"], r["documents"]] for r in sorted(
+                             m["per_filter"], key=lambda r: (r["source"], r["reason"]))]), ""]
+    pack = stages.get("pack")
+    if pack and pack.metrics:
+        parts += [f"Packed: {pack.metrics.get('train_sequences')} training and "
+                  f"{pack.metrics.get('validation_sequences')} validation sequences of {pack.metrics.get('seq_len')} "
+                  "tokens.", ""]
+
+    if train_stages:
+        rows = []
+        for n in train_stages:
+            history = _read_metrics(run_dir / n / "metrics.jsonl")
+            vals = [h["val_loss"] for h in history if h.get("val_loss") is not None]
+            tps = [h["tokens_per_s"] for h in history[1:]] or [history[0]["tokens_per_s"]]
+            rows.append([n, len(history), history[0]["loss"], history[-1]["loss"], vals[-1] if vals else None,
+                         sum(h["tokens"] for h in history), sum(tps) / len(tps)])
+        parts += ["## Training", "", _table(
+            ["stage", "steps", "first loss", "last loss", "validation loss", "tokens", "tokens/s (mean)"], rows), ""]
+        png = plot_losses(run_dir, train_stages)
+        if png:
+            parts += [f"![loss curve]({png.name})", ""]
+
+    ev = stages.get("eval")
+    if ev and ev.metrics.get("results"):
+        rows = [[key.split("/")[0], key.split("/")[1], r.get("acc"), r.get("acc_stderr"), r.get("acc_norm"),
+                 r.get("chance"), r.get("n")] for key, r in ev.metrics["results"].items()]
+        parts += ["## Evaluation", "", f"Served at {ev.metrics.get('base_url')} with Ray Serve + vLLM; scored over HTTP.",
+                  "", _table(["model", "task", "acc", "± stderr", "acc_norm", "chance", "n"], rows), ""]
+
+    out = run_dir / "report.md"
+    out.write_text("\n".join(parts), encoding="utf-8")
+    return out

@@ -1,0 +1,125 @@
+"""Stage orchestration: run the recipe's stages in order under `runs/<name>/`, skipping those whose config and
+input contents are unchanged, resuming one that was interrupted, and recording each in the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from amalia_ray.core.config import Recipe
+from amalia_ray.core.console import stage_line
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.manifest import Manifest, Stopwatch, code_version, now_iso
+from amalia_ray.core.recipe import LoadedRecipe, config_hash
+from amalia_ray.core.storage import hash_path
+
+DATA_STAGES = ("data", "tokenizer", "pack")
+
+
+@dataclass
+class StageSpec:
+    name: str
+    config: list  # recipe sections (or plain values) whose change must rerun the stage
+    inputs: dict[str, Path]
+    outputs: dict[str, Path]
+    body: Callable[[], dict]  # does the work, returns metrics
+    resources: dict
+
+
+class Pipeline:
+    def __init__(self, loaded: LoadedRecipe, run_name: str | None = None, force: bool = False):
+        self.loaded = loaded
+        self.recipe: Recipe = loaded.recipe
+        self.run_name = run_name or self.recipe.run.name
+        self.run_dir = (Path(self.recipe.run.output_dir) / self.run_name).resolve()
+        self.force = force
+        self.manifest = Manifest.load_or_new(self.run_dir, self.run_name)
+        self.manifest.recipe_path = str(loaded.path)
+        self.manifest.recipe_hash = config_hash(self.recipe)
+        self.code_version = code_version()
+
+    # ---- paths -------------------------------------------------------------------------------------------------
+    def stage_dir(self, name: str) -> Path:
+        return self.run_dir / name
+
+    def checkpoint_of(self, stage_name: str) -> Path:
+        return self.stage_dir(stage_name) / "hf"
+
+    def model_id(self, stage_name: str) -> str:
+        return f"{self.run_name}-{stage_name}"
+
+    # ---- stage execution ---------------------------------------------------------------------------------------
+    def fingerprint(self, spec: StageSpec) -> tuple[str, str, dict[str, str]]:
+        cfg = config_hash(*spec.config)
+        inputs = {k: hash_path(p) for k, p in sorted(spec.inputs.items())}
+        fp = hashlib.sha256(json.dumps([cfg, inputs], sort_keys=True).encode()).hexdigest()[:16]
+        return fp, cfg, inputs
+
+    def up_to_date(self, spec: StageSpec) -> bool:
+        rec = self.manifest.stages.get(spec.name)
+        if self.force or rec is None or rec.status != "completed":
+            return False
+        if any(not p.exists() for p in spec.outputs.values()):
+            return False
+        return rec.fingerprint == self.fingerprint(spec)[0]
+
+    def execute(self, spec: StageSpec) -> dict:
+        fp, cfg, inputs = self.fingerprint(spec)
+        rec = self.manifest.stage(spec.name)
+        if not self.force and rec.status == "completed" and rec.fingerprint == fp and all(
+            p.exists() for p in spec.outputs.values()
+        ):
+            stage_line(spec.name, "[green]skipped[/]: inputs and config unchanged since the completed run")
+            return rec.metrics
+        if rec.status in ("running", "failed") and rec.fingerprint == fp:
+            stage_line(spec.name, f"[yellow]resuming[/] an interrupted run (attempt {rec.attempts + 1})")
+        else:
+            stage_line(spec.name, "running")
+        rec.status, rec.fingerprint, rec.config_hash, rec.inputs = "running", fp, cfg, inputs
+        rec.code_version, rec.resources, rec.started_at, rec.error = self.code_version, spec.resources, now_iso(), None
+        rec.attempts += 1
+        self.manifest.save(self.run_dir)
+        with Stopwatch() as sw:
+            try:
+                metrics = spec.body()
+            except BaseException as e:
+                rec.status, rec.error = "failed", f"{type(e).__name__}: {e}"
+                rec.finished_at, rec.wall_time_s = now_iso(), sw.seconds
+                rec.metrics = {"traceback": traceback.format_exc(limit=5)[-2000:]}
+                self.manifest.save(self.run_dir)
+                raise
+        rec.status, rec.metrics, rec.finished_at, rec.wall_time_s = "completed", metrics, now_iso(), sw.seconds
+        rec.outputs = {k: str(p.relative_to(self.run_dir)) if p.is_relative_to(self.run_dir) else str(p)
+                       for k, p in spec.outputs.items()}
+        rec.output_hashes = {k: hash_path(p) for k, p in spec.outputs.items() if p.exists()}
+        self.manifest.save(self.run_dir)
+        stage_line(spec.name, f"[green]done[/] in {sw.seconds:.1f}s")
+        return metrics
+
+    # ---- the recipe's stages -----------------------------------------------------------------------------------
+    def stage_names(self) -> list[str]:
+        return [*DATA_STAGES, *(s.name for s in self.recipe.train), "eval"]
+
+    def run(self, until: str | None = None) -> Path:
+        """Run every stage up to and including `until` (all by default), then write the report."""
+        from amalia_ray.pipeline import stages
+
+        names = self.stage_names()
+        if until and until not in names:
+            raise AmaliaError(f"unknown stage '{until}'; stages of this recipe: {', '.join(names)}")
+        stop_at = names.index(until) if until else len(names) - 1
+        stages.preflight(self, needs_serving="eval" in names[: stop_at + 1])
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "recipe.yaml").write_text(self.loaded.path.read_text(encoding="utf-8"), encoding="utf-8")
+        with stages.cluster(self):
+            for spec in stages.build(self, names[: stop_at + 1]):
+                self.execute(spec)
+        from amalia_ray.pipeline.report import write_report
+
+        report = write_report(self.run_dir, self.manifest)
+        stage_line("report", f"{report}")
+        return report

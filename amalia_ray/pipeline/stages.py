@@ -1,0 +1,117 @@
+"""Wires each recipe section to its stage package: what the stage reads, writes and runs. The only place that knows
+all stages; the stage packages never import each other."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.data import stage as data_stage
+from amalia_ray.evals.runner import run_task
+from amalia_ray.evals.tasks import load_mc
+from amalia_ray.serve import app as serve_app
+from amalia_ray.train.stage import run_train_stage
+
+if TYPE_CHECKING:
+    from amalia_ray.pipeline.runner import Pipeline, StageSpec
+
+
+def preflight(p: Pipeline, needs_serving: bool) -> None:
+    """Everything that can be checked before any work starts, so a bad path fails in a second, not after training."""
+    r = p.recipe
+    data_stage.input_files(r.data, p.loaded.resolve)
+    for i, task in enumerate(r.eval.tasks):
+        path = p.loaded.resolve(task.path)
+        if not path.is_file():
+            raise AmaliaError(f"eval.tasks[{i}].path: task file not found: {path}")
+        load_mc(path, task.limit)
+    if needs_serving and r.eval.tasks:
+        serve_app.require_vllm()
+        eval_rec = p.manifest.stages.get("eval")
+        if p.force or eval_rec is None or eval_rec.status != "completed":
+            serve_app.check_port_free(r.serve.host, r.serve.port)
+
+
+@contextmanager
+def cluster(p: Pipeline):
+    with ray_session(p.recipe.resources.address, p.recipe.resources.num_cpus) as info:
+        p.cluster_info = info
+        yield info
+
+
+def use_gpu(p: Pipeline) -> bool:
+    device = p.recipe.resources.device
+    return device == "cuda" or (device == "auto" and cluster_has_gpu())
+
+
+def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
+    """Yields stage specs lazily: a later stage's inputs (e.g. a checkpoint) exist only once earlier ones ran."""
+    from amalia_ray.pipeline.runner import StageSpec
+
+    r, d = p.recipe, p.stage_dir
+    cpus = {"CPU": p.cluster_info["resources"].get("CPU", 0)}
+    files = {f"corpus:{f}": Path(f) for f in data_stage.input_files(r.data, p.loaded.resolve)}
+    if "data" in names:
+        yield StageSpec("data", [r.data], files, {"corpus": d("data")},
+                        lambda: data_stage.curate(r.data, p.loaded.resolve, d("data")), cpus)
+    if "tokenizer" in names:
+        yield StageSpec("tokenizer", [r.tokenizer], {"corpus": d("data") / "kept"}, {"tokenizer": d("tokenizer")},
+                        lambda: data_stage.build_tokenizer(d("data"), d("tokenizer"), r.tokenizer), {"CPU": 1})
+    if "pack" in names:
+        yield StageSpec("pack", [r.pack], {"corpus": d("data") / "kept", "tokenizer": d("tokenizer")},
+                        {"packed": d("pack")},
+                        lambda: data_stage.pack(d("data"), d("tokenizer"), d("pack"), r.pack), cpus)
+    previous: str | None = None
+    for stage in r.train:
+        if stage.name not in names:
+            break
+        init = p.checkpoint_of(previous) if previous and stage.init_from == "previous" else None
+        inputs = {"packed": d("pack"), "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})}
+        gpu = use_gpu(p)
+        yield StageSpec(
+            stage.name, [stage, r.model, r.run.seed], inputs, {"checkpoint": p.checkpoint_of(stage.name)},
+            _train_body(p, stage, init, gpu),
+            {"workers": stage.num_workers, "CPU_per_worker": stage.cpus_per_worker, "GPU_per_worker": int(gpu)},
+        )
+        previous = stage.name
+    if "eval" in names and r.eval.tasks:
+        models = {p.model_id(s.name): p.checkpoint_of(s.name) for s in r.train}
+        tasks = {f"task:{t.name}": p.loaded.resolve(t.path) for t in r.eval.tasks}
+        yield StageSpec("eval", [r.eval, r.serve], {**{f"model:{k}": v for k, v in models.items()}, **tasks},
+                        {"results": d("eval")}, lambda: _serve_and_evaluate(p, models),
+                        {"replicas": r.serve.min_replicas, "CPU_per_replica": r.serve.cpus_per_replica})
+
+
+def _train_body(p: Pipeline, stage, init: Path | None, gpu: bool):
+    def body() -> dict:
+        # same fingerprint -> same Ray Train run name -> Ray resumes from that run's latest checkpoint
+        fingerprint = p.manifest.stage(stage.name).fingerprint
+        return run_train_stage(
+            stage, p.recipe.model, data_dir=p.stage_dir("pack"), tokenizer_dir=p.stage_dir("tokenizer"),
+            init_hf_dir=init, stage_dir=p.stage_dir(stage.name), ray_run_name=f"{stage.name}-{fingerprint}",
+            seed=p.recipe.run.seed, use_gpu=gpu,
+        )
+    return body
+
+
+def _serve_and_evaluate(p: Pipeline, models: dict[str, Path]) -> dict:
+    """Serve every trained checkpoint side by side, score each task on each over HTTP, then stop serving."""
+    r = p.recipe
+    base_url = serve_app.start(models, r.serve, use_gpu(p))
+    out: dict = {"base_url": base_url, "results": {}}
+    try:
+        for model_id in models:
+            for task in r.eval.tasks:
+                result_path = p.stage_dir("eval") / model_id / f"{task.name}.json"
+                res = run_task(base_url=base_url, model=model_id, task_name=task.name,
+                               task_path=p.loaded.resolve(task.path), kind=task.kind, output=result_path,
+                               limit=task.limit, concurrency=r.eval.concurrency, timeout_s=r.eval.request_timeout_s,
+                               retries=r.eval.retries)
+                out["results"][f"{model_id}/{task.name}"] = {**res["scores"], "n": res["n"]}
+    finally:
+        serve_app.stop()
+    return out

@@ -1,0 +1,163 @@
+"""The one training loop, run by every Ray Train worker. Objectives decide batches and losses; this file decides
+everything else: sharding, precision, accumulation, clipping, schedule, checkpoints, metrics, export."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from amalia_ray.train import checkpoint
+from amalia_ray.train.lr_schedule import lr_at
+from amalia_ray.train.objectives import build_objective
+from amalia_ray.train.parallel import apply_fsdp, resolve_precision
+
+
+def global_batch_rows(step: int, global_batch: int, num_examples: int, seed: int) -> np.ndarray:
+    """Example indices of the global batch at `step`: a seeded permutation per epoch, walked in order. A pure
+    function of the step, so resuming only needs the step and the same data."""
+    positions = step * global_batch + np.arange(global_batch)
+    epochs, within = np.divmod(positions, num_examples)
+    rows = np.empty(global_batch, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        perm = np.random.default_rng([seed, int(epoch)]).permutation(num_examples)
+        rows[epochs == epoch] = perm[within[epochs == epoch]]
+    return rows
+
+
+def local_micro_batches(rows: np.ndarray, micro: int, rank: int, world: int) -> list[np.ndarray]:
+    """This rank's micro-batches; the global batch stays the same whatever the number of workers."""
+    accum = len(rows) // (micro * world)
+    return [rows[(a * world + rank) * micro:(a * world + rank + 1) * micro] for a in range(accum)]
+
+
+def _all_reduce_sum(*values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _log(path: Path, record: dict, truncate_from: int | None = None) -> None:
+    """Append a metrics line; on resume first drop lines from the resumed step on, so the file is one history."""
+    if truncate_from is not None and path.exists():
+        kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) < truncate_from]
+        path.write_text("".join(ln + "\n" for ln in kept))
+    if record:
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+@torch.no_grad()
+def validation_loss(model, objective, micro: int, rank: int, world: int) -> float | None:
+    n = len(objective.validation)
+    if n == 0:
+        return None
+    model.eval()
+    mine = np.arange(rank, n, world)
+    total, count = 0.0, 0
+    # every rank runs the same number of forward passes: FSDP all-gathers are collectives
+    for i in range(0, -(-n // world), micro):
+        rows = mine[i:i + micro]
+        batch = objective.batch(rows if len(rows) else np.arange(min(micro, n)), split="validation")
+        loss_sum, ntok = objective.loss(model, batch)
+        if len(rows):
+            total, count = total + loss_sum.item(), count + ntok
+    model.train()
+    total, count = _all_reduce_sum(total, count)
+    return total / count
+
+
+def train_loop(config: dict) -> None:
+    import ray.train
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    stage = config["stage"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    torch.set_num_threads(stage["cpus_per_worker"])
+    precision = resolve_precision(stage["precision"], device)
+    stage_dir = Path(config["stage_dir"])
+    metrics_path = stage_dir / "metrics.jsonl"
+
+    objective = build_objective(stage["objective"], Path(config["data_dir"]))
+    hf_config = LlamaConfig.from_dict(config["hf_config"])
+    torch.manual_seed(config["seed"])
+    model = LlamaForCausalLM(hf_config).to(device)
+    if config.get("init_hf_dir"):
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(Path(config["init_hf_dir"]) / "model.safetensors")), strict=False)
+    apply_fsdp(model, precision, stage["activation_checkpointing"])
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=stage["lr"], betas=tuple(stage["betas"]), weight_decay=stage["weight_decay"]
+    )
+
+    start_step = 0
+    resumed = ray.train.get_checkpoint()
+    if resumed:
+        with resumed.as_directory() as folder:
+            start_step = checkpoint.load(Path(folder), model, optimizer)["step"]
+    total_steps = stage["steps"]
+    if rank == 0:
+        _log(metrics_path, {}, truncate_from=start_step)
+        if resumed:
+            print(f"[{stage['name']}] resumed from step {start_step}", flush=True)
+        if start_step >= total_steps:
+            print(f"[{stage['name']}] WARNING: resuming at step {start_step} of {total_steps}: "
+                  "zero steps left to train; raise steps to train further", flush=True)
+
+    gbs, micro, seed = stage["global_batch_size"], stage["micro_batch_size"], config["seed"]
+    n_params = sum(p.numel() for p in model.parameters())
+    step = start_step
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, total=total_steps, peak=stage["lr"], warmup=stage["warmup_steps"],
+                   schedule=stage["schedule"], min_ratio=stage["min_lr_ratio"], decay_fraction=stage["decay_fraction"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        rows = global_batch_rows(step, gbs, objective.num_examples(), seed)
+        loss_sum, tokens = 0.0, 0
+        for micro_rows in local_micro_batches(rows, micro, rank, world):
+            batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}
+            micro_loss, ntok = objective.loss(model, batch)
+            micro_loss.backward()
+            loss_sum, tokens = loss_sum + micro_loss.item(), tokens + ntok
+        global_loss, global_tokens = _all_reduce_sum(loss_sum, tokens)
+        # FSDP averages gradients over ranks; rescale so they are the mean over every target token of the step
+        scale = world / global_tokens
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), stage["grad_clip"] or float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+
+        done = step + 1
+        record = {"step": done, "loss": global_loss / global_tokens, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens": int(global_tokens), "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
+                  "world_size": world}
+        save_now = done % stage["checkpoint_every"] == 0 or done == total_steps
+        if save_now:
+            record["val_loss"] = validation_loss(model, objective, micro, rank, world)
+        if rank == 0:
+            _log(metrics_path, record)
+            if done % stage["log_every"] == 0 or save_now:
+                val = f" val_loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+                print(f"[{stage['name']}] step {done}/{total_steps} loss {record['loss']:.4f}{val} lr {lr:.2e} "
+                      f"grad_norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s", flush=True)
+        if save_now:
+            with tempfile.TemporaryDirectory() as tmp:
+                checkpoint.save(Path(tmp), model, optimizer, {"step": done, "params": n_params})
+                ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        elif done % stage["log_every"] == 0:
+            ray.train.report(record)
+
+    checkpoint.export_hf(model, hf_config, Path(config["export_dir"]), Path(config["tokenizer_dir"]))
+    dist.barrier()

@@ -1,0 +1,74 @@
+"""Run one training stage as a Ray Train `TorchTrainer` (FSDP2 workers), resumable and with a failure budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from amalia_ray.core.config import ModelConfig, TrainStageConfig
+from amalia_ray.train.loop import train_loop
+from amalia_ray.train.model import llama_config
+
+
+def hf_config_dict(model_cfg: ModelConfig, tokenizer_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    eos_ids = [tok.eos_token_id] + [i for i in tok.convert_tokens_to_ids(["<|end|>"]) if i != tok.unk_token_id]
+    return llama_config(model_cfg, len(tok), tok.bos_token_id, eos_ids, tok.pad_token_id).to_dict()
+
+
+def run_train_stage(
+    stage: TrainStageConfig,
+    model_cfg: ModelConfig,
+    *,
+    data_dir: Path,
+    tokenizer_dir: Path,
+    init_hf_dir: Path | None,
+    stage_dir: Path,
+    ray_run_name: str,
+    seed: int,
+    use_gpu: bool,
+) -> dict:
+    """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
+    the latest checkpoint Ray Train recorded for it."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    export_dir = stage_dir / "hf"
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={
+            "stage": stage.model_dump(mode="json"),
+            "hf_config": hf_config_dict(model_cfg, tokenizer_dir),
+            "data_dir": str(data_dir),
+            "tokenizer_dir": str(tokenizer_dir),
+            "init_hf_dir": str(init_hf_dir) if init_hf_dir else None,
+            "stage_dir": str(stage_dir),
+            "export_dir": str(export_dir),
+            "seed": seed,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=stage.num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": stage.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=ray_run_name,
+            storage_path=str((stage_dir / "ray").resolve()),
+            failure_config=FailureConfig(max_failures=stage.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=stage.checkpoints_to_keep),
+        ),
+    )
+    result = trainer.fit()
+    if result.error:
+        raise result.error
+    history = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
+    final = dict(result.metrics or {})
+    if history:
+        final.setdefault("loss", history[-1]["loss"])
+        final["first_loss"] = history[0]["loss"]
+    final["tokens_trained"] = sum(r["tokens"] for r in history)
+    final["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    return final

@@ -1,0 +1,49 @@
+"""Shared fixtures. The end-to-end tests share one private Ray cluster per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_recipe(tmp_path: Path, **overrides) -> Path:
+    """The demo recipe with dotted-path overrides (e.g. `train.0.steps=20`), written next to a copy of the eval
+    task so relative paths keep working."""
+    data = yaml.safe_load(DEMO_RECIPE.read_text())
+    data["eval"]["tasks"][0]["path"] = str(ROOT / "evals" / "tasks" / "pt_mc_sample.jsonl")
+    data["run"]["output_dir"] = str(tmp_path / "runs")
+    for dotted, value in overrides.items():
+        node = data
+        keys = [int(k) if k.isdigit() else k for k in dotted.split(".")]
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = value
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,82 @@
+"""Each user-facing error is one clear line and a non-zero exit, raised before any work starts."""
+
+import socket
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from amalia_ray.cli import app
+from tests.conftest import DEMO_RECIPE, free_port, write_recipe
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    result = runner.invoke(app, list(args))
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    return result.exit_code, lines
+
+
+def test_validate_ok():
+    code, lines = invoke("validate", str(DEMO_RECIPE))
+    assert code == 0 and lines[0].startswith("valid:")
+
+
+def test_unknown_recipe_field_is_one_line(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(DEMO_RECIPE.read_text().replace("  num_layers: 4", "  num_layer: 4"))
+    code, lines = invoke("validate", str(path))
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith("error: invalid recipe:") and "model.num_layer: unknown field" in lines[0]
+
+
+def test_missing_recipe_file():
+    code, lines = invoke("validate", "nope.yaml")
+    assert code == 1 and lines == ["error: recipe file not found: nope.yaml"]
+
+
+def test_corpus_path_missing(tmp_path):
+    recipe = write_recipe(tmp_path, **{"data.sources.0.paths": ["/nonexistent/corpus/*.txt"]})
+    code, lines = invoke("run", str(recipe))
+    assert code == 1 and len(lines) == 1
+    assert "corpus path not found: data.sources[0].paths[0] = '/nonexistent/corpus/*.txt'" in lines[0]
+    assert not (tmp_path / "runs").exists(), "nothing may start before the preflight passes"
+
+
+def test_port_in_use(tmp_path):
+    port = free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        code, lines = invoke("run", str(write_recipe(tmp_path, **{"serve.port": port})))
+    assert code == 1 and len(lines) == 1
+    assert f"error: port {port} on 127.0.0.1 is already in use" in lines[0]
+
+
+def test_vllm_not_installed(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` sees when the package is absent
+    code, lines = invoke("serve", str(tmp_path))
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith("error: vLLM is not installed") and "amalia-ray[cpu]" in lines[0]
+    code, lines = invoke("run", str(write_recipe(tmp_path)))
+    assert code == 1 and lines[0].startswith("error: vLLM is not installed")
+
+
+@pytest.mark.parametrize(
+    "args, what",
+    [
+        (["serve", "--stop", "x"], "amalia serve --stop"),
+        (["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--task", "t.jsonl", "--format", "judge"],
+         "eval --format judge"),
+    ],
+)
+def test_not_implemented_yet_is_one_line(args, what):
+    code, lines = invoke(*args)
+    assert code == 3 and len(lines) == 1
+    assert lines[0].startswith(f"error: {what} is not implemented yet")
+
+
+def test_debug_shows_traceback():
+    result = runner.invoke(app, ["--debug", "validate", "nope.yaml"])
+    assert result.exit_code == 1 and result.exception is not None

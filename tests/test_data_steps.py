@@ -1,0 +1,37 @@
+import pyarrow as pa
+
+from amalia_ray.data.readers import split_documents
+from amalia_ray.data.steps import ContentHash, MinLength, Normalize, is_validation, keep_first_of_group
+
+
+def test_normalize_nfc_and_whitespace():
+    decomposed = "Informac\u0327a\u0303o   sobre\t o  sistema  \r\n\n\n\n  segunda linha  "
+    assert Normalize("NFC").clean(decomposed) == "Informação sobre o sistema\n\nsegunda linha"
+
+
+def test_min_length_marks_instead_of_dropping():
+    batch = pa.table({"id": ["a", "b"], "text": ["curto", "x" * 50]})
+    out = MinLength(10)(batch)
+    assert out.num_rows == 2
+    assert out["drop_reason"].to_pylist() == ["min_chars", None]
+
+
+def test_exact_dedup_keeps_smallest_id_and_counts_copies():
+    group = pa.table({"id": ["src/b#2", "src/a#9", "src/c#1"], "text": ["t", "t", "t"]})
+    kept = keep_first_of_group(ContentHash()(group))
+    assert kept["id"].to_pylist() == ["src/a#9"]
+    assert kept["duplicates"].to_pylist() == [3]
+
+
+def test_split_documents():
+    text = "primeiro parágrafo\ncontinua\n\n  \nsegundo"
+    assert split_documents(text, "paragraph", "%") == ["primeiro parágrafo\ncontinua", "segundo"]
+    assert split_documents("a\n%\nb\n%\n", "separator", "%") == ["a\n", "\nb\n", ""]
+    assert split_documents(text, "file", "%") == [text]
+
+
+def test_validation_split_is_stable_and_near_fraction():
+    ids = [f"doc{i}" for i in range(4000)]
+    chosen = [i for i in ids if is_validation(i, 0.1)]
+    assert chosen == [i for i in ids if is_validation(i, 0.1)]
+    assert 300 < len(chosen) < 500

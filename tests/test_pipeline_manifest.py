@@ -1,0 +1,73 @@
+"""Skip / rerun / resume decisions of the stage runner, recorded in manifest.json."""
+
+import json
+
+import pytest
+
+from amalia_ray.core.recipe import load_recipe
+from amalia_ray.core.storage import hash_path
+from amalia_ray.pipeline.runner import Pipeline, StageSpec
+from tests.conftest import write_recipe
+
+
+@pytest.fixture
+def pipeline(tmp_path):
+    return Pipeline(load_recipe(write_recipe(tmp_path)))
+
+
+def make_spec(p, source, calls, fail=False):
+    out = p.stage_dir("thing")
+
+    def body():
+        calls.append(1)
+        if fail:
+            raise RuntimeError("worker died")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.txt").write_text(source.read_text().upper())
+        return {"chars": len(source.read_text())}
+
+    return StageSpec("thing", [p.recipe.pack], {"source": source}, {"result": out}, body, {"CPU": 1})
+
+
+def test_second_run_skips_unchanged_and_reruns_on_change(pipeline, tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("olá")
+    calls = []
+    assert pipeline.execute(make_spec(pipeline, source, calls)) == {"chars": 3}
+    rec = json.loads((pipeline.run_dir / "manifest.json").read_text())["stages"]["thing"]
+    assert rec["status"] == "completed" and rec["inputs"]["source"] == hash_path(source)
+    assert rec["outputs"] == {"result": "thing"} and rec["wall_time_s"] >= 0 and rec["code_version"]
+    assert rec["config_hash"] and rec["resources"] == {"CPU": 1}
+
+    again = Pipeline(pipeline.loaded)
+    again.execute(make_spec(again, source, calls))
+    assert len(calls) == 1 and "skipped" in capsys.readouterr().out
+
+    source.write_text("adeus")
+    again.execute(make_spec(again, source, calls))
+    assert len(calls) == 2
+
+
+def test_failed_stage_is_recorded_then_resumed(pipeline, tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("x")
+    calls = []
+    with pytest.raises(RuntimeError):
+        pipeline.execute(make_spec(pipeline, source, calls, fail=True))
+    rec = json.loads((pipeline.run_dir / "manifest.json").read_text())["stages"]["thing"]
+    assert rec["status"] == "failed" and "worker died" in rec["error"]
+
+    again = Pipeline(pipeline.loaded)
+    again.execute(make_spec(again, source, calls))
+    assert "resuming" in capsys.readouterr().out
+    assert again.manifest.stages["thing"].attempts == 2
+
+
+def test_force_reruns(pipeline, tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text("x")
+    calls = []
+    pipeline.execute(make_spec(pipeline, source, calls))
+    forced = Pipeline(pipeline.loaded, force=True)
+    forced.execute(make_spec(forced, source, calls))
+    assert len(calls) == 2

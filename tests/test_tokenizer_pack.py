@@ -1,0 +1,46 @@
+"""Tokenizer training and packing on a small real text (the Debian FAQ when installed, else a built-in paragraph)."""
+
+import gzip
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from amalia_ray.core.config import TokenizerConfig
+from amalia_ray.data.pack import TokenizeAndPack
+from amalia_ray.data.tokenizer import CHAT_TOKENS, EOS, train_tokenizer
+
+FAQ = Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    if not FAQ.exists():
+        pytest.skip("debian-faq-pt not installed (make corpus)")
+    paragraphs = [p for p in gzip.open(FAQ, "rt", encoding="utf-8").read().split("\n\n") if p.strip()]
+    corpus = tmp_path_factory.mktemp("corpus")
+    pq.write_table(pa.table({"text": paragraphs}), corpus / "part.parquet")
+    out = tmp_path_factory.mktemp("tok")
+    stats = train_tokenizer(corpus, out, TokenizerConfig(vocab_size=1000))
+    assert stats["vocab_size"] == 1000
+    return out
+
+
+def test_hf_tokenizer_round_trips_and_has_chat_template(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    text = "A instalação do sistema Debian é simples: ação, coração, pôr."
+    assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.eos_token == EOS and all(t in tok.get_vocab() for t in CHAT_TOKENS)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Olá"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|user|>\nOlá<|end|>\n<|assistant|>\n"
+
+
+def test_pack_makes_fixed_length_rows_with_document_starts(tokenizer_dir):
+    docs = pa.table({"text": ["primeiro documento " * 20, "segundo " * 50, "terceiro"]})
+    out = TokenizeAndPack(str(tokenizer_dir), seq_len=16)(docs)
+    rows = out["input_ids"].to_pylist()
+    assert len(rows) >= 3 and all(len(r) == 16 for r in rows)
+    assert out["doc_starts"].to_pylist()[0][0] == 0

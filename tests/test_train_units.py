@@ -1,0 +1,35 @@
+import numpy as np
+import pytest
+
+from amalia_ray.train.loop import global_batch_rows, local_micro_batches
+from amalia_ray.train.lr_schedule import lr_at
+
+
+def test_every_example_seen_once_per_epoch_and_resume_is_pure():
+    n, gbs = 40, 8
+    rows = np.concatenate([global_batch_rows(s, gbs, n, seed=7) for s in range(n // gbs)])
+    assert sorted(rows.tolist()) == list(range(n))
+    assert np.array_equal(global_batch_rows(3, gbs, n, 7), global_batch_rows(3, gbs, n, 7))
+    assert not np.array_equal(global_batch_rows(0, gbs, n, 7), global_batch_rows(0, gbs, n, 8))
+
+
+def test_batch_crossing_an_epoch_boundary():
+    rows = global_batch_rows(1, 8, 12, seed=0)  # positions 8..15: 4 from epoch 0, 4 from epoch 1
+    assert len(rows) == 8 and rows.max() < 12
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_micro_batches_partition_the_global_batch(world):
+    rows = np.arange(16)
+    parts = [m for r in range(world) for m in local_micro_batches(rows, 2, r, world)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(16))
+
+
+def test_schedules():
+    kw = dict(total=100, peak=1.0, warmup=10, min_ratio=0.1)
+    assert lr_at(0, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_at(9, schedule="cosine", **kw) == pytest.approx(1.0)
+    assert lr_at(99, schedule="cosine", **kw) == pytest.approx(0.1, abs=1e-3)
+    assert lr_at(50, schedule="wsd", **kw) == 1.0
+    assert lr_at(99, schedule="wsd", **kw) == pytest.approx(0.1)
+    assert lr_at(50, schedule="constant", **kw) == 1.0
