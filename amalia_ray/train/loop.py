@@ -142,7 +142,7 @@ def train_loop(config: dict) -> None:
         done = step + 1
         record = {"step": done, "loss": global_loss / global_tokens, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens": int(global_tokens), "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
-                  "world_size": world}
+                  "world_size": world, "attempt_start_step": start_step}
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps
         if save_now:
             record["val_loss"] = validation_loss(model, objective, micro, rank, world)

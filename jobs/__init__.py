@@ -1,0 +1,1 @@
+"""Ray job entrypoints: `ray job submit --working-dir . -- python -m jobs.<name> RECIPE`."""
