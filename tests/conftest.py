@@ -44,6 +44,6 @@ def write_recipe(tmp_path: Path, **overrides) -> Path:
 def ray_cluster():
     import ray
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
     yield ray
     ray.shutdown()

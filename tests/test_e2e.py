@@ -11,7 +11,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from amalia_ray.core.errors import AmaliaError
@@ -123,15 +122,17 @@ def test_interrupted_training_resumes_from_its_checkpoint(demo_run, recipe_path,
     pipeline = Pipeline(load_recipe(recipe))
     errors: list[BaseException] = []
     runner = threading.Thread(target=lambda: _capture(errors, lambda: pipeline.run(until="pretrain")))
+    (pipeline.run_dir / "pretrain" / "metrics.jsonl").unlink()  # the earlier 40-step history
     runner.start()
-    metrics = pipeline.run_dir / "pretrain" / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    # step 12 is logged only after the step-10 checkpoint report returned, i.e. after Ray registered it
-    while time.monotonic() < deadline and not (metrics.exists() and len(read_jsonl(metrics)) >= 12):
+    # kill only once Ray Train's controller has registered a checkpoint of this run in its snapshot
+    while time.monotonic() < deadline and not _registered_checkpoint(pipeline.run_dir):
         time.sleep(0.2)
-    killed = [p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
-    assert killed, "no training worker found to kill"
-    os.kill(killed[0].pid, signal.SIGKILL)
+    from ray.util.state import list_actors
+
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    assert workers, "no training worker found to kill"
+    os.kill(workers[0].pid, signal.SIGKILL)
     runner.join(timeout=300)
     assert errors, "with max_failures=0 the killed worker must fail the stage"
     rec = json.loads((pipeline.run_dir / "manifest.json").read_text())["stages"]["pretrain"]
@@ -152,6 +153,18 @@ def test_corpus_empty_after_filtering(ray_cluster, tmp_path):
     recipe = write_recipe(tmp_path, **{"run.name": "empty", "data.min_chars": 10_000_000})
     with pytest.raises(AmaliaError, match=r"corpus empty after filtering: 0 of \d+ documents kept"):
         Pipeline(load_recipe(recipe)).run(until="data")
+
+
+def _registered_checkpoint(run_dir: Path) -> bool:
+    """Whether the running pretrain stage's Ray Train run lists a checkpoint in its controller snapshot."""
+    try:
+        rec = json.loads((run_dir / "manifest.json").read_text())["stages"]["pretrain"]
+        if rec["status"] != "running":
+            return False
+        snapshot = run_dir / "pretrain" / "ray" / f"pretrain-{rec['fingerprint']}" / "checkpoint_manager_snapshot.json"
+        return bool(json.loads(snapshot.read_text())["checkpoint_results"])
+    except (OSError, KeyError, json.JSONDecodeError):
+        return False
 
 
 def _capture(errors: list, fn) -> None:

@@ -32,7 +32,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None):
     else:
         # Ray 2.60 turns token auth on when ~/.ray/auth_token exists; a private local cluster needs none.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus), include_dashboard=False,
+        ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus), include_dashboard=True,
                  log_to_driver=True)
         mode = "embedded local Ray"
     resources = ray.cluster_resources()

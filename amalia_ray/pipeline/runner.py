@@ -78,6 +78,7 @@ class Pipeline:
         if rec.status in ("running", "failed") and rec.fingerprint == fp:
             stage_line(spec.name, f"[yellow]resuming[/] an interrupted run (attempt {rec.attempts + 1})")
         else:
+            rec.attempts = 0  # attempts count tries at this fingerprint: new config or inputs start afresh
             stage_line(spec.name, "running")
         rec.status, rec.fingerprint, rec.config_hash, rec.inputs = "running", fp, cfg, inputs
         rec.code_version, rec.resources, rec.started_at, rec.error = self.code_version, spec.resources, now_iso(), None

@@ -42,10 +42,11 @@ def _all_reduce_sum(*values: float) -> list[float]:
     return t.tolist()
 
 
-def _log(path: Path, record: dict, truncate_from: int | None = None) -> None:
-    """Append a metrics line; on resume first drop lines from the resumed step on, so the file is one history."""
-    if truncate_from is not None and path.exists():
-        kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) < truncate_from]
+def _log(path: Path, record: dict, keep_through: int | None = None) -> None:
+    """Append a metrics line. On (re)start first drop the lines of steps after the checkpoint being resumed from
+    (they are about to be trained again), so the file stays one history with every step once."""
+    if keep_through is not None and path.exists():
+        kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= keep_through]
         path.write_text("".join(ln + "\n" for ln in kept))
     if record:
         with path.open("a") as f:
@@ -104,7 +105,7 @@ def train_loop(config: dict) -> None:
             start_step = checkpoint.load(Path(folder), model, optimizer)["step"]
     total_steps = stage["steps"]
     if rank == 0:
-        _log(metrics_path, {}, truncate_from=start_step)
+        _log(metrics_path, {}, keep_through=start_step)
         if resumed:
             print(f"[{stage['name']}] resumed from step {start_step}", flush=True)
         if start_step >= total_steps:

@@ -29,6 +29,7 @@ def run_train_stage(
     ray_run_name: str,
     seed: int,
     use_gpu: bool,
+    hf_config: dict | None = None,
 ) -> dict:
     """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
     the latest checkpoint Ray Train recorded for it."""
@@ -41,7 +42,7 @@ def run_train_stage(
         train_loop,
         train_loop_config={
             "stage": stage.model_dump(mode="json"),
-            "hf_config": hf_config_dict(model_cfg, tokenizer_dir),
+            "hf_config": hf_config or hf_config_dict(model_cfg, tokenizer_dir),
             "data_dir": str(data_dir),
             "tokenizer_dir": str(tokenizer_dir),
             "init_hf_dir": str(init_hf_dir) if init_hf_dir else None,
