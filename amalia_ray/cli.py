@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
 
 from amalia_ray.core.console import console, err_console
 
@@ -95,11 +96,54 @@ def validate(recipe: RecipeArg = DEFAULT_RECIPE) -> None:
                   f"train stages {[s.name for s in r.train]}, {len(r.eval.tasks)} eval task(s)")
 
 
-@app.command()
+class _DefaultRunGroup(TyperGroup):
+    """`amalia data RECIPE` runs the data stages; `amalia data dedup ...` and friends are subcommands."""
+
+    def parse_args(self, ctx, args):
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+data_app = typer.Typer(cls=_DefaultRunGroup, help="Data stages: curate, tokenize, pack; dedup a corpus.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("run")
 @guarded
-def data(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False) -> None:
+def data_run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False) -> None:
     """Run the data stages of a recipe: curate, train the tokenizer, tokenize and pack."""
     _pipeline(recipe, run_name, force).run(until="pack")
+
+
+@data_app.command("dedup")
+@guarded
+def data_dedup(
+    input: Annotated[Path, typer.Argument(help="jsonl (.gz) or Parquet file/folder with columns id and text")],
+    output: Annotated[Path, typer.Argument(help="writes OUTPUT/kept/*.parquet and OUTPUT/clusters.parquet")],
+    threshold: Annotated[float, typer.Option(help="keep candidate pairs whose estimated Jaccard >= T; 0 = keep all")] = 0.7,
+    num_perm: Annotated[int, typer.Option("--num-perm", help="MinHash permutations")] = 112,
+    bands: Annotated[int, typer.Option(help="LSH bands (rows = num_perm / bands)")] = 14,
+    ngram: Annotated[int, typer.Option(help="words per shingle")] = 5,
+    seed: int = 1,
+) -> None:
+    """Near-duplicate removal with MinHash-LSH and distributed connected components."""
+    from amalia_ray.cluster.local import ray_session
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.data.dedup import dedup
+    from amalia_ray.data.minhash import MinHashParams
+
+    if not 0 <= threshold <= 1:
+        raise AmaliaError(f"--threshold must be within [0, 1], got {threshold}")
+    try:
+        params = MinHashParams(ngram=ngram, num_perm=num_perm, bands=bands, seed=seed)
+    except ValueError as e:
+        raise AmaliaError(str(e)) from None
+    if not input.exists():
+        raise AmaliaError(f"dedup input not found: {input}")
+    with ray_session():
+        stats = dedup(input, output, params, threshold or None)
+    console.print_json(json.dumps(stats))
 
 
 @app.command()

@@ -14,7 +14,14 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.data.pack import TokenizeAndPack
 from amalia_ray.data.readers import expand_paths, read_sources
-from amalia_ray.data.steps import ContentHash, MinLength, Normalize, is_validation, keep_first_of_group
+from amalia_ray.data.steps import (
+    ContentHash,
+    MinLength,
+    Normalize,
+    is_validation,
+    keep_first_of_group,
+    shuffle_partitions,
+)
 from amalia_ray.data.tokenizer import train_tokenizer
 
 
@@ -33,7 +40,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
         .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")
         .materialize()
     )
-    per_filter = docs.groupby(["source", "drop_reason"]).count().to_pandas()
+    per_filter = docs.groupby(["source", "drop_reason"], num_partitions=shuffle_partitions()).count().to_pandas()
     n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
     docs.filter(expr=col("drop_reason").is_not_null()).write_parquet(str(tmp / "dropped"))
     kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
@@ -46,7 +53,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     if cfg.dedup == "exact":
         kept = (
             kept.map_batches(ContentHash(), batch_format="pyarrow")
-            .groupby("content_hash")
+            .groupby("content_hash", num_partitions=shuffle_partitions())
             .map_groups(keep_first_of_group, batch_format="pyarrow")
             .sort("id")
         )

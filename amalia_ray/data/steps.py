@@ -75,3 +75,13 @@ def is_validation(doc_id: str, fraction: float) -> bool:
     """Stable train/validation split by document id, independent of block order and worker count."""
     bucket = int.from_bytes(hashlib.blake2b(doc_id.encode(), digest_size=8).digest(), "big") / 2**64
     return bucket < fraction
+
+
+def shuffle_partitions(requested: int | None = None) -> int:
+    """Partitions for groupby shuffles: Ray Data's default (200) schedules hundreds of tiny tasks on a laptop;
+    two per CPU of the cluster keeps every core busy without that overhead. Large corpora set it explicitly."""
+    if requested:
+        return requested
+    import ray
+
+    return max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
