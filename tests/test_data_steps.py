@@ -35,3 +35,18 @@ def test_validation_split_is_stable_and_near_fraction():
     chosen = [i for i in ids if is_validation(i, 0.1)]
     assert chosen == [i for i in ids if is_validation(i, 0.1)]
     assert 300 < len(chosen) < 500
+
+
+def test_mix_by_source_weights_are_epochs_and_deterministic():
+    from amalia_ray.data.steps import MixBySource
+
+    n = 2000
+    batch = pa.table({"id": [f"d{i}" for i in range(n)], "source": ["pt"] * (n // 2) + ["br"] * (n // 2),
+                      "text": ["t"] * n})
+    mix = MixBySource({"pt": 2.0, "br": 0.25}, seed=1)
+    out = mix(batch)
+    sources = out["source"].to_pylist()
+    assert sources.count("pt") == n  # every pt document twice
+    assert 200 < sources.count("br") < 300  # a quarter of the br documents, by hash
+    assert out.equals(MixBySource({"pt": 2.0, "br": 0.25}, seed=1)(batch))
+    assert not out.equals(MixBySource({"pt": 2.0, "br": 0.25}, seed=2)(batch))

@@ -38,13 +38,82 @@ class SourceConfig(Strict):
         "paragraph", description="what one document is: a whole file, a blank-line paragraph, or a separator block"
     )
     separator: str = Field("%", description="line that separates documents when split=separator (fortune files)")
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(1.0, gt=0, description="epochs of this source in the training mix: 2 = every document "
+                          "twice, 0.5 = a seeded half of them")
+
+
+class GopherQualityConfig(Strict):
+    """Gopher quality rules (Rae et al. 2021), datatrove's defaults."""
+
+    enabled: bool = True
+    min_doc_words: int = Field(50, ge=0)
+    max_doc_words: int = Field(100_000, ge=1)
+    min_avg_word_length: float = Field(3, ge=0)
+    max_avg_word_length: float = Field(10, gt=0)
+    max_symbol_word_ratio: float = Field(0.1, ge=0)
+    max_bullet_lines_ratio: float = Field(0.9, ge=0, le=1)
+    max_ellipsis_lines_ratio: float = Field(0.3, ge=0, le=1)
+    min_alpha_words_ratio: float = Field(0.8, ge=0, le=1)
+    min_stop_words: int = Field(2, ge=0, description="stop words of quality.language the text must contain")
+
+
+class GopherRepetitionConfig(Strict):
+    """Gopher repetition rules; dup_line_frac and top-n-gram fractions default to FineWeb-2's Portuguese values."""
+
+    enabled: bool = True
+    dup_line_frac: float = Field(0.287, ge=0, le=1)
+    dup_para_frac: float = Field(0.3, ge=0, le=1)
+    dup_line_char_frac: float = Field(0.2, ge=0, le=1)
+    dup_para_char_frac: float = Field(0.2, ge=0, le=1)
+    top_ngram_fractions: tuple[float, float, float] = Field((0.371, 0.191, 0.163), description="for n = 2, 3, 4")
+    dup_ngram_fractions: tuple[float, float, float, float, float, float] = Field(
+        (0.15, 0.14, 0.13, 0.12, 0.11, 0.10), description="for n = 5 … 10")
+
+
+class FineWebConfig(Strict):
+    """FineWeb line-level rules; line_punct_thr and new_line_ratio default to FineWeb-2's Portuguese values."""
+
+    enabled: bool = True
+    line_punct_thr: float = Field(0.077, ge=0, le=1, description="min share of lines ending in punctuation")
+    short_line_thr: float = Field(0.67, ge=0, le=1, description="max share of lines of <= short_line_length chars")
+    short_line_length: int = Field(30, ge=1)
+    char_duplicates_ratio: float = Field(0.01, ge=0, le=1, description="max share of chars in repeated lines")
+    new_line_ratio: float = Field(0.186, ge=0, description="max newlines per word")
+
+
+class QualityConfig(Strict):
+    language: Literal["pt", "en"] = Field("pt", description="selects the stop-word list of gopher_quality")
+    gopher_repetition: GopherRepetitionConfig = GopherRepetitionConfig()
+    gopher_quality: GopherQualityConfig = GopherQualityConfig()
+    fineweb: FineWebConfig = FineWebConfig()
+
+
+class CleaningConfig(Strict):
+    fix_mojibake: bool = Field(True, description="repair text decoded with the wrong codec (ftfy)")
+    remove_repeated_lines: bool = Field(True, description="drop repeats of a line inside one document")
+    repeated_line_min_chars: int = Field(20, ge=1, description="shorter lines are never treated as boilerplate")
+    scrub_pii: bool = Field(True, description="emails, phone numbers and IP addresses -> placeholders")
+
+
+class LanguageConfig(Strict):
+    keep: list[str] = Field(["pt"], min_length=1, description="ISO 639-1 codes of lid.176 to keep")
+    min_score: float = Field(0.65, ge=0, le=1, description="minimum fastText probability of the kept language")
+
+
+class VarietyConfig(Strict):
+    keep: list[Literal["pt-PT", "pt-BR", "unknown"]] = Field(
+        ["pt-PT", "pt-BR", "unknown"], min_length=1, description="varieties to keep; every document is tagged")
+    margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
 
 
 class DataConfig(Strict):
     sources: list[SourceConfig] = Field(..., min_length=1)
     normalization: Literal["NFC", "NFKC"] = "NFC"
+    cleaning: CleaningConfig = CleaningConfig()
     min_chars: int = Field(200, ge=0, description="documents shorter than this after cleaning are dropped")
+    language: LanguageConfig | None = Field(None, description="language ID filter; null = off")
+    variety: VarietyConfig | None = Field(None, description="pt-PT / pt-BR tagging and filtering; null = off")
+    quality: QualityConfig | None = Field(None, description="heuristic quality filters; null = off")
     dedup: Literal["exact", "none"] = "exact"
 
     @model_validator(mode="after")

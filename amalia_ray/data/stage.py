@@ -12,11 +12,15 @@ from ray.data.expressions import col
 from amalia_ray.core.config import DataConfig, PackConfig, TokenizerConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.storage import commit_dir, fresh_dir
+from amalia_ray.data.cleaning import Clean
+from amalia_ray.data.language import LanguageID, VarietyTag
 from amalia_ray.data.pack import TokenizeAndPack
+from amalia_ray.data.quality import quality_steps
 from amalia_ray.data.readers import expand_paths, read_sources
 from amalia_ray.data.steps import (
     ContentHash,
     MinLength,
+    MixBySource,
     Normalize,
     is_validation,
     keep_first_of_group,
@@ -36,19 +40,26 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     tmp = fresh_dir(out_dir)
     docs = (
         read_sources(cfg.sources, resolve)
+        .map_batches(Clean(cfg.cleaning), batch_format="pyarrow")
         .map_batches(Normalize(cfg.normalization), batch_format="pyarrow")
         .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")
-        .materialize()
     )
+    steps = [*([LanguageID(cfg.language)] if cfg.language else []), *([VarietyTag(cfg.variety)] if cfg.variety else []),
+             *quality_steps(cfg.quality)]
+    for step in steps:
+        docs = docs.map_batches(step, batch_format="pyarrow")
+    docs = docs.materialize()
     per_filter = docs.groupby(["source", "drop_reason"], num_partitions=shuffle_partitions()).count().to_pandas()
     n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
     docs.filter(expr=col("drop_reason").is_not_null()).write_parquet(str(tmp / "dropped"))
     kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
     n_filtered = kept.count()
     if n_filtered == 0:
+        reasons = per_filter.groupby("drop_reason")["count()"].sum().sort_values(ascending=False).head(3)
         raise AmaliaError(
-            f"corpus empty after filtering: 0 of {n_in} documents kept (data.min_chars={cfg.min_chars}); "
-            "lower data.min_chars or check data.sources"
+            f"corpus empty after filtering: 0 of {n_in} documents kept; dropped by "
+            + ", ".join(f"{r} ({n})" for r, n in reasons.items())
+            + f"; relax those filters (data.min_chars={cfg.min_chars}) or check data.sources"
         )
     if cfg.dedup == "exact":
         kept = (
@@ -57,6 +68,9 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
             .map_groups(keep_first_of_group, batch_format="pyarrow")
             .sort("id")
         )
+    kept = kept.materialize()
+    by_variety = (kept.groupby("pt_variety", num_partitions=shuffle_partitions()).count().to_pandas()
+                  if cfg.variety else None)
     kept.write_parquet(str(tmp / "kept"))
     n_kept = sum(pq.ParquetFile(p).metadata.num_rows for p in (tmp / "kept").rglob("*.parquet"))
     commit_dir(tmp, out_dir)
@@ -71,6 +85,8 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
         "exact_duplicates_removed": n_filtered - n_kept,
         "documents_kept": n_kept,
         "per_filter": rows,
+        **({"kept_by_variety": {r["pt_variety"]: int(r["count()"]) for r in by_variety.to_dict("records")}}
+           if by_variety is not None else {}),
     }
 
 
@@ -82,17 +98,21 @@ def build_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig) -> di
     return stats
 
 
-def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, num_actors: int = 2) -> dict:
-    """Split documents into train/validation by id, tokenize and pack each into `seq_len` sequences."""
+def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, weights: dict[str, float],
+         seed: int, num_actors: int = 2) -> dict:
+    """Split documents into train/validation by id, mix the training documents by source weight, tokenize and pack
+    each split into `seq_len` sequences."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     tmp = fresh_dir(out_dir)
-    docs = ray.data.read_parquet(str(corpus_dir / "kept"), columns=["id", "text"]).map_batches(
+    docs = ray.data.read_parquet(str(corpus_dir / "kept"), columns=["id", "source", "text"]).map_batches(
         _mark_split(cfg.validation_fraction), batch_format="pyarrow"
     ).materialize()
-    stats = {"seq_len": cfg.seq_len}
+    stats = {"seq_len": cfg.seq_len, "source_weights": weights}
     for split in ("train", "validation"):
         part = docs.filter(expr=col("split") == split)
+        if split == "train" and any(w != 1.0 for w in weights.values()):
+            part = part.map_batches(MixBySource(weights, seed), batch_format="pyarrow")
         if part.count() == 0:
             stats[f"{split}_sequences"] = 0
             continue

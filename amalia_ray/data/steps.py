@@ -48,11 +48,21 @@ class MinLength:
 
 def mark_dropped(batch: pa.Table, mask: pa.Array, reason: str) -> pa.Table:
     """Set drop_reason where mask holds and no earlier filter already dropped the row."""
+    return add_drop_reasons(batch, [reason if m else None for m in mask.to_pylist()])
+
+
+def add_drop_reasons(batch: pa.Table, reasons: list[str | None]) -> pa.Table:
+    """Record each row's drop reason; a row already dropped keeps the reason of the filter that dropped it first."""
     if "drop_reason" not in batch.column_names:
-        batch = batch.append_column("drop_reason", pa.nulls(len(batch), pa.string()))
-    current = batch["drop_reason"]
-    new = pc.if_else(pc.and_(mask, pc.is_null(current)), pa.scalar(reason), current)
-    return batch.set_column(batch.schema.get_field_index("drop_reason"), "drop_reason", new)
+        return batch.append_column("drop_reason", pa.array(reasons, pa.string()))
+    merged = pa.array([old or new for old, new in zip(batch["drop_reason"].to_pylist(), reasons)], pa.string())
+    return batch.set_column(batch.schema.get_field_index("drop_reason"), "drop_reason", merged)
+
+
+def already_dropped(batch: pa.Table) -> list[bool]:
+    if "drop_reason" not in batch.column_names:
+        return [False] * len(batch)
+    return [r is not None for r in batch["drop_reason"].to_pylist()]
 
 
 class ContentHash:
@@ -85,3 +95,21 @@ def shuffle_partitions(requested: int | None = None) -> int:
     import ray
 
     return max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+
+
+class MixBySource:
+    """Up/down-sample documents by their source's weight: floor(w) copies of each, plus one more for a seeded
+    share frac(w) of them (hash of id and seed, so the same recipe gives the same mix on any cluster)."""
+
+    def __init__(self, weights: dict[str, float], seed: int):
+        self.weights, self.seed = weights, seed
+
+    def copies(self, doc_id: str, source: str) -> int:
+        w = self.weights.get(source, 1.0)
+        whole, frac = int(w), w - int(w)
+        bucket = int.from_bytes(hashlib.blake2b(f"{self.seed}:{doc_id}".encode(), digest_size=8).digest(), "big")
+        return whole + (1 if bucket / 2**64 < frac else 0)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        counts = [self.copies(i, s) for i, s in zip(batch["id"].to_pylist(), batch["source"].to_pylist())]
+        return batch.take(pa.array([row for row, n in enumerate(counts) for _ in range(n)], pa.int64()))

@@ -78,6 +78,9 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
                   _table(["source", "outcome", "documents"],
                          [[r["source"], r["reason"], r["documents"]] for r in sorted(
                              m["per_filter"], key=lambda r: (r["source"], r["reason"]))]), ""]
+        if m.get("kept_by_variety"):
+            parts += ["Kept documents by Portuguese variety: "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(m["kept_by_variety"].items())) + ".", ""]
     pack = stages.get("pack")
     if pack and pack.metrics:
         parts += [f"Packed: {pack.metrics.get('train_sequences')} training and "

@@ -62,9 +62,12 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
         yield StageSpec("tokenizer", [r.tokenizer], {"corpus": d("data") / "kept"}, {"tokenizer": d("tokenizer")},
                         lambda: data_stage.build_tokenizer(d("data"), d("tokenizer"), r.tokenizer), {"CPU": 1})
     if "pack" in names:
-        yield StageSpec("pack", [r.pack], {"corpus": d("data") / "kept", "tokenizer": d("tokenizer")},
+        weights = {s.name: s.weight for s in r.data.sources}
+        yield StageSpec("pack", [r.pack, weights, r.run.seed], {"corpus": d("data") / "kept",
+                                                                 "tokenizer": d("tokenizer")},
                         {"packed": d("pack")},
-                        lambda: data_stage.pack(d("data"), d("tokenizer"), d("pack"), r.pack), cpus)
+                        lambda: data_stage.pack(d("data"), d("tokenizer"), d("pack"), r.pack, weights, r.run.seed),
+                        cpus)
     previous: str | None = None
     for stage in r.train:
         if stage.name not in names:
