@@ -38,7 +38,7 @@ def test_unknown_field_in_list_item_is_located():
     with pytest.raises(RecipeError) as e:
         parse_recipe(text, "r.yaml")
     assert "data.sources[0].splitt: unknown field" in str(e.value)
-    assert "allowed: name, paths, format, split" in str(e.value)
+    assert "allowed: name, paths, format, text_field, id_field, split" in str(e.value)
 
 
 def test_cross_field_rules():

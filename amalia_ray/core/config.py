@@ -32,10 +32,12 @@ class ResourcesConfig(Strict):
 
 class SourceConfig(Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    paths: list[str] = Field(..., min_length=1, description="files or globs; .gz is read transparently")
-    format: Literal["text"] = "text"
+    paths: list[str] = Field(..., min_length=1, description="files or globs; .gz and .zst are read transparently")
+    format: Literal["text", "jsonl", "parquet", "html", "warc"] = "text"
+    text_field: str = Field("text", description="jsonl/parquet: the field holding the document text")
+    id_field: str = Field("id", description="jsonl/parquet: the field holding the document id, if any")
     split: Literal["file", "paragraph", "separator"] = Field(
-        "paragraph", description="what one document is: a whole file, a blank-line paragraph, or a separator block"
+        "paragraph", description="text format: one document per file, blank-line paragraph or separator block"
     )
     separator: str = Field("%", description="line that separates documents when split=separator (fortune files)")
     weight: float = Field(1.0, gt=0, description="epochs of this source in the training mix: 2 = every document "

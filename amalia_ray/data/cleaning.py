@@ -8,6 +8,7 @@ import re
 import pyarrow as pa
 
 from amalia_ray.core.config import CleaningConfig
+from amalia_ray.data.steps import map_text
 
 EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}\b")
 # international (+351 912 345 678, +55 (11) 91234-5678) and Portuguese national numbers (912 345 678, 213456789)
@@ -69,5 +70,4 @@ class Clean:
         return text
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        cleaned = [self.clean(t) for t in batch["text"].to_pylist()]
-        return batch.set_column(batch.schema.get_field_index("text"), "text", pa.array(cleaned, pa.string()))
+        return map_text(batch, self.clean)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from amalia_ray.core.config import LanguageConfig, VarietyConfig
-from amalia_ray.data.steps import add_drop_reasons
+from amalia_ray.data.steps import add_drop_reasons, already_dropped
 from amalia_ray.data.variety import score_variety
 
 # fastText reads one line; the first few thousand characters decide the language as well as the whole document
@@ -30,10 +30,11 @@ class LanguageID:
         self.cfg = cfg
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        found = [detect_language(t) for t in batch["text"].to_pylist()]
-        reasons = [None if lang in self.cfg.keep and score >= self.cfg.min_score
+        done = already_dropped(batch)
+        found = [("", 0.0) if d else detect_language(t) for t, d in zip(batch["text"].to_pylist(), done)]
+        reasons = [None if d or (lang in self.cfg.keep and score >= self.cfg.min_score)
                    else f"language:{lang}" if lang not in self.cfg.keep else "language:low_score"
-                   for lang, score in found]
+                   for (lang, score), d in zip(found, done)]
         batch = batch.append_column("language", pa.array([f[0] for f in found], pa.string()))
         batch = batch.append_column("language_score", pa.array([f[1] for f in found], pa.float32()))
         return add_drop_reasons(batch, reasons)
@@ -46,8 +47,10 @@ class VarietyTag:
         self.cfg = cfg
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        scores = [score_variety(t) for t in batch["text"].to_pylist()]
-        labels = [s.label(self.cfg.margin) for s in scores]
+        done = already_dropped(batch)
+        scores = [None if d else score_variety(t) for t, d in zip(batch["text"].to_pylist(), done)]
+        labels = [s.label(self.cfg.margin) if s else None for s in scores]
         batch = batch.append_column("pt_variety", pa.array(labels, pa.string()))
-        batch = batch.append_column("pt_pt_score", pa.array([s.pt_pt for s in scores], pa.float32()))
-        return add_drop_reasons(batch, [None if lab in self.cfg.keep else f"variety:{lab}" for lab in labels])
+        batch = batch.append_column("pt_pt_score", pa.array([s.pt_pt if s else None for s in scores], pa.float32()))
+        return add_drop_reasons(batch, [None if lab is None or lab in self.cfg.keep else f"variety:{lab}"
+                                        for lab in labels])

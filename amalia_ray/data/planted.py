@@ -8,14 +8,14 @@ import random
 
 
 def plant_duplicates(texts: list[str], copies: int = 2, edit_rate: float = 0.05, dup_fraction: float = 0.3,
-                     seed: int = 0) -> tuple[list[dict], dict[str, str]]:
+                     seed: int = 0, prefix: str = "doc") -> tuple[list[dict], dict[str, str]]:
     """Returns documents (`id`, `text`) and the truth: id -> id of the original it was derived from (originals map
     to themselves). A copy replaces, deletes or inserts words at `edit_rate`."""
     rng = random.Random(seed)
     docs, origin = [], {}
     vocab = [w for t in texts[:200] for w in t.split()] or ["palavra"]
     for i, text in enumerate(texts):
-        base = f"doc{i:06d}"
+        base = f"{prefix}{i:06d}"
         docs.append({"id": base, "text": text})
         origin[base] = base
         if rng.random() < dup_fraction:

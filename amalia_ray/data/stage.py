@@ -34,7 +34,8 @@ def input_files(cfg: DataConfig, resolve) -> list[str]:
 
 
 def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
-    """Read, normalize, filter and exact-dedup the corpus into `out_dir/kept` (and `out_dir/dropped`, with reasons)."""
+    """Read, clean, filter and exact-dedup the corpus into `out_dir/kept`; every dropped document goes to
+    `out_dir/dropped` with its reason, unreadable records also to `out_dir/quarantine` with their location."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     tmp = fresh_dir(out_dir)
@@ -51,7 +52,12 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     docs = docs.materialize()
     per_filter = docs.groupby(["source", "drop_reason"], num_partitions=shuffle_partitions()).count().to_pandas()
     n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
-    docs.filter(expr=col("drop_reason").is_not_null()).write_parquet(str(tmp / "dropped"))
+    dropped = docs.filter(expr=col("drop_reason").is_not_null())
+    dropped.write_parquet(str(tmp / "dropped"))
+    quarantined = dropped.filter(lambda row: row["drop_reason"].startswith("quarantine:"))
+    if n_quarantined := quarantined.count():
+        quarantined.select_columns(["source", "path", "location", "drop_reason", "text"]).write_parquet(
+            str(tmp / "quarantine"))
     kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
     n_filtered = kept.count()
     if n_filtered == 0:
@@ -81,6 +87,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     ]
     return {
         "documents_in": n_in,
+        "quarantined": n_quarantined,
         "documents_after_filters": n_filtered,
         "exact_duplicates_removed": n_filtered - n_kept,
         "documents_kept": n_kept,

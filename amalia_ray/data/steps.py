@@ -29,8 +29,14 @@ class Normalize:
         return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        cleaned = [self.clean(t) for t in batch["text"].to_pylist()]
-        return batch.set_column(batch.schema.get_field_index("text"), "text", pa.array(cleaned, pa.string()))
+        return map_text(batch, self.clean)
+
+
+def map_text(batch: pa.Table, fn) -> pa.Table:
+    """Apply fn to the text of every row not dropped yet (quarantined rows keep their raw content)."""
+    done = already_dropped(batch)
+    cleaned = [t if d else fn(t) for t, d in zip(batch["text"].to_pylist(), done)]
+    return batch.set_column(batch.schema.get_field_index("text"), "text", pa.array(cleaned, pa.string()))
 
 
 class MinLength:
