@@ -78,11 +78,33 @@ def run_datatrove(path: Path, work: Path, workers: int) -> tuple[float, dict[str
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.writers import JsonlWriter
 
+    from datatrove.utils.word_tokenizers import WordTokenizer
+
+    class Whitespace(WordTokenizer):
+        """Words split on white space, as our shingling does (datatrove's default needs spaCy models)."""
+
+        def word_tokenize(self, text: str) -> list[str]:
+            return text.split()
+
+        def sent_tokenize(self, text: str) -> list[str]:
+            return [text]
+
+        def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+            return [(0, len(text))]
+
+    # datatrove 0.10 passes str to xxhash, which xxhash >= 4 (pulled in by vLLM) only takes as bytes
+    import xxhash
+    from datatrove.utils.hashes import xxhash as dt_xxhash
+
+    dt_xxhash.xxhash64 = lambda data: xxhash.xxh64_intdigest(data.encode() if isinstance(data, str) else data)
+    dt_xxhash.xxhash32 = lambda data: xxhash.xxh32_intdigest(data.encode() if isinstance(data, str) else data)
+
     cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=1)
     src = str(path.parent)
     glob = path.name
     t0 = time.perf_counter()
-    LocalPipelineExecutor([JsonlReader(src, glob_pattern=glob), MinhashDedupSignature(str(work / "sigs"), config=cfg)],
+    LocalPipelineExecutor([JsonlReader(src, glob_pattern=glob), MinhashDedupSignature(str(work / "sigs"), config=cfg,
+                                                                          language=Whitespace())],
                           tasks=workers, workers=workers, logging_dir=str(work / "logs1")).run()
     LocalPipelineExecutor([MinhashDedupBuckets(str(work / "sigs"), str(work / "buckets"), config=cfg)],
                           tasks=cfg.num_buckets, workers=workers, logging_dir=str(work / "logs2")).run()

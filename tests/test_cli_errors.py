@@ -80,3 +80,16 @@ def test_not_implemented_yet_is_one_line(args, what):
 def test_debug_shows_traceback():
     result = runner.invoke(app, ["--debug", "validate", "nope.yaml"])
     assert result.exit_code == 1 and result.exception is not None
+
+
+def test_status_of_missing_run(tmp_path):
+    code, lines = invoke("status", str(tmp_path / "nope"))
+    assert code == 1 and lines == [f"error: no run at {tmp_path / 'nope'} (no manifest.json)"]
+
+
+def test_status_lists_stages(tmp_path):
+    from amalia_ray.core.manifest import Manifest, StageRecord
+
+    Manifest(run_name="r", stages={"data": StageRecord(status="completed", wall_time_s=1.5, attempts=1)}).save(tmp_path)
+    code, lines = invoke("status", str(tmp_path))
+    assert code == 0 and any("data" in ln and "completed" in ln and "1.5" in ln for ln in lines)
