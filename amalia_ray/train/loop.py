@@ -4,6 +4,7 @@ everything else: sharding, precision, accumulation, clipping, schedule, checkpoi
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +17,9 @@ from amalia_ray.train import checkpoint
 from amalia_ray.train.lr_schedule import lr_at
 from amalia_ray.train.objectives import build_objective
 from amalia_ray.train.parallel import apply_fsdp, resolve_precision
+
+# Ray Train routes worker logging to the driver once; print() in a worker shows twice (tee + logger)
+log = logging.getLogger("amalia_ray.train")
 
 
 def global_batch_rows(step: int, global_batch: int, num_examples: int, seed: int) -> np.ndarray:
@@ -107,10 +111,10 @@ def train_loop(config: dict) -> None:
     if rank == 0:
         _log(metrics_path, {}, keep_through=start_step)
         if resumed:
-            print(f"[{stage['name']}] resumed from step {start_step}", flush=True)
+            log.info(f"[{stage['name']}] resumed from step {start_step}")
         if start_step >= total_steps:
-            print(f"[{stage['name']}] WARNING: resuming at step {start_step} of {total_steps}: "
-                  "zero steps left to train; raise steps to train further", flush=True)
+            log.warning(f"[{stage['name']}] WARNING: resuming at step {start_step} of {total_steps}: "
+                        "zero steps left to train; raise steps to train further")
 
     gbs, micro, seed = stage["global_batch_size"], stage["micro_batch_size"], config["seed"]
     n_params = sum(p.numel() for p in model.parameters())
@@ -151,8 +155,8 @@ def train_loop(config: dict) -> None:
             _log(metrics_path, record)
             if done % stage["log_every"] == 0 or save_now:
                 val = f" val_loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
-                print(f"[{stage['name']}] step {done}/{total_steps} loss {record['loss']:.4f}{val} lr {lr:.2e} "
-                      f"grad_norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s", flush=True)
+                log.info(f"[{stage['name']}] step {done}/{total_steps} loss {record['loss']:.4f}{val} lr {lr:.2e} "
+                         f"grad_norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s")
         if save_now:
             with tempfile.TemporaryDirectory() as tmp:
                 checkpoint.save(Path(tmp), model, optimizer, {"step": done, "params": n_params})
