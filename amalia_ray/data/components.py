@@ -61,7 +61,7 @@ def connected_components(edges: ray.data.Dataset, partitions: int, max_rounds: i
         rounds += 1
         state = (state.map_batches(_send, batch_format="pyarrow")
                  .groupby("node", num_partitions=partitions).map_groups(_receive, batch_format="pyarrow").materialize())
-        if state.count() == 0 or not state.filter(expr=col("changed")).count():
+        if not state.filter(expr=col("changed")).count():
             break
     else:
         raise RuntimeError(f"connected components did not converge in {max_rounds} rounds")

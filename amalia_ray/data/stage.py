@@ -78,7 +78,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     by_variety = (kept.groupby("pt_variety", num_partitions=shuffle_partitions()).count().to_pandas()
                   if cfg.variety else None)
     kept.write_parquet(str(tmp / "kept"))
-    n_kept = sum(pq.ParquetFile(p).metadata.num_rows for p in (tmp / "kept").rglob("*.parquet"))
+    n_kept = kept.count()  # materialized above: no re-execution
     commit_dir(tmp, out_dir)
     rows = [
         {"source": r["source"], "reason": r["drop_reason"] if isinstance(r["drop_reason"], str) else "kept",

@@ -87,17 +87,19 @@ def keep_first_of_group(group: pa.Table) -> pa.Table:
     return group.slice(first, 1).append_column("duplicates", pa.array([len(ids)], pa.int64()))
 
 
+def unit_hash(key: str) -> float:
+    """A stable pseudo-random number in [0, 1) for a string: the same on every worker, run and cluster."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") / 2**64
+
+
 def is_validation(doc_id: str, fraction: float) -> bool:
     """Stable train/validation split by document id, independent of block order and worker count."""
-    bucket = int.from_bytes(hashlib.blake2b(doc_id.encode(), digest_size=8).digest(), "big") / 2**64
-    return bucket < fraction
+    return unit_hash(doc_id) < fraction
 
 
-def shuffle_partitions(requested: int | None = None) -> int:
+def shuffle_partitions() -> int:
     """Partitions for groupby shuffles: Ray Data's default (200) schedules hundreds of tiny tasks on a laptop;
-    two per CPU of the cluster keeps every core busy without that overhead. Large corpora set it explicitly."""
-    if requested:
-        return requested
+    two per CPU of the cluster keeps every core busy without that overhead, and grows with the cluster."""
     import ray
 
     return max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
@@ -113,8 +115,7 @@ class MixBySource:
     def copies(self, doc_id: str, source: str) -> int:
         w = self.weights.get(source, 1.0)
         whole, frac = int(w), w - int(w)
-        bucket = int.from_bytes(hashlib.blake2b(f"{self.seed}:{doc_id}".encode(), digest_size=8).digest(), "big")
-        return whole + (1 if bucket / 2**64 < frac else 0)
+        return whole + (1 if unit_hash(f"{self.seed}:{doc_id}") < frac else 0)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         counts = [self.copies(i, s) for i, s in zip(batch["id"].to_pylist(), batch["source"].to_pylist())]
