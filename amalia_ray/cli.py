@@ -121,7 +121,8 @@ def data_run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, fo
 def data_dedup(
     input: Annotated[Path, typer.Argument(help="jsonl (.gz) or Parquet file/folder with columns id and text")],
     output: Annotated[Path, typer.Argument(help="writes OUTPUT/kept/*.parquet and OUTPUT/clusters.parquet")],
-    threshold: Annotated[float, typer.Option(help="keep candidate pairs whose estimated Jaccard >= T; 0 = keep all")] = 0.7,
+    threshold: Annotated[float, typer.Option(
+        help="keep LSH candidate pairs whose exact shingle-set Jaccard >= T; 0 = keep every candidate")] = 0.8,
     num_perm: Annotated[int, typer.Option("--num-perm", help="MinHash permutations")] = 112,
     bands: Annotated[int, typer.Option(help="LSH bands (rows = num_perm / bands)")] = 14,
     ngram: Annotated[int, typer.Option(help="words per shingle")] = 5,

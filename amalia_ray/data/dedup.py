@@ -1,22 +1,34 @@
-"""Near-duplicate removal with MinHash-LSH on Ray Data: signatures → band buckets → candidate edges → connected
-components (distributed) → keep the smallest id of each cluster, with `cluster_size` kept as a column so documents
-can be re-weighted later (FineWeb-2 rehydration). Deterministic: same input and seed → same kept ids."""
+"""Near-duplicate removal with MinHash-LSH on Ray Data: shingles + signatures → band buckets → candidate pairs →
+exact Jaccard verification (NeMo Curator style) → connected components (distributed) → keep the smallest id of each
+cluster, with `cluster_size` kept as a column so documents can be re-weighted later (FineWeb-2 rehydration).
+Deterministic: same input and seed → same kept ids.
+
+Every shuffle is keyed by a coarse `part` (see partitions.py) and done with vectorized pyarrow/polars inside."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 from ray.data.expressions import col
 
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data.components import connected_components
-from amalia_ray.data.steps import shuffle_partitions
-from amalia_ray.data.minhash import BandKeys, MinHashParams, Signatures, bucket_edges
+from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, exact_jaccard
+from amalia_ray.data.partitions import configure_data_context, partition_count, per_part, to_arrow, with_part
 
 CLUSTER_SCHEMA = pa.schema([("id", pa.string()), ("cluster_id", pa.string()), ("cluster_size", pa.int64())])
+EDGES = pa.schema([("src", pa.string()), ("dst", pa.string())])
+# rows of the verification shuffle: a document's shingles, or one side of a candidate pair (side 0 = src, 1 = dst)
+VERIFY = pa.schema([("part", pa.int32()), ("id", pa.string()), ("shingles", pa.large_list(pa.uint64())),
+                    ("src", pa.string()), ("dst", pa.string()), ("side", pa.int8())])
+# lookup tables up to this many rows are sent to every task instead of being joined by a shuffle
+BROADCAST_ROWS = 5_000_000
 
 
 def read_documents(path: Path) -> ray.data.Dataset:
@@ -44,56 +56,179 @@ def _as_string_id(batch: pa.Table) -> pa.Table:
     return batch.set_column(i, "id", batch["id"].cast(pa.string()))
 
 
-def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, threshold: float | None
-                            ) -> tuple[ray.data.Dataset, dict]:
-    """`docs` (id, text, …) -> dataset of every document's (id, cluster_id, cluster_size) and stats."""
-    parts = shuffle_partitions()
-    ids = docs.select_columns(["id"]).materialize()
-    n_docs = ids.count()
-    edges = (docs.select_columns(["id", "text"])
-             .map_batches(Signatures(params), batch_format="pyarrow")
-             .map_batches(BandKeys(params), batch_format="pyarrow")
-             .groupby(["band", "key"], num_partitions=parts).map_groups(bucket_edges(threshold), batch_format="pyarrow")
-             .materialize())
-    n_edges = edges.count()
-    labels, rounds = (connected_components(edges, parts) if n_edges else (None, 0))
-    # every document gets a label: its component's smallest id, or itself
-    own = ids.map_batches(lambda b: pa.table({"node": b["id"], "label": b["id"], "own": pa.array([True] * len(b))}),
-                          batch_format="pyarrow")
-    if labels is not None:
-        own = own.union(labels.map_batches(
-            lambda b: b.append_column("own", pa.array([False] * len(b))), batch_format="pyarrow"))
-    clusters = (own.groupby("node", num_partitions=parts).map_groups(_resolve_label, batch_format="pyarrow")
-                .groupby("cluster_id", num_partitions=parts).map_groups(_add_size, batch_format="pyarrow")
-                .materialize())
-    stats = {"documents": n_docs, "candidate_edges": n_edges, "cc_rounds": rounds}
-    return clusters, stats
+def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, threshold: float | None,
+                            partitions: int, broadcast_rows: int = BROADCAST_ROWS) -> tuple[ray.data.Dataset, dict]:
+    """`docs` (id, text, …) -> dataset of (id, cluster_id, cluster_size) for every document that has a near
+    duplicate, and stats. Candidate pairs are kept when their exact shingle Jaccard is >= threshold (None: all)."""
+
+    def band_rows(batch: pa.Table) -> pa.Table:
+        keys = pa.concat_arrays([batch[f"key_{b}"].combine_chunks() for b in range(params.bands)])
+        ids = pa.concat_arrays([batch["id"].combine_chunks()] * params.bands)
+        return pa.table({"key": keys, "id": ids, "part": pa.array((keys.to_numpy() % partitions).astype(np.int32))})
+
+    keys = docs.select_columns(["id", "text"]).map_batches(BandKeys(params), batch_format="pyarrow")
+    candidates = per_part(keys.map_batches(band_rows, batch_format="pyarrow"), _bucket_edges, partitions).materialize()
+    stats = {"candidate_pairs": candidates.count()}
+    edges = candidates
+    if threshold is not None and stats["candidate_pairs"]:
+        edges = _verified(candidates, docs, params, threshold, partitions, broadcast_rows).materialize()
+    stats["duplicate_pairs"] = edges.count() if edges is not candidates else stats["candidate_pairs"]
+    if not stats["duplicate_pairs"]:
+        return ray.data.from_arrow(CLUSTER_SCHEMA.empty_table()), {**stats, "cc_rounds": 0}
+    labels, stats["cc_rounds"] = connected_components(edges, partitions)
+    by_label = labels.map_batches(lambda b: with_part(b, "label", partitions), batch_format="pyarrow")
+    return per_part(by_label, _cluster_sizes, partitions), stats
 
 
-def _resolve_label(group: pa.Table) -> pa.Table:
-    if sum(group["own"].to_pylist()) > 1:
-        raise AmaliaError(f"dedup input: ids must be unique; '{group['node'][0].as_py()}' appears more than once")
-    return pa.table({"id": [group["node"][0].as_py()], "cluster_id": [min(group["label"].to_pylist())]})
+def _collect(ds: ray.data.Dataset) -> pa.Table:
+    return pa.concat_tables([t for t in ray.get(ds.to_arrow_refs()) if len(t)] or [ds.schema().base_schema.empty_table()])
 
 
-def _add_size(group: pa.Table) -> pa.Table:
-    return group.append_column("cluster_size", pa.array([len(group)] * len(group), pa.int64()))
+def _bucket_edges(group: pa.Table) -> pa.Table:
+    """Rows (key, id) of one part -> star edges from each bucket's smallest id to its other members."""
+    df = pl.from_arrow(group.select(["key", "id"]))
+    roots = df.group_by("key").agg(src=pl.col("id").min(), n=pl.len()).filter(pl.col("n") > 1)
+    edges = (df.join(roots, on="key").filter(pl.col("id") != pl.col("src")).select("src", dst="id")
+             .unique().sort("src", "dst"))
+    return to_arrow(edges, EDGES)
 
 
-def dedup(input_path: Path, output: Path, params: MinHashParams, threshold: float | None) -> dict:
+def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinHashParams, threshold: float,
+              partitions: int, broadcast_rows: int) -> ray.data.Dataset:
+    """Candidate pairs whose exact shingle-set Jaccard is >= threshold. Shuffle 1 brings each side of a pair to the
+    part of its document and attaches that document's shingles; shuffle 2 brings both sides together by pair.
+    When the candidates' ids are few enough to send to every task, only those documents are shingled and shuffled."""
+    texts = docs.select_columns(["id", "text"])
+    if 2 * candidates.count() <= broadcast_rows:
+        pairs = _collect(candidates)
+        wanted = pc.unique(pa.concat_arrays([pairs["src"].combine_chunks(), pairs["dst"].combine_chunks()]))
+        texts = texts.map_batches(lambda b: b.filter(pc.is_in(b["id"], value_set=wanted)), batch_format="pyarrow")
+    hashed = texts.map_batches(ShingleSets(params), batch_format="pyarrow")
+
+    def doc_rows(batch: pa.Table) -> pa.Table:
+        n = len(batch)
+        table = pa.table({"part": pa.nulls(n, pa.int32()), "id": batch["id"], "shingles": batch["shingles"],
+                          "src": pa.nulls(n, pa.string()), "dst": pa.nulls(n, pa.string()),
+                          "side": pa.nulls(n, pa.int8())}, schema=VERIFY)
+        return with_part(table, "id", partitions)
+
+    def side_rows(batch: pa.Table) -> pa.Table:
+        n = len(batch)
+        sides = []
+        for side, key in ((0, "src"), (1, "dst")):
+            table = pa.table({"part": pa.nulls(n, pa.int32()), "id": batch[key], "shingles": pa.nulls(n, VERIFY.field(
+                "shingles").type), "src": batch["src"], "dst": batch["dst"], "side": pa.array([side] * n, pa.int8())},
+                schema=VERIFY)
+            sides.append(with_part(table, "id", partitions))
+        return pa.concat_tables(sides)
+
+    def attach_shingles(group: pa.Table) -> pa.Table:
+        is_side = pc.is_valid(group["side"])
+        docs, sides = group.filter(pc.invert(is_side)), group.filter(is_side)
+        sides = pl.from_arrow(sides).unique(["src", "dst", "side"]).sort("src", "dst", "side").to_arrow().cast(VERIFY)
+        found = pc.index_in(sides["id"], value_set=docs["id"])
+        sides = sides.set_column(sides.schema.get_field_index("shingles"), "shingles", docs["shingles"].take(found))
+        return with_part(sides, "src", partitions)
+
+    attached = per_part(hashed.map_batches(doc_rows, batch_format="pyarrow")
+                        .union(candidates.map_batches(side_rows, batch_format="pyarrow")), attach_shingles, partitions)
+
+    def keep_similar(group: pa.Table) -> pa.Table:
+        df = pl.from_arrow(group.select(["src", "dst", "side", "shingles"]))
+        pairs = (df.filter(pl.col("side") == 0).join(df.filter(pl.col("side") == 1), on=["src", "dst"])
+                 .sort("src", "dst"))
+        if not len(pairs):
+            return EDGES.empty_table()
+        similar = exact_jaccard(pairs["shingles"].to_arrow(), pairs["shingles_right"].to_arrow()) >= threshold
+        return to_arrow(pairs.filter(pl.Series(similar)).select("src", "dst"), EDGES)
+
+    return per_part(attached, keep_similar, partitions)
+
+
+def _cluster_sizes(group: pa.Table) -> pa.Table:
+    df = (pl.from_arrow(group.select(["node", "label"]))
+          .with_columns(cluster_size=pl.len().over("label").cast(pl.Int64))
+          .select(id="node", cluster_id="label", cluster_size="cluster_size"))
+    return to_arrow(df, CLUSTER_SCHEMA)
+
+
+def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, partitions: int,
+                  broadcast_rows: int = BROADCAST_ROWS) -> ray.data.Dataset:
+    """Every document with `cluster_id` and `cluster_size` (itself and 1 when it has no near duplicate), whatever
+    its other columns. A small cluster table is sent to every task; a large one meets the documents in one keyed
+    shuffle (documents and cluster rows share a schema)."""
+    if clusters.count() <= broadcast_rows:
+        table = _collect(clusters)
+        return docs.map_batches(lambda b: _attach(b, table), batch_format="pyarrow")
+    base = docs.schema().base_schema
+    extra = [pa.field("cluster_id", pa.string()), pa.field("cluster_size", pa.int64()),
+             pa.field("is_link", pa.bool_()), pa.field("part", pa.int32())]
+    schema = pa.schema(list(base) + extra)
+
+    def doc_rows(batch: pa.Table) -> pa.Table:
+        n = len(batch)
+        cols = {f.name: batch[f.name] for f in base}
+        cols.update(cluster_id=pa.nulls(n, pa.string()), cluster_size=pa.nulls(n, pa.int64()),
+                    is_link=pa.array([False] * n), part=pa.nulls(n, pa.int32()))
+        return with_part(pa.table(cols, schema=schema), "id", partitions)
+
+    def link_rows(batch: pa.Table) -> pa.Table:
+        n = len(batch)
+        cols = {f.name: (batch["id"] if f.name == "id" else pa.nulls(n, f.type)) for f in base}
+        cols.update(cluster_id=batch["cluster_id"], cluster_size=batch["cluster_size"],
+                    is_link=pa.array([True] * n), part=pa.nulls(n, pa.int32()))
+        return with_part(pa.table(cols, schema=schema), "id", partitions)
+
+    def attach(group: pa.Table) -> pa.Table:
+        is_link = group["is_link"]
+        rows = group.filter(pc.invert(is_link)).drop_columns(["cluster_id", "cluster_size", "is_link", "part"])
+        return _attach(rows, group.filter(is_link).select(CLUSTER_SCHEMA.names))
+
+    return per_part(docs.map_batches(doc_rows, batch_format="pyarrow")
+                    .union(clusters.map_batches(link_rows, batch_format="pyarrow")), attach, partitions)
+
+
+def _attach(rows: pa.Table, clusters: pa.Table) -> pa.Table:
+    found = pc.index_in(rows["id"], value_set=clusters["id"])
+    cluster_id = pc.coalesce(clusters["cluster_id"].take(found), rows["id"])
+    size = pc.coalesce(clusters["cluster_size"].take(found), pa.scalar(1, pa.int64()))
+    return rows.append_column("cluster_id", cluster_id).append_column("cluster_size", size)
+
+
+def _write_sorted_clusters(joined: ray.data.Dataset, path: Path) -> None:
+    """clusters.parquet sorted by id; a repeated id (the input's ids must be unique) stops it with an error."""
+    last = None
+    try:
+        with pq.ParquetWriter(path, CLUSTER_SCHEMA) as writer:
+            for batch in (joined.select_columns(CLUSTER_SCHEMA.names).sort("id")
+                          .iter_batches(batch_format="pyarrow", batch_size=65536)):
+                ids = batch["id"]
+                if len(ids) and (pc.count_distinct(ids).as_py() < len(ids) or ids[0].as_py() == last):
+                    counts = pc.value_counts(pa.concat_arrays([pa.array([last], pa.string()), ids.combine_chunks()
+                                                               if isinstance(ids, pa.ChunkedArray) else ids]))
+                    dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+                    raise AmaliaError(f"dedup input: ids must be unique; '{dup}' appears more than once")
+                last = ids[-1].as_py() if len(ids) else last
+                writer.write_table(batch.select(CLUSTER_SCHEMA.names).cast(CLUSTER_SCHEMA))
+    except AmaliaError:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def dedup(input_path: Path, output: Path, params: MinHashParams, threshold: float | None,
+          broadcast_rows: int = BROADCAST_ROWS) -> dict:
     """The `amalia data dedup` contract: OUTPUT/kept/*.parquet (kept documents, all columns + cluster_size) and
     OUTPUT/clusters.parquet (id, cluster_id, cluster_size for every input document)."""
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
+    configure_data_context()
     docs = read_documents(input_path).map_batches(_as_string_id, batch_format="pyarrow").materialize()
-    clusters, stats = near_duplicate_clusters(docs, params, threshold)
+    n_docs = docs.count()
+    partitions = partition_count(n_docs * params.bands)
+    clusters, stats = near_duplicate_clusters(docs, params, threshold, partitions, broadcast_rows)
+    joined = with_clusters(docs, clusters.materialize(), partitions, broadcast_rows).materialize()
     output.mkdir(parents=True, exist_ok=True)
-    with pq.ParquetWriter(output / "clusters.parquet", CLUSTER_SCHEMA) as writer:
-        for batch in clusters.sort("id").iter_batches(batch_format="pyarrow", batch_size=65536):
-            writer.write_table(batch.select(CLUSTER_SCHEMA.names).cast(CLUSTER_SCHEMA))
-    kept_clusters = clusters.filter(expr=col("id") == col("cluster_id")).select_columns(["id", "cluster_size"])
-    kept = docs.join(kept_clusters, join_type="inner", num_partitions=shuffle_partitions(), on=("id",))
+    _write_sorted_clusters(joined, output / "clusters.parquet")
+    kept = joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"])
     kept.write_parquet(str(output / "kept"))
     n_kept = sum(pq.ParquetFile(p).metadata.num_rows for p in (output / "kept").rglob("*.parquet"))
-    return {**stats, "kept": n_kept, "removed": stats["documents"] - n_kept, "num_perm": params.num_perm,
+    return {"documents": n_docs, **stats, "kept": n_kept, "removed": n_docs - n_kept, "num_perm": params.num_perm,
             "bands": params.bands, "rows": params.rows, "ngram": params.ngram, "threshold": threshold}

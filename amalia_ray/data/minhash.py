@@ -1,23 +1,28 @@
-"""MinHash signatures and LSH banding over Arrow batches (FineWeb / datatrove conventions).
+"""MinHash signatures and LSH band keys, vectorized over whole Arrow batches.
 
-Text is simplified (lower case, punctuation dropped, whitespace folded), cut into word n-gram shingles, each shingle
-hashed to 32 bits; `num_perm` universal hash functions h(x) = (a·x + b) mod (2^31 − 1) give the signature. Two
-documents with Jaccard similarity J agree on one signature value with probability J, and share at least one of
+Text is simplified (NFC, lower case, everything but letters, digits and marks dropped, whitespace folded) and cut into
+word n-gram shingles; a shingle's 64-bit hash combines its words' hashes position by position. The `num_perm` hash
+functions are multiply-add-shift hashes h(x) = (a·x + b mod 2^64) >> 32, a universal family that needs no modulo: two
+documents with Jaccard similarity J agree on one signature value with probability ≈ J, and share at least one of
 `bands` bands of `rows` values with probability 1 − (1 − J^rows)^bands.
+
+Everything runs on whole batches (pyarrow string kernels, polars' seeded word hash, numpy) instead of a Python loop
+per shingle; that is where the speed against datatrove comes from. Hashes are deterministic for a given seed and
+installed polars version.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
-_PRIME = np.uint64((1 << 31) - 1)
-_NON_WORD = re.compile(r"[^\w\s]+")
+_U64 = np.uint64
+_NOT_WORD = r"[^\pL\pN\pM_\s]+"
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,8 @@ class MinHashParams:
     seed: int = 1
 
     def __post_init__(self):
+        if self.ngram < 1 or self.num_perm < 1 or self.bands < 1:
+            raise ValueError(f"ngram, num_perm and bands must be positive: {self}")
         if self.num_perm % self.bands:
             raise ValueError(f"num_perm {self.num_perm} is not a multiple of bands {self.bands}")
 
@@ -37,94 +44,160 @@ class MinHashParams:
 
     def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(self.seed)
-        a = rng.integers(1, int(_PRIME), size=self.num_perm, dtype=np.uint64)
-        b = rng.integers(0, int(_PRIME), size=self.num_perm, dtype=np.uint64)
+        a = rng.integers(0, 2**63, size=self.num_perm, dtype=np.uint64) * _U64(2) + _U64(1)  # odd multipliers
+        b = rng.integers(0, 2**63, size=self.num_perm, dtype=np.uint64)
         return a, b
 
-
-def simplify(text: str) -> str:
-    text = unicodedata.normalize("NFC", text).lower()
-    return " ".join(_NON_WORD.sub(" ", text).split())
-
-
-def shingle_hashes(text: str, ngram: int) -> np.ndarray:
-    words = simplify(text).split()
-    if len(words) < ngram:
-        grams = [" ".join(words)]
-    else:
-        grams = [" ".join(words[i:i + ngram]) for i in range(len(words) - ngram + 1)]
-    digest = b"".join(hashlib.blake2b(g.encode(), digest_size=4).digest() for g in set(grams))
-    return np.frombuffer(digest, dtype="<u4").astype(np.uint64) % _PRIME
+    def position_multipliers(self, n: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 7])
+        return rng.integers(0, 2**63, size=n, dtype=np.uint64) * _U64(2) + _U64(1)
 
 
-def signature(hashes: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    # values < 2^31 and a < 2^31, so a·x + b < 2^62 never overflows uint64
-    return ((hashes[:, None] * a[None, :] + b[None, :]) % _PRIME).min(axis=0).astype(np.uint32)
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: spreads every input bit over the output."""
+    x = x ^ (x >> _U64(30))
+    x = x * _U64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> _U64(27))
+    x = x * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+def nfc(texts: pa.Array) -> pa.Array:
+    """NFC, normalizing only the texts that need it (most already are, and normalizing all costs more than hashing)."""
+    values = texts.to_pylist()
+    todo = [i for i, t in enumerate(values) if not unicodedata.is_normalized("NFC", t)]
+    if not todo:
+        return texts
+    for i in todo:
+        values[i] = unicodedata.normalize("NFC", values[i])
+    return pa.array(values, pa.string())
+
+
+def simplify(texts: pa.Array) -> pa.Array:
+    t = pc.utf8_lower(nfc(pc.fill_null(texts, "")))
+    return pc.utf8_trim_whitespace(pc.replace_substring_regex(t, _NOT_WORD, " "))
+
+
+def words(texts: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """Flattened words of every text and the number of words per text."""
+    simple = simplify(texts)
+    lists = pc.ascii_split_whitespace(simple)  # simplify() left only ASCII spaces
+    if isinstance(lists, pa.ChunkedArray):
+        lists = lists.combine_chunks()
+    flat = lists.flatten()
+    counts = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    empty = pc.equal(pc.utf8_length(simple), 0).to_numpy(zero_copy_only=False)
+    if empty.any():  # an empty text splits into one empty word
+        flat = flat.filter(pc.not_equal(pc.utf8_length(flat), 0))
+        counts[empty] = 0
+    return flat, counts
+
+
+@dataclass
+class Shingles:
+    """Shingle hashes of a batch of texts, grouped by text: `hashes[offsets[i]:offsets[i+1]]` is text i's, in text
+    order (a repeated shingle appears again: sets are taken where needed)."""
+
+    hashes: np.ndarray
+    offsets: np.ndarray
+
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def to_arrow(self) -> pa.Array:
+        return pa.LargeListArray.from_arrays(pa.array(self.offsets), pa.array(self.hashes, pa.uint64()))
+
+
+def shingles(texts: pa.Array, params: MinHashParams) -> Shingles:
+    """Word n-grams (a text shorter than n words is one shingle; an empty text has none)."""
+    flat, counts = words(texts)
+    n, k = len(counts), params.ngram
+    total = int(counts.sum())
+    word_hash = pl.Series(flat).hash(seed=params.seed).to_numpy().astype(np.uint64) if total else np.zeros(0, _U64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    per_doc = np.where(counts >= k, counts - k + 1, np.minimum(counts, 1))  # a short text is one shingle
+    offsets = np.concatenate([[0], np.cumsum(per_doc)]).astype(np.int64)
+    doc = np.repeat(np.arange(n), per_doc)
+    pos = starts[doc] + (np.arange(int(offsets[-1])) - offsets[:-1][doc])
+    padded = np.concatenate([word_hash, np.zeros(k, _U64)])
+    mult = params.position_multipliers(k)
+    # the n-gram starting at every word position, on contiguous slices (n-grams that cross a text end are not used)
+    grams = padded[:total] * mult[0]
+    for j in range(1, k):
+        grams += padded[j:j + total] * mult[j]
+    hashes = grams[pos]
+    short = np.flatnonzero(counts[doc] < k)
+    for j in range(1, k):  # a short text's shingle stops at its end
+        hashes[short] -= np.where(j >= counts[doc[short]], padded[pos[short] + j] * mult[j], _U64(0))
+    return Shingles(mix64(hashes), offsets)
+
+
+def signatures(sh: Shingles, a: np.ndarray, b: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
+    """(texts, num_perm) uint32 minimum hash values; a text without shingles gets all 0xFFFFFFFF. Texts are taken
+    in runs of about `chunk` shingles so that all permutations of a run are computed while it sits in cache."""
+    counts = sh.counts()
+    out = np.full((len(counts), len(a)), np.iinfo(np.uint32).max, dtype=np.uint32)
+    bounds = np.unique(np.concatenate([
+        [0], np.searchsorted(sh.offsets, np.arange(0, sh.offsets[-1] + chunk, chunk)), [len(counts)]]))
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        rows = np.arange(lo, hi)[counts[lo:hi] > 0]
+        if not len(rows):
+            continue
+        first = sh.offsets[lo]
+        x = sh.hashes[first:sh.offsets[hi]]
+        seg = sh.offsets[rows] - first
+        v = np.empty(len(x), _U64)
+        for j in range(len(a)):
+            np.multiply(x, a[j], out=v)
+            v += b[j]
+            out[rows, j] = np.minimum.reduceat(v, seg) >> _U64(32)  # the shift is monotonic: shift the minimum only
+    return out
+
+
+def band_keys(sigs: np.ndarray, params: MinHashParams) -> np.ndarray:
+    """(texts, bands) int64: one hash of each band's `rows` signature values (band number mixed in)."""
+    n = len(sigs)
+    per_band = sigs.reshape(n, params.bands, params.rows).astype(_U64)
+    acc = np.zeros((n, params.bands), _U64)
+    for r, m in enumerate(params.position_multipliers(params.rows)):
+        acc += per_band[:, :, r] * m
+    acc += np.arange(params.bands, dtype=_U64) * _U64(0x9E3779B97F4A7C15)
+    return mix64(acc).view(np.int64)
+
+
+class ShingleSets:
+    """Arrow batch with `id`, `text` -> `id`, `shingles` (large_list<uint64>, for exact Jaccard)."""
+
+    def __init__(self, params: MinHashParams):
+        self.params = params
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        texts = batch["text"].combine_chunks() if len(batch) else pa.array([], pa.string())
+        return pa.table({"id": batch["id"], "shingles": shingles(texts, self.params).to_arrow()})
 
 
 def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
     return float(np.mean(sig_a == sig_b))
 
 
-class Signatures:
-    """Arrow batch with `id`, `text` -> `id`, `signature` (fixed-size list of num_perm uint32)."""
+def exact_jaccard(a: pa.Array, b: pa.Array) -> np.ndarray:
+    """Row-wise Jaccard similarity of the sets of two list<uint64> shingle columns (two empty sets: 1.0)."""
+    df = pl.DataFrame({"a": pl.from_arrow(a), "b": pl.from_arrow(b)})
+    inter = df.select(pl.col("a").list.set_intersection("b").list.len()).to_series().to_numpy().astype(np.float64)
+    union = df["a"].list.n_unique().to_numpy() + df["b"].list.n_unique().to_numpy() - inter
+    return np.where(union > 0, inter / np.maximum(union, 1), 1.0)
+
+
+class BandKeys:
+    """Arrow batch with `id`, `text` -> `id` and one `key_<band>` int64 column per LSH band."""
 
     def __init__(self, params: MinHashParams):
         self.params = params
         self.a, self.b = params.coefficients()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        sigs = np.stack([signature(shingle_hashes(t or "", self.params.ngram), self.a, self.b)
-                         for t in batch["text"].to_pylist()]) if len(batch) else np.zeros((0, self.params.num_perm),
-                                                                                              np.uint32)
-        return pa.table({
-            "id": batch["id"],
-            "signature": pa.FixedSizeListArray.from_arrays(pa.array(sigs.reshape(-1), pa.uint32()),
-                                                           self.params.num_perm),
-        })
-
-
-class BandKeys:
-    """Arrow batch of signatures -> one row per (document, band): `band`, `key` (64-bit hash of the band's rows)."""
-
-    def __init__(self, params: MinHashParams):
-        self.params = params
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        n, r = len(batch), self.params.rows
-        sigs = batch["signature"].combine_chunks().values.to_numpy().reshape(n, self.params.num_perm)
-        keys = np.empty((n, self.params.bands), dtype=np.int64)
-        for i in range(n):
-            for band in range(self.params.bands):
-                digest = hashlib.blake2b(sigs[i, band * r:(band + 1) * r].tobytes(), digest_size=8).digest()
-                keys[i, band] = int.from_bytes(digest, "little", signed=True)
-        ids = np.repeat(np.asarray(batch["id"].to_pylist(), dtype=object), self.params.bands)
-        return pa.table({
-            "band": pa.array(np.tile(np.arange(self.params.bands, dtype=np.int16), n)),
-            "key": pa.array(keys.reshape(-1)),
-            "id": pa.array(ids, pa.string()),
-            "signature": pa.FixedSizeListArray.from_arrays(
-                pa.array(np.repeat(sigs, self.params.bands, axis=0).reshape(-1), pa.uint32()), self.params.num_perm),
-        })
-
-
-def bucket_edges(threshold: float | None):
-    """A bucket (same band, same key) -> star edges from its smallest id to every other member, optionally kept
-    only when the members' signatures estimate a Jaccard similarity >= threshold."""
-
-    def edges(group: pa.Table) -> pa.Table:
-        ids = group["id"].to_pylist()
-        if len(ids) < 2:
-            return pa.table({"src": pa.array([], pa.string()), "dst": pa.array([], pa.string())})
-        sigs = group["signature"].combine_chunks().values.to_numpy().reshape(len(ids), -1)
-        root = min(range(len(ids)), key=ids.__getitem__)
-        src, dst = [], []
-        for i, doc in enumerate(ids):
-            if i != root and doc != ids[root] and (
-                threshold is None or estimated_jaccard(sigs[root], sigs[i]) >= threshold
-            ):
-                src.append(ids[root])
-                dst.append(doc)
-        return pa.table({"src": pa.array(src, pa.string()), "dst": pa.array(dst, pa.string())})
-
-    return edges
+        sh = shingles(batch["text"].combine_chunks() if len(batch) else pa.array([], pa.string()), self.params)
+        keys = band_keys(signatures(sh, self.a, self.b), self.params)
+        cols = {"id": batch["id"]}
+        cols.update({f"key_{band}": pa.array(keys[:, band]) for band in range(self.params.bands)})
+        return pa.table(cols)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
+import unicodedata
 
 
 def plant_duplicates(texts: list[str], copies: int = 2, edit_rate: float = 0.05, dup_fraction: float = 0.3,
@@ -20,23 +22,27 @@ def plant_duplicates(texts: list[str], copies: int = 2, edit_rate: float = 0.05,
         origin[base] = base
         if rng.random() < dup_fraction:
             for c in range(copies):
-                words = text.split()
-                out = []
-                for w in words:
-                    r = rng.random()
-                    if r < edit_rate / 3:
-                        continue  # delete
-                    if r < 2 * edit_rate / 3:
-                        out.append(rng.choice(vocab))  # replace
-                        continue
-                    out.append(w)
-                    if r < edit_rate:
-                        out.append(rng.choice(vocab))  # insert
                 dup = f"{base}-dup{c}"
-                docs.append({"id": dup, "text": " ".join(out)})
+                docs.append({"id": dup, "text": edit_words(text, edit_rate, rng, vocab)})
                 origin[dup] = base
     rng.shuffle(docs)
     return docs, origin
+
+
+def edit_words(text: str, rate: float, rng: random.Random, vocab: list[str]) -> str:
+    """Each word is deleted, replaced by a vocabulary word, or followed by an inserted one, each with rate / 3."""
+    out = []
+    for w in text.split():
+        r = rng.random()
+        if r < rate / 3:
+            continue
+        if r < 2 * rate / 3:
+            out.append(rng.choice(vocab))
+            continue
+        out.append(w)
+        if r < rate:
+            out.append(rng.choice(vocab))
+    return " ".join(out)
 
 
 def duplicate_pairs(cluster_of: dict[str, str]) -> set[tuple[str, str]]:
@@ -54,3 +60,26 @@ def pair_scores(found: dict[str, str], truth: dict[str, str]) -> dict:
     recall = tp / len(t) if t else 1.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     return {"precision": precision, "recall": recall, "f1": f1, "found_pairs": len(f), "true_pairs": len(t)}
+
+
+def reference_shingles(text: str, k: int = 5) -> set[str]:
+    """Word k-grams in plain Python, independent of the vectorized implementation, to score it against."""
+    words = re.sub(r"[^\w\s]+", " ", unicodedata.normalize("NFC", text).lower()).split()
+    return {" ".join(words[i:i + k]) for i in range(max(1, len(words) - k + 1))} if words else set()
+
+
+def reference_jaccard(a: str, b: str, k: int = 5) -> float:
+    sa, sb = reference_shingles(a, k), reference_shingles(b, k)
+    return len(sa & sb) / len(sa | sb) if sa or sb else 1.0
+
+
+def threshold_scores(found: set[tuple[str, str]], planted: set[tuple[str, str]], is_duplicate) -> dict:
+    """Precision/recall/F1 of found pairs where the truth is every planted or found pair that `is_duplicate`
+    (e.g. exact Jaccard >= threshold): planted copies edited past the threshold are not near-duplicates."""
+    truth = {p for p in planted | found if is_duplicate(p)}
+    tp = len(found & truth)
+    precision = tp / len(found) if found else 1.0
+    recall = tp / len(truth) if truth else 1.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"precision": round(precision, 4), "recall": round(recall, 4), "f1": round(f1, 4),
+            "found_pairs": len(found), "true_pairs": len(truth)}
