@@ -3,9 +3,15 @@ in GB per core-hour, the unit the issue anchors on (Data-Juicer on Ray ≈ 1.5; 
 Prints JSON.
 
     .venv/bin/python bench/curation_throughput.py [--recipe recipes/demo.yaml] [--repeat 4]
+    .venv/bin/python bench/curation_throughput.py --synthetic-mb 800 --object-store-mb 75   # out of core
 
 The recipe's sources are read `--repeat` times (as separate sources) so the fixed cost of starting Ray Data
-operators is spread over more text; the result also gives peak RSS of this driver process.
+operators is spread over more text. `--synthetic-mb` instead writes text files of that size made from the recipe's
+sources (each copy's paragraphs tagged with the copy number, so they are not exact duplicates) and curates them with
+the recipe's data settings; with `--object-store-mb` far below it, this is the out-of-core check: the run must finish
+by streaming and spilling. Reported: peak RSS of this driver and of the whole Ray process tree (sampled every 0.2 s;
+pages of the shared object store count once per process that maps them), the least available system memory seen,
+and what Ray spilled to disk.
 """
 
 from __future__ import annotations
@@ -13,16 +19,60 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import psutil
+
+
+class MemoryWatch(threading.Thread):
+    """Peak RSS of this process and all its descendants (the embedded Ray: GCS, raylet, workers)."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak_tree_mb, self.min_available_mb, self.stop = 0.0, float("inf"), threading.Event()
+
+    def run(self):
+        me = psutil.Process()
+        while not self.stop.wait(0.2):
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak_tree_mb = max(self.peak_tree_mb, total / 2**20)
+            self.min_available_mb = min(self.min_available_mb, psutil.virtual_memory().available / 2**20)
+
+
+def synthetic_corpus(files: list[str], folder: Path, megabytes: int) -> list[str]:
+    import gzip
+
+    text = "\n\n".join(gzip.open(f, "rt", encoding="utf-8").read() if f.endswith(".gz") else open(f).read()
+                       for f in files)
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    out, written, copy = [], 0, 0
+    while written < megabytes * 1e6:
+        path = folder / f"part-{len(out):04d}.txt"
+        with open(path, "w", encoding="utf-8") as f:
+            while f.tell() < 50e6 and written + f.tell() < megabytes * 1e6:
+                f.write("\n\n".join(f"{p} [{copy}]" for p in paragraphs) + "\n\n")
+                copy += 1
+            written += f.tell()
+        out.append(str(path))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="recipes/demo.yaml")
     parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--synthetic-mb", type=int, default=0, help="curate this many MB made from the sources")
+    parser.add_argument("--object-store-mb", type=int, default=0, help="Ray object store size (0: Ray's default)")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import gzip
@@ -35,17 +85,31 @@ def main() -> None:
 
     loaded = load_recipe(args.recipe)
     data = loaded.recipe.data
-    sources = [s.model_copy(update={"name": f"{s.name}-{k}"}) for k in range(args.repeat) for s in data.sources]
+    workdir = tempfile.TemporaryDirectory()
+    if args.synthetic_mb:
+        originals = [f for i, s in enumerate(data.sources) for f in expand_paths(s, loaded.resolve, f"sources[{i}]")]
+        files = synthetic_corpus(originals, Path(workdir.name), args.synthetic_mb)
+        sources = [data.sources[0].model_copy(update={"name": "synthetic", "paths": files, "format": "text"})]
+    else:
+        sources = [s.model_copy(update={"name": f"{s.name}-{k}"}) for k in range(args.repeat) for s in data.sources]
+        files = [f for i, s in enumerate(sources) for f in expand_paths(s, loaded.resolve, f"sources[{i}]")]
     data = data.model_copy(update={"sources": sources})
-    files = [f for i, s in enumerate(sources) for f in expand_paths(s, loaded.resolve, f"sources[{i}]")]
     text_bytes = sum(len(gzip.open(f).read()) if f.endswith(".gz") else Path(f).stat().st_size for f in files)
     cores = os.cpu_count() or 1
-    ray.init(address="local", num_cpus=max(8, cores), include_dashboard=False, log_to_driver=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        stats = curate(data, loaded.resolve, Path(tmp) / "data")
-        wall = time.perf_counter() - t0
+    ray.init(address="local", num_cpus=max(8, cores), include_dashboard=False, log_to_driver=False,
+             object_store_memory=args.object_store_mb * 2**20 or None)
+    store_mb = ray.available_resources().get("object_store_memory", 0) / 2**20
+    watch = MemoryWatch()
+    watch.start()
+    t0 = time.perf_counter()
+    stats = curate(data, loaded.resolve, Path(workdir.name) / "data")
+    wall = time.perf_counter() - t0
+    watch.stop.set()
+    from ray._private.internal_api import memory_summary
+
+    spilled = re.search(r"Spilled (\d+) MiB", memory_summary(stats_only=True))
     ray.shutdown()
+    workdir.cleanup()
     gb = text_bytes / 1e9
     print(json.dumps({
         "benchmark": "curation_throughput", "recipe": args.recipe, "repeat": args.repeat,
@@ -53,6 +117,9 @@ def main() -> None:
         "wall_s": round(wall, 2), "cores": cores, "gb_per_core_hour": round(gb / (wall * cores / 3600), 3),
         "docs_per_s": round(stats["documents_in"] / wall, 1),
         "driver_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "ray_tree_peak_rss_mb": round(watch.peak_tree_mb, 1), "min_available_system_mb": round(watch.min_available_mb),
+        "object_store_mb": round(store_mb), "corpus_over_object_store": round(text_bytes / 2**20 / max(store_mb, 1), 1),
+        "spilled_mb": int(spilled.group(1)) if spilled else 0,
         "anchors_gb_per_core_hour": {"data_juicer_on_ray": 1.5, "datatrove_hashing_per_task_hour": 3.0},
     }, indent=2))
 

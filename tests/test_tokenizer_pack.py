@@ -44,3 +44,15 @@ def test_pack_makes_fixed_length_rows_with_document_starts(tokenizer_dir):
     rows = out["input_ids"].to_pylist()
     assert len(rows) >= 3 and all(len(r) == 16 for r in rows)
     assert out["doc_starts"].to_pylist()[0][0] == 0
+    assert set(out["source"].to_pylist()) == {"corpus"}
+
+
+def test_pack_keeps_every_sequence_within_one_source(tokenizer_dir):
+    docs = pa.table({"text": ["livro " * 40, "web " * 40, "livro dois " * 20], "source": ["books", "web", "books"]})
+    out = TokenizeAndPack(str(tokenizer_dir), seq_len=16)(docs)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    for ids, source in zip(out["input_ids"].to_pylist(), out["source"].to_pylist()):
+        words = set(tok.decode(ids).split())
+        assert ("web" in words) == (source == "web") and ("livro" in words) == (source == "books")

@@ -1,21 +1,8 @@
 import numpy as np
 import pytest
 
-from amalia_ray.train.loop import global_batch_rows, local_micro_batches
+from amalia_ray.train.loop import local_micro_batches
 from amalia_ray.train.lr_schedule import lr_at
-
-
-def test_every_example_seen_once_per_epoch_and_resume_is_pure():
-    n, gbs = 40, 8
-    rows = np.concatenate([global_batch_rows(s, gbs, n, seed=7) for s in range(n // gbs)])
-    assert sorted(rows.tolist()) == list(range(n))
-    assert np.array_equal(global_batch_rows(3, gbs, n, 7), global_batch_rows(3, gbs, n, 7))
-    assert not np.array_equal(global_batch_rows(0, gbs, n, 7), global_batch_rows(0, gbs, n, 8))
-
-
-def test_batch_crossing_an_epoch_boundary():
-    rows = global_batch_rows(1, 8, 12, seed=0)  # positions 8..15: 4 from epoch 0, 4 from epoch 1
-    assert len(rows) == 8 and rows.max() < 12
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

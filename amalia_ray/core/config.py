@@ -166,6 +166,39 @@ class ModelConfig(Strict):
         return self
 
 
+class MixPhase(Strict):
+    until_tokens: int | None = Field(None, ge=1, description="this phase holds until so many training tokens "
+                                     "(of this stage) were read; null: to the end")
+    weights: dict[str, float] = Field(..., min_length=1, description="source name -> sampling weight (>= 0); "
+                                      "unnamed sources get 0")
+
+    @model_validator(mode="after")
+    def _weights(self) -> MixPhase:
+        if any(w < 0 for w in self.weights.values()) or not any(w > 0 for w in self.weights.values()):
+            raise ValueError(f"phase weights must be >= 0 with at least one > 0, got {self.weights}")
+        return self
+
+
+class CurriculumConfig(Strict):
+    """Mix weights over training tokens: piecewise-constant phases, or a hook 'package.module:function' called
+    with (tokens seen, source names) that returns a weight per source."""
+
+    phases: list[MixPhase] = []
+    hook: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> CurriculumConfig:
+        if bool(self.phases) == bool(self.hook):
+            raise ValueError("curriculum needs either phases or hook (exactly one)")
+        ends = [p.until_tokens for p in self.phases]
+        if None in ends[:-1]:
+            raise ValueError("only the last curriculum phase may have until_tokens null")
+        bounded = [e for e in ends if e is not None]
+        if bounded != sorted(set(bounded)):
+            raise ValueError(f"curriculum phases' until_tokens must increase, got {bounded}")
+        return self
+
+
 class TrainStageConfig(Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     objective: Literal["pretrain", "sft", "dpo", "grpo"]
@@ -188,6 +221,8 @@ class TrainStageConfig(Strict):
     checkpoints_to_keep: int = Field(2, ge=1)
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
     log_every: int = Field(1, ge=1)
+    curriculum: CurriculumConfig | None = Field(
+        None, description="scheduled source mix; default: every packed sequence equally likely")
     init_from: Literal["scratch", "previous"] = Field(
         "previous", description="previous: start from the previous training stage's checkpoint (scratch for the first)"
     )
@@ -264,6 +299,12 @@ class Recipe(Strict):
         reserved = {"data", "tokenizer", "pack", "serve", "eval", "report"}
         if clash := reserved.intersection(names):
             raise ValueError(f"train stage names {sorted(clash)} clash with pipeline stages {sorted(reserved)}")
+        sources = {s.name for s in self.data.sources}
+        for stage in self.train:
+            for phase in (stage.curriculum.phases if stage.curriculum else []):
+                if unknown := set(phase.weights) - sources:
+                    raise ValueError(f"train stage '{stage.name}': curriculum names unknown source(s) "
+                                     f"{sorted(unknown)}; data.sources are {sorted(sources)}")
         if self.pack.seq_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"pack.seq_len {self.pack.seq_len} exceeds model.max_position_embeddings "

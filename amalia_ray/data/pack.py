@@ -7,11 +7,12 @@ import pyarrow as pa
 
 
 class TokenizeAndPack:
-    """Arrow batch of documents -> rows of exactly `seq_len` token ids.
+    """Arrow batch of documents -> rows of exactly `seq_len` token ids, `doc_starts` and `source`.
 
-    Documents are joined with EOS and cut into sequences; the tail shorter than `seq_len` at the end of each batch is
-    dropped (at most one sequence per batch, so batches of hundreds of documents lose well under 1%).
-    `doc_starts` keeps where each document begins inside a sequence, for objectives that reset positions.
+    Documents of one source are joined with EOS and cut into sequences, so every sequence belongs to one source and
+    training can re-weight sources (core/shards.py); the tail shorter than `seq_len` at the end of each batch and
+    source is dropped (at most one sequence per batch and source). `doc_starts` keeps where each document begins
+    inside a sequence, for objectives that reset positions or mask attention across documents.
     """
 
     def __init__(self, tokenizer_dir: str, seq_len: int):
@@ -22,7 +23,16 @@ class TokenizeAndPack:
         self.eos = self.tok.eos_token_id
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        encoded = self.tok(batch["text"].to_pylist(), add_special_tokens=False)["input_ids"]
+        sources = batch["source"].to_pylist() if "source" in batch.column_names else ["corpus"] * len(batch)
+        parts = []
+        for source in sorted(set(sources)):
+            rows = batch.filter(pa.array([s == source for s in sources]))
+            packed = self.pack(rows["text"].to_pylist())
+            parts.append(packed.append_column("source", pa.array([source] * len(packed), pa.string())))
+        return pa.concat_tables(parts) if parts else self.pack([]).append_column("source", pa.array([], pa.string()))
+
+    def pack(self, texts: list[str]) -> pa.Table:
+        encoded = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
         stream, starts = [], []
         for ids in encoded:
             starts.append(len(stream))

@@ -14,6 +14,7 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.data.cleaning import Clean
 from amalia_ray.data.language import LanguageID, VarietyTag
+from amalia_ray.data.partitions import configure_data_context, partition_count
 from amalia_ray.data.pack import TokenizeAndPack
 from amalia_ray.data.quality import quality_steps
 from amalia_ray.data.readers import expand_paths, read_sources
@@ -24,7 +25,6 @@ from amalia_ray.data.steps import (
     Normalize,
     is_validation,
     keep_first_of_group,
-    shuffle_partitions,
 )
 from amalia_ray.data.tokenizer import train_tokenizer
 
@@ -36,8 +36,7 @@ def input_files(cfg: DataConfig, resolve) -> list[str]:
 def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     """Read, clean, filter and exact-dedup the corpus into `out_dir/kept`; every dropped document goes to
     `out_dir/dropped` with its reason, unreadable records also to `out_dir/quarantine` with their location."""
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
+    configure_data_context()
     tmp = fresh_dir(out_dir)
     docs = (
         read_sources(cfg.sources, resolve)
@@ -50,7 +49,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     for step in steps:
         docs = docs.map_batches(step, batch_format="pyarrow")
     docs = docs.materialize()
-    per_filter = docs.groupby(["source", "drop_reason"], num_partitions=shuffle_partitions()).count().to_pandas()
+    per_filter = docs.groupby(["source", "drop_reason"], num_partitions=partition_count(0)).count().to_pandas()
     n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
     dropped = docs.filter(expr=col("drop_reason").is_not_null())
     dropped.write_parquet(str(tmp / "dropped"))
@@ -70,12 +69,12 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     if cfg.dedup == "exact":
         kept = (
             kept.map_batches(ContentHash(), batch_format="pyarrow")
-            .groupby("content_hash", num_partitions=shuffle_partitions())
+            .groupby("content_hash", num_partitions=partition_count(0))
             .map_groups(keep_first_of_group, batch_format="pyarrow")
             .sort("id")
         )
     kept = kept.materialize()
-    by_variety = (kept.groupby("pt_variety", num_partitions=shuffle_partitions()).count().to_pandas()
+    by_variety = (kept.groupby("pt_variety", num_partitions=partition_count(0)).count().to_pandas()
                   if cfg.variety else None)
     kept.write_parquet(str(tmp / "kept"))
     n_kept = kept.count()  # materialized above: no re-execution
@@ -109,8 +108,7 @@ def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, 
          seed: int, num_actors: int = 2) -> dict:
     """Split documents into train/validation by id, mix the training documents by source weight, tokenize and pack
     each split into `seq_len` sequences."""
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
+    configure_data_context()
     tmp = fresh_dir(out_dir)
     docs = ray.data.read_parquet(str(corpus_dir / "kept"), columns=["id", "source", "text"]).map_batches(
         _mark_split(cfg.validation_fraction), batch_format="pyarrow"

@@ -97,14 +97,6 @@ def is_validation(doc_id: str, fraction: float) -> bool:
     return unit_hash(doc_id) < fraction
 
 
-def shuffle_partitions() -> int:
-    """Partitions for groupby shuffles: Ray Data's default (200) schedules hundreds of tiny tasks on a laptop;
-    two per CPU of the cluster keeps every core busy without that overhead, and grows with the cluster."""
-    import ray
-
-    return max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-
-
 class MixBySource:
     """Up/down-sample documents by their source's weight: floor(w) copies of each, plus one more for a seeded
     share frac(w) of them (hash of id and seed, so the same recipe gives the same mix on any cluster)."""

@@ -22,18 +22,6 @@ from amalia_ray.train.parallel import apply_fsdp, resolve_precision
 log = logging.getLogger("amalia_ray.train")
 
 
-def global_batch_rows(step: int, global_batch: int, num_examples: int, seed: int) -> np.ndarray:
-    """Example indices of the global batch at `step`: a seeded permutation per epoch, walked in order. A pure
-    function of the step, so resuming only needs the step and the same data."""
-    positions = step * global_batch + np.arange(global_batch)
-    epochs, within = np.divmod(positions, num_examples)
-    rows = np.empty(global_batch, dtype=np.int64)
-    for epoch in np.unique(epochs):
-        perm = np.random.default_rng([seed, int(epoch)]).permutation(num_examples)
-        rows[epochs == epoch] = perm[within[epochs == epoch]]
-    return rows
-
-
 def local_micro_batches(rows: np.ndarray, micro: int, rank: int, world: int) -> list[np.ndarray]:
     """This rank's micro-batches; the global batch stays the same whatever the number of workers."""
     accum = len(rows) // (micro * world)
@@ -59,7 +47,7 @@ def _log(path: Path, record: dict, keep_through: int | None = None) -> None:
 
 @torch.no_grad()
 def validation_loss(model, objective, micro: int, rank: int, world: int) -> float | None:
-    n = len(objective.validation)
+    n = objective.num_validation()
     if n == 0:
         return None
     model.eval()
@@ -102,11 +90,19 @@ def train_loop(config: dict) -> None:
         model.parameters(), lr=stage["lr"], betas=tuple(stage["betas"]), weight_decay=stage["weight_decay"]
     )
 
+    gbs, micro, seed = stage["global_batch_size"], stage["micro_batch_size"], config["seed"]
+    sampler = objective.sampler(seed, stage.get("curriculum"))
     start_step = 0
     resumed = ray.train.get_checkpoint()
     if resumed:
         with resumed.as_directory() as folder:
-            start_step = checkpoint.load(Path(folder), model, optimizer)["step"]
+            train_state = checkpoint.load(Path(folder), model, optimizer)
+        start_step = train_state["step"]
+        if "data" in train_state:
+            sampler.load_state_dict(train_state["data"])
+        else:  # a checkpoint from before the read position was saved: replay the draws (deterministic)
+            for _ in range(start_step):
+                sampler.next_rows(gbs)
     total_steps = stage["steps"]
     if rank == 0:
         _log(metrics_path, {}, keep_through=start_step)
@@ -116,7 +112,6 @@ def train_loop(config: dict) -> None:
             log.warning(f"[{stage['name']}] WARNING: resuming at step {start_step} of {total_steps}: "
                         "zero steps left to train; raise steps to train further")
 
-    gbs, micro, seed = stage["global_batch_size"], stage["micro_batch_size"], config["seed"]
     n_params = sum(p.numel() for p in model.parameters())
     step = start_step
     for step in range(start_step, total_steps):
@@ -125,7 +120,7 @@ def train_loop(config: dict) -> None:
                    schedule=stage["schedule"], min_ratio=stage["min_lr_ratio"], decay_fraction=stage["decay_fraction"])
         for group in optimizer.param_groups:
             group["lr"] = lr
-        rows = global_batch_rows(step, gbs, objective.num_examples(), seed)
+        rows = sampler.next_rows(gbs)
         loss_sum, tokens = 0.0, 0
         for micro_rows in local_micro_batches(rows, micro, rank, world):
             batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}
@@ -159,7 +154,8 @@ def train_loop(config: dict) -> None:
                          f"grad_norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s")
         if save_now:
             with tempfile.TemporaryDirectory() as tmp:
-                checkpoint.save(Path(tmp), model, optimizer, {"step": done, "params": n_params})
+                checkpoint.save(Path(tmp), model, optimizer,
+                                {"step": done, "params": n_params, "data": sampler.state_dict()})
                 ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
         elif done % stage["log_every"] == 0:
             ray.train.report(record)

@@ -9,40 +9,36 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
 from amalia_ray.core.errors import NotImplementedYet
+from amalia_ray.core.shards import MixtureSampler, PackedSplit, load_hook, phase_schedule
 
 
 class Pretrain:
-    """Packed causal LM over fixed-length token sequences (documents joined by EOS)."""
+    """Packed causal LM over fixed-length token sequences (documents joined by EOS), sources mixed by a sampler."""
 
     name = "pretrain"
 
     def __init__(self, data_dir: Path):
-        self.train = self._read(data_dir / "train")
-        self.validation = self._read(data_dir / "validation")
+        self.train = PackedSplit.read(data_dir / "train")
+        self.validation = PackedSplit.read(data_dir / "validation")
 
-    @staticmethod
-    def _read(split_dir: Path) -> np.ndarray:
-        files = sorted(split_dir.rglob("*.parquet")) if split_dir.exists() else []
-        if not files:
-            return np.zeros((0, 0), dtype=np.int64)
-        arrays = []
-        for f in files:
-            column = pq.read_table(f, columns=["input_ids"]).column("input_ids").combine_chunks()
-            seq_len = column.type.list_size
-            arrays.append(column.values.to_numpy(zero_copy_only=False).reshape(-1, seq_len))
-        return np.concatenate(arrays).astype(np.int64)
+    def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
+        schedule = None
+        if curriculum and curriculum.get("hook"):
+            schedule = load_hook(curriculum["hook"])
+        elif curriculum and curriculum.get("phases"):
+            schedule = phase_schedule(curriculum["phases"])
+        return MixtureSampler(self.train.rows_by_source(), self.train.tokens.shape[1], seed, schedule)
 
-    def num_examples(self) -> int:
-        return len(self.train)
+    def num_validation(self) -> int:
+        return len(self.validation.tokens)
 
     def batch(self, rows: np.ndarray, split: str = "train") -> dict:
         data = self.train if split == "train" else self.validation
-        return {"input_ids": torch.from_numpy(data[rows])}
+        return {"input_ids": torch.from_numpy(data.tokens[rows])}
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, int]:
         ids = batch["input_ids"]
