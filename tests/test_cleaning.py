@@ -36,3 +36,14 @@ def test_clean_step_repairs_mojibake():
     assert out["text"].to_pylist() == ["Informação: contacte <EMAIL>"]
     kept = Clean(CleaningConfig(fix_mojibake=False, scrub_pii=False))(batch)
     assert kept["text"].to_pylist() == batch["text"].to_pylist()
+
+
+def test_ftfy_is_skipped_only_where_it_would_change_nothing():
+    import ftfy
+
+    texts = ["InformaÃ§Ã£o sobre o sistema", "nÃ£o Ã© possÃ\xadvel", "“aspas” &amp; ﬁm", "texto\x07 limpo",
+             "Ação, coração e pôr do sol: nº 3 «citação» — fim…", "plain ascii text"]
+    cfg = CleaningConfig(remove_repeated_lines=False, scrub_pii=False)
+    out = Clean(cfg)(pa.table({"id": [str(i) for i in range(len(texts))], "text": texts}))["text"].to_pylist()
+    assert out == [ftfy.fix_text(t, normalization="NFC") for t in texts]
+    assert out[0] == "Informação sobre o sistema" and out[4] == texts[4]

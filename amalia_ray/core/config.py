@@ -108,6 +108,23 @@ class VarietyConfig(Strict):
     margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
 
 
+class NearDedupConfig(Strict):
+    """MinHash-LSH near-duplicate removal (see `amalia data dedup`)."""
+
+    threshold: float = Field(0.8, ge=0, le=1, description="exact shingle Jaccard a candidate pair needs; 0 = keep "
+                             "every LSH candidate")
+    ngram: int = Field(5, ge=1, description="words per shingle")
+    num_perm: int = Field(112, ge=1, description="MinHash permutations")
+    bands: int = Field(14, ge=1, description="LSH bands; rows per band = num_perm / bands")
+    seed: int = 1
+
+    @model_validator(mode="after")
+    def _bands_divide(self) -> NearDedupConfig:
+        if self.num_perm % self.bands:
+            raise ValueError(f"num_perm {self.num_perm} is not a multiple of bands {self.bands}")
+        return self
+
+
 class DataConfig(Strict):
     sources: list[SourceConfig] = Field(..., min_length=1)
     normalization: Literal["NFC", "NFKC"] = "NFC"
@@ -117,6 +134,7 @@ class DataConfig(Strict):
     variety: VarietyConfig | None = Field(None, description="pt-PT / pt-BR tagging and filtering; null = off")
     quality: QualityConfig | None = Field(None, description="heuristic quality filters; null = off")
     dedup: Literal["exact", "none"] = "exact"
+    near_dedup: NearDedupConfig | None = Field(None, description="MinHash-LSH near-dedup after exact; null = off")
 
     @model_validator(mode="after")
     def _unique_source_names(self) -> DataConfig:

@@ -5,17 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 from ray.data.expressions import col
 
-from amalia_ray.core.config import DataConfig, PackConfig, TokenizerConfig
+from amalia_ray.core.config import DataConfig, NearDedupConfig, PackConfig, TokenizerConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.data.cleaning import Clean
+from amalia_ray.data.dedup import near_duplicate_clusters, with_clusters
 from amalia_ray.data.language import LanguageID, VarietyTag
-from amalia_ray.data.partitions import configure_data_context, partition_count
+from amalia_ray.data.minhash import MinHashParams
 from amalia_ray.data.pack import TokenizeAndPack
+from amalia_ray.data.partitions import configure_data_context, partition_count, per_part
 from amalia_ray.data.quality import quality_steps
 from amalia_ray.data.readers import expand_paths, read_sources
 from amalia_ray.data.steps import (
@@ -24,7 +27,7 @@ from amalia_ray.data.steps import (
     MixBySource,
     Normalize,
     is_validation,
-    keep_first_of_group,
+    keep_first_per_hash,
 )
 from amalia_ray.data.tokenizer import train_tokenizer
 
@@ -34,8 +37,9 @@ def input_files(cfg: DataConfig, resolve) -> list[str]:
 
 
 def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
-    """Read, clean, filter and exact-dedup the corpus into `out_dir/kept`; every dropped document goes to
-    `out_dir/dropped` with its reason, unreadable records also to `out_dir/quarantine` with their location."""
+    """Read, clean, filter, exact- and (optionally) near-dedup the corpus into `out_dir/kept`; every dropped document
+    goes to `out_dir/dropped` with its reason, unreadable records also to `out_dir/quarantine` with their location,
+    near duplicates to `out_dir/near_duplicates` with the id of the document kept for them."""
     configure_data_context()
     tmp = fresh_dir(out_dir)
     docs = (
@@ -53,7 +57,8 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
     dropped = docs.filter(expr=col("drop_reason").is_not_null())
     dropped.write_parquet(str(tmp / "dropped"))
-    quarantined = dropped.filter(lambda row: row["drop_reason"].startswith("quarantine:"))
+    quarantined = dropped.map_batches(
+        lambda b: b.filter(pc.starts_with(b["drop_reason"], "quarantine:")), batch_format="pyarrow")
     if n_quarantined := quarantined.count():
         quarantined.select_columns(["source", "path", "location", "drop_reason", "text"]).write_parquet(
             str(tmp / "quarantine"))
@@ -66,14 +71,13 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
             + ", ".join(f"{r} ({n})" for r, n in reasons.items())
             + f"; relax those filters (data.min_chars={cfg.min_chars}) or check data.sources"
         )
+    parts = partition_count(n_filtered)
     if cfg.dedup == "exact":
-        kept = (
-            kept.map_batches(ContentHash(), batch_format="pyarrow")
-            .groupby("content_hash", num_partitions=partition_count(0))
-            .map_groups(keep_first_of_group, batch_format="pyarrow")
-            .sort("id")
-        )
-    kept = kept.materialize()
+        kept = per_part(kept.map_batches(ContentHash(parts), batch_format="pyarrow"), keep_first_per_hash, parts)
+    kept = kept.sort("id").materialize()
+    n_exact = kept.count()
+    if cfg.near_dedup:
+        kept = _near_dedup(kept, cfg.near_dedup, parts, tmp / "near_duplicates")
     by_variety = (kept.groupby("pt_variety", num_partitions=partition_count(0)).count().to_pandas()
                   if cfg.variety else None)
     kept.write_parquet(str(tmp / "kept"))
@@ -88,12 +92,25 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
         "documents_in": n_in,
         "quarantined": n_quarantined,
         "documents_after_filters": n_filtered,
-        "exact_duplicates_removed": n_filtered - n_kept,
+        "exact_duplicates_removed": n_filtered - n_exact,
+        "near_duplicates_removed": n_exact - n_kept,
         "documents_kept": n_kept,
         "per_filter": rows,
         **({"kept_by_variety": {r["pt_variety"]: int(r["count()"]) for r in by_variety.to_dict("records")}}
            if by_variety is not None else {}),
     }
+
+
+def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, partitions: int, removed_dir: Path) -> ray.data.Dataset:
+    """MinHash-LSH near-dedup of the kept documents: the smallest id of each cluster stays, with `cluster_size` for
+    rehydration; the others are written to `removed_dir` with the id of the document kept for them."""
+    params = MinHashParams(ngram=cfg.ngram, num_perm=cfg.num_perm, bands=cfg.bands, seed=cfg.seed)
+    clusters, _ = near_duplicate_clusters(kept, params, cfg.threshold or None, partitions)
+    joined = with_clusters(kept, clusters.materialize(), partitions).materialize()
+    removed = joined.filter(expr=col("id") != col("cluster_id"))
+    if removed.count():
+        removed.select_columns(["id", "source", "cluster_id", "cluster_size", "text"]).write_parquet(str(removed_dir))
+    return joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"]).materialize()
 
 
 def build_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig) -> dict:

@@ -10,8 +10,11 @@ import hashlib
 import re
 import unicodedata
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from amalia_ray.data.partitions import with_part
 
 _SPACES = re.compile(r"[ \t\u00a0]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
@@ -32,10 +35,11 @@ class Normalize:
         return map_text(batch, self.clean)
 
 
-def map_text(batch: pa.Table, fn) -> pa.Table:
-    """Apply fn to the text of every row not dropped yet (quarantined rows keep their raw content)."""
+def map_text(batch: pa.Table, fn, *per_row: list) -> pa.Table:
+    """Apply fn(text, *per-row values) to every row not dropped yet (quarantined rows keep their raw content)."""
     done = already_dropped(batch)
-    cleaned = [t if d else fn(t) for t, d in zip(batch["text"].to_pylist(), done)]
+    rows = zip(batch["text"].to_pylist(), done, *per_row)
+    cleaned = [row[0] if row[1] else fn(row[0], *row[2:]) for row in rows]
     return batch.set_column(batch.schema.get_field_index("text"), "text", pa.array(cleaned, pa.string()))
 
 
@@ -72,19 +76,27 @@ def already_dropped(batch: pa.Table) -> list[bool]:
 
 
 class ContentHash:
-    """Adds `content_hash`: sha1 of the normalized text, the key of exact deduplication."""
+    """Adds `content_hash` (sha1 of the normalized text, the key of exact deduplication) and the shuffle `part`."""
+
+    def __init__(self, partitions: int):
+        self.partitions = partitions
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         hashes = [hashlib.sha1(t.encode("utf-8")).hexdigest() for t in batch["text"].to_pylist()]
-        return batch.append_column("content_hash", pa.array(hashes, pa.string()))
+        return with_part(batch.append_column("content_hash", pa.array(hashes, pa.string())), "content_hash",
+                         self.partitions)
 
 
-def keep_first_of_group(group: pa.Table) -> pa.Table:
-    """Within one content_hash group keep the smallest id (deterministic whatever the block order) and record how
-    many copies there were."""
-    ids = group["id"].to_pylist()
-    first = min(range(len(ids)), key=ids.__getitem__)
-    return group.slice(first, 1).append_column("duplicates", pa.array([len(ids)], pa.int64()))
+def keep_first_per_hash(group: pa.Table) -> pa.Table:
+    """Rows of one part -> per content_hash the row with the smallest id (deterministic whatever the block order),
+    with `duplicates` = how many copies there were."""
+    rows = group.sort_by([("content_hash", "ascending"), ("id", "ascending")])
+    hashes = rows["content_hash"].to_numpy(zero_copy_only=False)
+    first = np.ones(len(rows), dtype=bool)
+    first[1:] = hashes[1:] != hashes[:-1]
+    copies = np.diff(np.append(np.flatnonzero(first), len(rows)))
+    return (rows.filter(pa.array(first)).drop_columns(["part"])
+            .append_column("duplicates", pa.array(copies, pa.int64())))
 
 
 def unit_hash(key: str) -> float:

@@ -74,7 +74,8 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
     if data and data.metrics.get("per_filter"):
         m = data.metrics
         parts += ["## Data", "", f"{m['documents_in']} documents read, {m['documents_after_filters']} passed the "
-                  f"filters, {m['exact_duplicates_removed']} exact duplicates removed, {m['documents_kept']} kept.", "",
+                  f"filters, {m['exact_duplicates_removed']} exact and {m.get('near_duplicates_removed', 0)} near "
+                  f"duplicates removed, {m['documents_kept']} kept.", "",
                   _table(["source", "outcome", "documents"],
                          [[r["source"], r["reason"], r["documents"]] for r in sorted(
                              m["per_filter"], key=lambda r: (r["source"], r["reason"]))]), ""]
