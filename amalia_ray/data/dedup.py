@@ -67,7 +67,10 @@ def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, thres
         return pa.table({"key": keys, "id": ids, "part": pa.array((keys.to_numpy() % partitions).astype(np.int32))})
 
     keys = docs.select_columns(["id", "text"]).map_batches(BandKeys(params), batch_format="pyarrow")
-    candidates = per_part(keys.map_batches(band_rows, batch_format="pyarrow"), _bucket_edges, partitions).materialize()
+    star_edges = per_part(keys.map_batches(band_rows, batch_format="pyarrow"), _bucket_edges, partitions)
+    # a pair found in several bands was found in several parts: one more keyed shuffle (by src) keeps it once
+    candidates = per_part(star_edges.map_batches(lambda b: with_part(b, "src", partitions), batch_format="pyarrow"),
+                          _unique_edges, partitions).materialize()
     stats = {"candidate_pairs": candidates.count()}
     edges = candidates
     if threshold is not None and stats["candidate_pairs"]:
@@ -91,6 +94,10 @@ def _bucket_edges(group: pa.Table) -> pa.Table:
     edges = (df.join(roots, on="key").filter(pl.col("id") != pl.col("src")).select("src", dst="id")
              .unique().sort("src", "dst"))
     return to_arrow(edges, EDGES)
+
+
+def _unique_edges(group: pa.Table) -> pa.Table:
+    return to_arrow(pl.from_arrow(group.select(["src", "dst"])).unique().sort("src", "dst"), EDGES)
 
 
 def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinHashParams, threshold: float,
