@@ -105,7 +105,7 @@ class _DefaultRunGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
 
-data_app = typer.Typer(cls=_DefaultRunGroup, help="Data stages: curate, tokenize, pack; dedup a corpus.")
+data_app = typer.Typer(cls=_DefaultRunGroup, help="Data stages: curate, tokenize, pack; dedup a corpus; FAQ -> SFT chats.")
 app.add_typer(data_app, name="data")
 
 
@@ -145,6 +145,25 @@ def data_dedup(
     with ray_session():
         stats = dedup(input, output, params, threshold or None)
     console.print_json(json.dumps(stats))
+
+
+@data_app.command("faq-chat")
+@guarded
+def data_faq_chat(
+    source: Annotated[Path, typer.Argument(help="a FAQ as text (.gz ok) with numbered questions, e.g. Debian's")],
+    output: Annotated[Path, typer.Argument(help="conversations jsonl for an sft stage's dataset")],
+    max_answer_chars: Annotated[int, typer.Option(help="keep an answer's first paragraphs up to this size")] = 1200,
+) -> None:
+    """Turn a FAQ's numbered questions and their answers into user/assistant conversations (SFT data)."""
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.data.conversations import write_faq_conversations
+
+    if not source.is_file():
+        raise AmaliaError(f"FAQ not found: {source}")
+    n = write_faq_conversations(source, output, max_answer_chars)
+    if n == 0:
+        raise AmaliaError(f"{source}: no numbered question with an answer found")
+    console.print(f"{n} conversations -> {output}")
 
 
 @app.command()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import load_recipe
@@ -110,6 +111,31 @@ def test_second_run_skips_unchanged_stages(demo_run, recipe_path, capsys):
     assert out.count("skipped") == len(before)
 
 
+def test_sft_stage_continues_from_the_pretrained_checkpoint(demo_run, recipe_path):
+    """pretrain -> sft on conversations made from the Debian FAQ: the sft stage starts from the pretrain export,
+    trains on assistant tokens only and exports its own HF checkpoint."""
+    from amalia_ray.data.conversations import write_faq_conversations
+
+    chats = recipe_path.parent / "faq-chat.jsonl"
+    assert write_faq_conversations(Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"), chats) >= 100
+    data = yaml.safe_load(recipe_path.read_text())
+    data["train"].append({**data["train"][0], "name": "sft", "objective": "sft", "dataset": str(chats),
+                          "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 8,
+                          "curriculum": None})
+    sft_recipe = recipe_path.parent / "sft.yaml"
+    sft_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    pipeline = Pipeline(load_recipe(sft_recipe))
+    pipeline.run(until="sft")
+    stages = pipeline.manifest.stages
+    assert stages["pretrain"].attempts == 1, "pretrain unchanged: skipped"
+    rec = stages["sft"]
+    assert rec.status == "completed" and "init_checkpoint" in rec.inputs and "conversations" in rec.inputs
+    history = read_jsonl(pipeline.run_dir / "sft" / "metrics.jsonl")
+    assert [h["step"] for h in history] == list(range(1, 9))
+    assert all(math.isfinite(h["loss"]) for h in history) and history[-1]["tokens"] < 8 * 512
+    assert (pipeline.checkpoint_of("sft") / "model.safetensors").exists()
+
+
 def test_interrupted_training_resumes_from_its_checkpoint(demo_run, recipe_path, tmp_path):
     """SIGKILL a training worker after the first checkpoint (failure budget 0, so the stage fails), then run
     again: the stage resumes from the checkpoint instead of step 0, and the metrics history has every step once."""
@@ -147,6 +173,19 @@ def test_interrupted_training_resumes_from_its_checkpoint(demo_run, recipe_path,
     resumed_at = max(h["attempt_start_step"] for h in history)
     assert resumed_at >= 10 and resumed_at % 10 == 0, "the second attempt must start from a checkpoint, not step 0"
     assert all(h["attempt_start_step"] == 0 for h in history[:resumed_at])
+
+    # exact resume: the same stage trained from scratch without interruption logs the same loss at every step
+    data = yaml.safe_load(recipe.read_text())
+    data["train"].append({**data["train"][0], "name": "reference", "init_from": "scratch"})
+    reference = resume_dir / "reference.yaml"
+    reference.write_text(yaml.safe_dump(data, sort_keys=False))
+    straight = Pipeline(load_recipe(reference))
+    straight.run(until="reference")
+    assert straight.manifest.stages["pretrain"].attempts == 2, "the resumed stage itself is not trained again"
+    expected = read_jsonl(straight.run_dir / "reference" / "metrics.jsonl")
+    assert [h["step"] for h in expected] == list(range(1, 61))
+    for got, want in zip(history, expected):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(1.0, abs(want["loss"])), (got["step"], got, want)
 
 
 def test_corpus_empty_after_filtering(ray_cluster, tmp_path):

@@ -89,3 +89,8 @@ def test_packed_split_reads_sources_and_document_starts(tmp_path):
     split = PackedSplit.read(tmp_path)
     assert split.tokens.shape == (3, 4) and split.doc_starts == [[0, 2], [0], [1]]
     assert {k: v.tolist() for k, v in split.rows_by_source().items()} == {"books": [1], "web": [0, 2]}
+
+
+def test_positions_restart_at_every_document():
+    split = PackedSplit(np.zeros((2, 8), np.int64), np.array(["a", "a"], dtype=object), [[0, 3, 6], [2]])
+    assert split.position_ids(np.array([0, 1])).tolist() == [[0, 1, 2, 0, 1, 2, 0, 1], [0, 1, 0, 1, 2, 3, 4, 5]]

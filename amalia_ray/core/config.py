@@ -239,6 +239,13 @@ class TrainStageConfig(Strict):
     checkpoints_to_keep: int = Field(2, ge=1)
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
     log_every: int = Field(1, ge=1)
+    dataset: str | None = Field(None, description="sft: jsonl file or folder of conversations ({messages: [{role, "
+                                "content}]}); relative to the recipe")
+    seq_len: int | None = Field(None, ge=8, description="sft: packed row length; default "
+                                "model.max_position_embeddings")
+    document_masking: bool = Field(
+        True, description="pretrain: positions restart at each document in a packed sequence and attention stays "
+        "within the document")
     curriculum: CurriculumConfig | None = Field(
         None, description="scheduled source mix; default: every packed sequence equally likely")
     init_from: Literal["scratch", "previous"] = Field(
@@ -255,6 +262,8 @@ class TrainStageConfig(Strict):
             )
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
+        if self.objective == "sft" and not self.dataset:
+            raise ValueError(f"train stage '{self.name}': objective sft needs a dataset (conversations jsonl)")
         return self
 
 

@@ -47,6 +47,17 @@ class PackedSplit:
             return cls(np.zeros((0, 0), np.int64), np.array([], dtype=object), [])
         return cls(np.concatenate(tokens).astype(np.int64), np.array(sources, dtype=object), starts)
 
+    def position_ids(self, rows: np.ndarray) -> np.ndarray:
+        """Positions that restart at 0 where each document begins. transformers reads restarting positions as
+        packed documents and masks attention across them (a block-diagonal causal mask)."""
+        length = self.tokens.shape[1]
+        starts = np.zeros((len(rows), length), dtype=bool)
+        starts[:, 0] = True
+        for i, row in enumerate(rows):
+            starts[i, [s for s in self.doc_starts[row] if 0 <= s < length]] = True
+        index = np.broadcast_to(np.arange(length), starts.shape)
+        return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+
     def rows_by_source(self) -> dict[str, np.ndarray]:
         return {s: np.flatnonzero(self.sources == s) for s in sorted(set(self.sources.tolist()))}
 

@@ -106,9 +106,13 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
     part of its document and attaches that document's shingles; shuffle 2 brings both sides together by pair.
     When the candidates' ids are few enough to send to every task, only those documents are shingled and shuffled."""
     texts = docs.select_columns(["id", "text"])
-    if 2 * candidates.count() <= broadcast_rows:
-        pairs = _collect(candidates)
-        wanted = pc.unique(pa.concat_arrays([pairs["src"].combine_chunks(), pairs["dst"].combine_chunks()]))
+    if 2 * candidates.count() <= broadcast_rows:  # their ids (not the pairs) are few enough to go to every task
+
+        def endpoints(batch: pa.Table) -> pa.Table:
+            ids = pa.concat_arrays([batch["src"].combine_chunks(), batch["dst"].combine_chunks()])
+            return pa.table({"id": pc.unique(ids)})
+
+        wanted = pc.unique(_collect(candidates.map_batches(endpoints, batch_format="pyarrow"))["id"].combine_chunks())
         texts = texts.map_batches(lambda b: b.filter(pc.is_in(b["id"], value_set=wanted)), batch_format="pyarrow")
     hashed = texts.map_batches(ShingleSets(params), batch_format="pyarrow")
 

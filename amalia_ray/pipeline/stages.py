@@ -24,6 +24,9 @@ def preflight(p: Pipeline, needs_serving: bool) -> None:
     """Everything that can be checked before any work starts, so a bad path fails in a second, not after training."""
     r = p.recipe
     data_stage.input_files(r.data, p.loaded.resolve)
+    for stage in r.train:
+        if stage.dataset and not p.loaded.resolve(stage.dataset).exists():
+            raise AmaliaError(f"train stage '{stage.name}': dataset not found: {p.loaded.resolve(stage.dataset)}")
     for i, task in enumerate(r.eval.tasks):
         path = p.loaded.resolve(task.path)
         if not path.is_file():
@@ -73,7 +76,8 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
         if stage.name not in names:
             break
         init = p.checkpoint_of(previous) if previous and stage.init_from == "previous" else None
-        inputs = {"packed": d("pack"), "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})}
+        data = {"conversations": p.loaded.resolve(stage.dataset)} if stage.dataset else {"packed": d("pack")}
+        inputs = {**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})}
         gpu = use_gpu(p)
         yield StageSpec(
             stage.name, [stage, r.model, r.run.seed], inputs, {"checkpoint": p.checkpoint_of(stage.name)},
@@ -94,7 +98,9 @@ def _train_body(p: Pipeline, stage, init: Path | None, gpu: bool):
         # same fingerprint -> same Ray Train run name -> Ray resumes from that run's latest checkpoint
         fingerprint = p.manifest.stage(stage.name).fingerprint
         return run_train_stage(
-            stage, p.recipe.model, data_dir=p.stage_dir("pack"), tokenizer_dir=p.stage_dir("tokenizer"),
+            stage, p.recipe.model,
+            data_dir=p.loaded.resolve(stage.dataset) if stage.dataset else p.stage_dir("pack"),
+            tokenizer_dir=p.stage_dir("tokenizer"),
             init_hf_dir=init, stage_dir=p.stage_dir(stage.name), ray_run_name=f"{stage.name}-{fingerprint}",
             seed=p.recipe.run.seed, use_gpu=gpu,
         )

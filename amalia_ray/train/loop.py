@@ -77,8 +77,9 @@ def train_loop(config: dict) -> None:
     stage_dir = Path(config["stage_dir"])
     metrics_path = stage_dir / "metrics.jsonl"
 
-    objective = build_objective(stage["objective"], Path(config["data_dir"]))
     hf_config = LlamaConfig.from_dict(config["hf_config"])
+    objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]),
+                                stage.get("seq_len") or hf_config.max_position_embeddings)
     torch.manual_seed(config["seed"])
     model = LlamaForCausalLM(hf_config).to(device)
     if config.get("init_hf_dir"):
@@ -96,7 +97,10 @@ def train_loop(config: dict) -> None:
     resumed = ray.train.get_checkpoint()
     if resumed:
         with resumed.as_directory() as folder:
-            train_state = checkpoint.load(Path(folder), model, optimizer)
+            chosen = checkpoint.intact(Path(folder))
+            if chosen is None:
+                raise RuntimeError(f"no intact checkpoint to resume from in {Path(folder).parent} (checksums fail)")
+            train_state = checkpoint.load(chosen, model, optimizer)
         start_step = train_state["step"]
         if "data" in train_state:
             sampler.load_state_dict(train_state["data"])

@@ -6,6 +6,8 @@ batch, however it is split into micro-batches and workers.
 
 from __future__ import annotations
 
+import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from amalia_ray.core.errors import NotImplementedYet
 from amalia_ray.core.shards import MixtureSampler, PackedSplit, load_hook, phase_schedule
+from amalia_ray.train.chat import encode_conversation, pack_conversations
 
 
 class Pretrain:
@@ -21,9 +24,10 @@ class Pretrain:
 
     name = "pretrain"
 
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, document_masking: bool = True):
         self.train = PackedSplit.read(data_dir / "train")
         self.validation = PackedSplit.read(data_dir / "validation")
+        self.document_masking = document_masking
 
     def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
         schedule = None
@@ -38,20 +42,90 @@ class Pretrain:
 
     def batch(self, rows: np.ndarray, split: str = "train") -> dict:
         data = self.train if split == "train" else self.validation
-        return {"input_ids": torch.from_numpy(data.tokens[rows])}
+        batch = {"input_ids": torch.from_numpy(data.tokens[rows])}
+        if self.document_masking:
+            batch["position_ids"] = torch.from_numpy(data.position_ids(rows))
+        return batch
+
+    @staticmethod
+    def logits(model, batch: dict) -> torch.Tensor:
+        # no KV cache: transformers only reads restarting position_ids as packed documents without one
+        return model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, int]:
         ids = batch["input_ids"]
-        logits = model(input_ids=ids).logits[:, :-1].float()
+        logits = self.logits(model, batch)[:, :-1].float()
         targets = ids[:, 1:]
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
         return loss_sum, targets.numel()
 
 
-OBJECTIVES = {"pretrain": Pretrain}
+class SFT:
+    """Supervised fine-tuning on conversations (jsonl rows with `messages`): rendered with the tokenizer's chat
+    template, loss on assistant tokens only, conversations packed best-fit-decreasing into `seq_len` rows with
+    positions restarting per conversation (so attention stays within one)."""
+
+    name = "sft"
+
+    def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, validation_fraction: float = 0.05):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        train, validation = [], []
+        for conversation in read_conversations(data_path):
+            key = json.dumps(conversation, sort_keys=True, ensure_ascii=False).encode()
+            (validation if zlib.crc32(key) / 2**32 < validation_fraction else train).append(
+                encode_conversation(tok, conversation))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.train = pack_conversations(train, seq_len, pad)
+        self.validation = pack_conversations(validation, seq_len, pad)
+        if not len(self.train.input_ids):
+            raise ValueError(f"no training conversation with an assistant turn in {data_path}")
+
+    def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
+        if curriculum:
+            raise ValueError("curriculum applies to pretraining sources; an sft stage reads one conversation set")
+        return MixtureSampler({"sft": np.arange(len(self.train.input_ids))}, self.train.input_ids.shape[1], seed)
+
+    def num_validation(self) -> int:
+        return len(self.validation.input_ids)
+
+    def batch(self, rows: np.ndarray, split: str = "train") -> dict:
+        data = self.train if split == "train" else self.validation
+        return {"input_ids": torch.from_numpy(data.input_ids[rows]), "labels": torch.from_numpy(data.labels[rows]),
+                "position_ids": torch.from_numpy(data.position_ids[rows])}
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, int]:
+        logits = Pretrain.logits(model, batch)[:, :-1].float()
+        targets = batch["labels"][:, 1:]
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
+                                   reduction="sum")
+        return loss_sum, int((targets != -100).sum())
 
 
-def build_objective(name: str, data_dir: Path):
+def read_conversations(path: Path) -> list[list[dict]]:
+    """jsonl file(s) with a `messages` list per row; a bad row is an error naming file and line."""
+    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
+    out = []
+    for f in files:
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{f}:{n}: not a JSON object with 'messages' ({e})") from None
+            out.append(messages)
+    return out
+
+
+OBJECTIVES = {"pretrain": Pretrain, "sft": SFT}
+
+
+def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = None, seq_len: int | None = None):
+    name = stage["objective"]
     if name not in OBJECTIVES:
         raise NotImplementedYet(f"training objective '{name}'", 4)
-    return OBJECTIVES[name](data_dir)
+    if name == "sft":
+        return SFT(data_dir, tokenizer_dir, seq_len)
+    return Pretrain(data_dir, document_masking=stage.get("document_masking", True))
