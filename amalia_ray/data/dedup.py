@@ -41,7 +41,7 @@ def read_documents(path: Path) -> ray.data.Dataset:
     if parquet and not jsonl:
         ds = ray.data.read_parquet(parquet)
     elif jsonl and not parquet:
-        ds = ray.data.read_json(jsonl, lines=True)
+        ds = ray.data.read_json(jsonl)  # pyarrow's reader (newline-delimited); lines=True reads through pandas
     else:
         raise AmaliaError(f"dedup input {path}: expected .jsonl[.gz] or .parquet files, found "
                           f"{len(parquet)} Parquet and {len(jsonl)} jsonl")
