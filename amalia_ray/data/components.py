@@ -17,7 +17,6 @@ from amalia_ray.data.partitions import per_part, to_arrow, with_part
 
 STATE = pa.schema([("part", pa.int32()), ("node", pa.string()), ("label", pa.string()),
                    ("nbrs", pa.list_(pa.string())), ("is_self", pa.bool_()), ("changed", pa.bool_())])
-LABELS = pa.schema([("node", pa.string()), ("label", pa.string())])
 
 
 def connected_components(edges: ray.data.Dataset, partitions: int, max_rounds: int = 64
@@ -31,7 +30,7 @@ def connected_components(edges: ray.data.Dataset, partitions: int, max_rounds: i
         return with_part(table, "node", partitions)
 
     def send(batch: pa.Table) -> pa.Table:
-        """Every node row stays; a node whose label changed sends it to each neighbour."""
+        """Messages: a node whose label changed last round sends it to each neighbour (the others already did)."""
         df = pl.from_arrow(batch)
         msgs = (df.filter(pl.col("changed")).select(node=pl.col("nbrs"), label=pl.col("label")).explode("node")
                 .with_columns(nbrs=pl.lit(None, pl.List(pl.String)), is_self=pl.lit(False), changed=pl.lit(False),
