@@ -53,15 +53,6 @@ def duplicate_pairs(cluster_of: dict[str, str]) -> set[tuple[str, str]]:
     return {tuple(sorted(p)) for members in groups.values() for p in itertools.combinations(sorted(members), 2)}
 
 
-def pair_scores(found: dict[str, str], truth: dict[str, str]) -> dict:
-    f, t = duplicate_pairs(found), duplicate_pairs(truth)
-    tp = len(f & t)
-    precision = tp / len(f) if f else 1.0
-    recall = tp / len(t) if t else 1.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return {"precision": precision, "recall": recall, "f1": f1, "found_pairs": len(f), "true_pairs": len(t)}
-
-
 def reference_shingles(text: str, k: int = 5) -> set[str]:
     """Word k-grams in plain Python, independent of the vectorized implementation, to score it against."""
     words = re.sub(r"[^\w\s]+", " ", unicodedata.normalize("NFC", text).lower()).split()

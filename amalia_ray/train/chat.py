@@ -29,10 +29,10 @@ def encode_conversation(tok, messages: list[dict]) -> Encoded:
         if message["role"] != "assistant":
             continue
         start = len(tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)) if i else 0
-        end = len(tok.apply_chat_template(messages[:i + 1], tokenize=False))
-        if not full.startswith(tok.apply_chat_template(messages[:i + 1], tokenize=False)):
+        upto = tok.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not full.startswith(upto):
             raise ValueError("the chat template does not render conversations prefix by prefix; cannot mask turns")
-        spans.append((start, end))
+        spans.append((start, len(upto)))
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     starts = [s for s, _ in enc["offset_mapping"]]
     train = [any(a <= s < b for a, b in spans) for s in starts]
