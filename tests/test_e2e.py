@@ -129,7 +129,7 @@ def test_sft_stage_continues_from_the_pretrained_checkpoint(demo_run, recipe_pat
     stages = pipeline.manifest.stages
     assert stages["pretrain"].attempts == 1, "pretrain unchanged: skipped"
     rec = stages["sft"]
-    assert rec.status == "completed" and "init_checkpoint" in rec.inputs and "conversations" in rec.inputs
+    assert rec.status == "completed" and "init_checkpoint" in rec.inputs and "dataset" in rec.inputs
     history = read_jsonl(pipeline.run_dir / "sft" / "metrics.jsonl")
     assert [h["step"] for h in history] == list(range(1, 9))
     assert all(math.isfinite(h["loss"]) for h in history) and history[-1]["tokens"] < 8 * 512

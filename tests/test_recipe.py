@@ -54,7 +54,12 @@ def test_yaml_syntax_error_has_line():
 
 
 def test_planned_objective_says_not_implemented():
-    with pytest.raises(NotImplementedYet, match="'dpo' is not implemented yet.*#4"):
+    with pytest.raises(NotImplementedYet, match="'grpo' is not implemented yet.*#4"):
+        parse_recipe(demo_text().replace("objective: pretrain", "objective: grpo"))
+
+
+def test_dpo_stage_needs_preference_data():
+    with pytest.raises(RecipeError, match="objective dpo needs a dataset"):
         parse_recipe(demo_text().replace("objective: pretrain", "objective: dpo"))
 
 

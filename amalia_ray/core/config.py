@@ -240,9 +240,11 @@ class TrainStageConfig(Strict):
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
     log_every: int = Field(1, ge=1)
     dataset: str | None = Field(None, description="sft: jsonl file or folder of conversations ({messages: [{role, "
-                                "content}]}); relative to the recipe")
-    seq_len: int | None = Field(None, ge=8, description="sft: packed row length; default "
-                                "model.max_position_embeddings")
+                                "content}]}); dpo: jsonl of {prompt, chosen, rejected} (strings or messages); "
+                                "relative to the recipe")
+    seq_len: int | None = Field(None, ge=8, description="sft: packed row length; dpo: longest prompt + answer "
+                                "(longer pairs keep their start); default model.max_position_embeddings")
+    beta: float = Field(0.1, gt=0, description="dpo: strength of the pull towards the reference model")
     document_masking: bool = Field(
         True, description="pretrain: positions restart at each document in a packed sequence and attention stays "
         "within the document")
@@ -262,8 +264,9 @@ class TrainStageConfig(Strict):
             )
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
-        if self.objective == "sft" and not self.dataset:
-            raise ValueError(f"train stage '{self.name}': objective sft needs a dataset (conversations jsonl)")
+        if self.objective in ("sft", "dpo") and not self.dataset:
+            kind = "conversations" if self.objective == "sft" else "preference pairs"
+            raise ValueError(f"train stage '{self.name}': objective {self.objective} needs a dataset ({kind} jsonl)")
         return self
 
 

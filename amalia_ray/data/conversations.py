@@ -50,9 +50,38 @@ def _first_paragraphs(body: list[str], limit: int) -> str:
 
 def write_faq_conversations(source: Path, output: Path, max_answer_chars: int = 1200) -> int:
     text = (gzip.open(source, "rt", encoding="utf-8") if source.suffix == ".gz" else source.open(encoding="utf-8")).read()
-    conversations = faq_conversations(text, max_answer_chars)
+    return write_jsonl(faq_conversations(text, max_answer_chars), output)
+
+
+def mismatched_answer_pairs(conversations: list[dict], seed: int = 0) -> list[dict]:
+    """DPO pairs from question-answer conversations, made by code from real text: for each question, the chosen
+    answer is its own and the rejected one is the answer to another question (a seeded derangement; never a
+    text-identical answer). Teaches "answer the question that was asked". TRL's conversational format."""
+    import random
+
+    usable = [c for c in conversations if len(c["messages"]) >= 2 and c["messages"][-1]["role"] == "assistant"]
+    if len(usable) < 2:
+        raise ValueError(f"need at least two conversations ending in an assistant turn, got {len(usable)}")
+    order = list(range(len(usable)))
+    random.Random(seed).shuffle(order)
+    pairs = []
+    for k, i in enumerate(order):
+        chosen = usable[i]["messages"][-1]
+        # the next conversation in the shuffled cycle whose answer differs from this one's
+        for step in range(1, len(order)):
+            rejected = usable[order[(k + step) % len(order)]]["messages"][-1]
+            if rejected["content"] != chosen["content"]:
+                break
+        else:
+            continue
+        pairs.append({"id": f"{usable[i].get('id', i)}-pair", "prompt": usable[i]["messages"][:-1],
+                      "chosen": [chosen], "rejected": [{"role": "assistant", "content": rejected["content"]}]})
+    return sorted(pairs, key=lambda p: p["id"])
+
+
+def write_jsonl(rows: list[dict], output: Path) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w", encoding="utf-8") as f:
-        for c in conversations:
-            f.write(json.dumps(c, ensure_ascii=False) + "\n")
-    return len(conversations)
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return len(rows)

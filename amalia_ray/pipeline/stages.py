@@ -76,7 +76,7 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
         if stage.name not in names:
             break
         init = p.checkpoint_of(previous) if previous and stage.init_from == "previous" else None
-        data = {"conversations": p.loaded.resolve(stage.dataset)} if stage.dataset else {"packed": d("pack")}
+        data = {"dataset": p.loaded.resolve(stage.dataset)} if stage.dataset else {"packed": d("pack")}
         inputs = {**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})}
         gpu = use_gpu(p)
         yield StageSpec(

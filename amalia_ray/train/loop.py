@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from amalia_ray.train import checkpoint
 from amalia_ray.train.lr_schedule import lr_at
+from amalia_ray.train.metrics import TensorBoard, flops_per_token, matmul_peak_flops, memory_gb
 from amalia_ray.train.objectives import build_objective
 from amalia_ray.train.parallel import apply_fsdp, resolve_precision
 
@@ -29,9 +30,19 @@ def local_micro_batches(rows: np.ndarray, micro: int, rank: int, world: int) -> 
 
 
 def _all_reduce_sum(*values: float) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
+    return _all_reduce(values, dist.ReduceOp.SUM)
+
+
+def _all_reduce(values, op) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def _tokens_in(batch: dict) -> int:
+    """Positions the model computes on (padding excluded where a mask says what is padding)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
 def _log(path: Path, record: dict, keep_through: int | None = None) -> None:
@@ -46,7 +57,7 @@ def _log(path: Path, record: dict, keep_through: int | None = None) -> None:
 
 
 @torch.no_grad()
-def validation_loss(model, objective, micro: int, rank: int, world: int) -> float | None:
+def validation_loss(model, objective, micro: int, rank: int, world: int, device: torch.device) -> float | None:
     n = objective.num_validation()
     if n == 0:
         return None
@@ -57,7 +68,7 @@ def validation_loss(model, objective, micro: int, rank: int, world: int) -> floa
     for i in range(0, -(-n // world), micro):
         rows = mine[i:i + micro]
         batch = objective.batch(rows if len(rows) else np.arange(min(micro, n)), split="validation")
-        loss_sum, ntok = objective.loss(model, batch)
+        loss_sum, ntok = objective.loss(model, {k: v.to(device) for k, v in batch.items()})
         if len(rows):
             total, count = total + loss_sum.item(), count + ntok
     model.train()
@@ -78,8 +89,10 @@ def train_loop(config: dict) -> None:
     metrics_path = stage_dir / "metrics.jsonl"
 
     hf_config = LlamaConfig.from_dict(config["hf_config"])
-    objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]),
-                                stage.get("seq_len") or hf_config.max_position_embeddings)
+    seq_len = stage.get("seq_len") or hf_config.max_position_embeddings
+    objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]), seq_len)
+    # the measured ceiling for MFU: every worker's matmul FLOP/s in its precision, summed
+    peak_flops = _all_reduce_sum(matmul_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32))[0]
     torch.manual_seed(config["seed"])
     model = LlamaForCausalLM(hf_config).to(device)
     if config.get("init_hf_dir"):
@@ -92,6 +105,8 @@ def train_loop(config: dict) -> None:
     )
 
     gbs, micro, seed = stage["global_batch_size"], stage["micro_batch_size"], config["seed"]
+    if hasattr(objective, "prepare"):  # on the initial weights, before a checkpoint replaces them
+        objective.prepare(model, micro, rank, world, device)
     sampler = objective.sampler(seed, stage.get("curriculum"))
     start_step = 0
     resumed = ray.train.get_checkpoint()
@@ -115,8 +130,10 @@ def train_loop(config: dict) -> None:
         if start_step >= total_steps:
             log.warning(f"[{stage['name']}] WARNING: resuming at step {start_step} of {total_steps}: "
                         "zero steps left to train; raise steps to train further")
+    board = TensorBoard(stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None
 
     n_params = sum(p.numel() for p in model.parameters())
+    flops_token = flops_per_token(hf_config, seq_len)
     step = start_step
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
@@ -125,15 +142,17 @@ def train_loop(config: dict) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = sampler.next_rows(gbs)
-        loss_sum, tokens = 0.0, 0
+        loss_sum, items, tokens = 0.0, 0, 0
         for micro_rows in local_micro_batches(rows, micro, rank, world):
             batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}
-            micro_loss, ntok = objective.loss(model, batch)
+            micro_loss, n = objective.loss(model, batch)
             micro_loss.backward()
-            loss_sum, tokens = loss_sum + micro_loss.item(), tokens + ntok
-        global_loss, global_tokens = _all_reduce_sum(loss_sum, tokens)
-        # FSDP averages gradients over ranks; rescale so they are the mean over every target token of the step
-        scale = world / global_tokens
+            loss_sum, items, tokens = loss_sum + micro_loss.item(), items + n, tokens + _tokens_in(batch)
+        extra = objective.take_metrics() if hasattr(objective, "take_metrics") else {}
+        global_loss, global_items, global_tokens, *extra_sums = _all_reduce_sum(loss_sum, items, tokens,
+                                                                                *extra.values())
+        # FSDP averages gradients over ranks; rescale so they are the mean over every item (token, pair) of the step
+        scale = world / global_items
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
@@ -142,20 +161,25 @@ def train_loop(config: dict) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
+        memory = _all_reduce([memory_gb(device)], dist.ReduceOp.MAX)[0]
 
         done = step + 1
-        record = {"step": done, "loss": global_loss / global_tokens, "lr": lr, "grad_norm": float(grad_norm),
+        record = {"step": done, "loss": global_loss / global_items, "lr": lr, "grad_norm": float(grad_norm),
+                  **{k: v / global_items for k, v in zip(extra, extra_sums)},
                   "tokens": int(global_tokens), "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
+                  "mfu": flops_token * global_tokens / elapsed / peak_flops, "memory_gb": memory,
                   "world_size": world, "attempt_start_step": start_step}
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps
         if save_now:
-            record["val_loss"] = validation_loss(model, objective, micro, rank, world)
+            record["val_loss"] = validation_loss(model, objective, micro, rank, world, device)
         if rank == 0:
             _log(metrics_path, record)
+            board.write(record)
             if done % stage["log_every"] == 0 or save_now:
                 val = f" val_loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
                 log.info(f"[{stage['name']}] step {done}/{total_steps} loss {record['loss']:.4f}{val} lr {lr:.2e} "
-                         f"grad_norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s")
+                         f"grad_norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
+                         f"MFU {record['mfu']:.0%}")
         if save_now:
             with tempfile.TemporaryDirectory() as tmp:
                 checkpoint.save(Path(tmp), model, optimizer,
@@ -164,5 +188,7 @@ def train_loop(config: dict) -> None:
         elif done % stage["log_every"] == 0:
             ray.train.report(record)
 
+    if board:
+        board.close()
     checkpoint.export_hf(model, hf_config, Path(config["export_dir"]), Path(config["tokenizer_dir"]))
     dist.barrier()

@@ -1,0 +1,68 @@
+"""Per-step metrics beyond the loss: model FLOPs utilization against the device's *measured* matmul peak, memory,
+and TensorBoard event files next to metrics.jsonl (which the run manifest and report read)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+
+def flops_per_token(hf_config, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM appendix B (as torchtitan): 6 × non-embedding parameters (forward + backward
+    of every weight matmul, the output head included) + 12 × layers × hidden × sequence (attention scores)."""
+    h, layers, vocab = hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.vocab_size
+    kv = h // hf_config.num_attention_heads * hf_config.num_key_value_heads
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * hf_config.intermediate_size  # qkv, out, gate/up/down
+    weights = layers * per_layer + h * vocab  # the LM head; the input embedding is a lookup, not a matmul
+    return 6 * weights + 12 * layers * h * seq_len
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """FLOP/s of a large square matmul on this device with this process's threads: the ceiling MFU is measured
+    against (datasheet peaks mean little on a shared CPU)."""
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up
+    _sync(device)
+    runs, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or runs < 3:
+        torch.matmul(a, b)
+        runs += 1
+        if device.type == "cuda" and runs % 10 == 0:
+            _sync(device)
+    _sync(device)
+    return 2 * n**3 * runs / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this worker: allocated accelerator memory on GPU, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+class TensorBoard:
+    """Scalars of every step record under `folder` (view with `tensorboard --logdir runs`)."""
+
+    def __init__(self, folder: Path, purge_step: int | None = None):
+        from tensorboardX import SummaryWriter
+
+        # purge_step: a resumed attempt hides the events an earlier attempt wrote after the checkpoint
+        self.writer = SummaryWriter(str(folder), flush_secs=10, purge_step=purge_step)
+
+    def write(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and value is not None:
+                self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
