@@ -111,29 +111,43 @@ def test_second_run_skips_unchanged_stages(demo_run, recipe_path, capsys):
     assert out.count("skipped") == len(before)
 
 
-def test_sft_stage_continues_from_the_pretrained_checkpoint(demo_run, recipe_path):
-    """pretrain -> sft on conversations made from the Debian FAQ: the sft stage starts from the pretrain export,
-    trains on assistant tokens only and exports its own HF checkpoint."""
-    from amalia_ray.data.conversations import write_faq_conversations
+def test_sft_then_dpo_continue_from_the_previous_checkpoints(demo_run, recipe_path):
+    """pretrain -> sft on conversations made from the Debian FAQ -> dpo on pairs made from them: each stage starts
+    from the previous stage's export, sft trains on assistant tokens only, dpo starts at exactly ln 2 (the policy
+    is its own reference before the first update), and both export HF checkpoints and TensorBoard events. (That
+    DPO learns is shown without Ray in test_dpo.py.)"""
+    from amalia_ray.data.conversations import mismatched_answer_pairs, write_faq_conversations, write_jsonl
 
     chats = recipe_path.parent / "faq-chat.jsonl"
     assert write_faq_conversations(Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"), chats) >= 100
+    pairs = recipe_path.parent / "faq-pairs.jsonl"
+    write_jsonl(mismatched_answer_pairs(read_jsonl(chats), seed=0), pairs)
     data = yaml.safe_load(recipe_path.read_text())
     data["train"].append({**data["train"][0], "name": "sft", "objective": "sft", "dataset": str(chats),
                           "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 8,
                           "curriculum": None})
-    sft_recipe = recipe_path.parent / "sft.yaml"
-    sft_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
-    pipeline = Pipeline(load_recipe(sft_recipe))
-    pipeline.run(until="sft")
+    data["train"].append({**data["train"][-1], "name": "dpo", "objective": "dpo", "dataset": str(pairs),
+                          "steps": 6, "lr": 0.0005, "beta": 0.1, "checkpoint_every": 6})
+    post_recipe = recipe_path.parent / "post.yaml"
+    post_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    pipeline = Pipeline(load_recipe(post_recipe))
+    pipeline.run(until="dpo")
     stages = pipeline.manifest.stages
     assert stages["pretrain"].attempts == 1, "pretrain unchanged: skipped"
-    rec = stages["sft"]
-    assert rec.status == "completed" and "init_checkpoint" in rec.inputs and "dataset" in rec.inputs
-    history = read_jsonl(pipeline.run_dir / "sft" / "metrics.jsonl")
-    assert [h["step"] for h in history] == list(range(1, 9))
-    assert all(math.isfinite(h["loss"]) for h in history) and history[-1]["tokens"] < 8 * 512
-    assert (pipeline.checkpoint_of("sft") / "model.safetensors").exists()
+    for name in ("sft", "dpo"):
+        rec = stages[name]
+        assert rec.status == "completed" and "init_checkpoint" in rec.inputs and "dataset" in rec.inputs
+        assert (pipeline.checkpoint_of(name) / "model.safetensors").exists()
+        assert list((pipeline.run_dir / name / "tensorboard").glob("events.out.tfevents.*"))
+    sft = read_jsonl(pipeline.run_dir / "sft" / "metrics.jsonl")
+    assert [h["step"] for h in sft] == list(range(1, 9))
+    assert all(math.isfinite(h["loss"]) for h in sft) and sft[-1]["loss_items"] < 8 * 512
+    assert all(0 < h["mfu"] < 1.5 and h["memory_gb"] > 0 for h in sft)
+    dpo = read_jsonl(pipeline.run_dir / "dpo" / "metrics.jsonl")
+    assert [h["step"] for h in dpo] == list(range(1, 7)) and all(h["loss_items"] == 8 for h in dpo)
+    assert abs(dpo[0]["loss"] - math.log(2)) < 1e-4 and abs(dpo[0]["rewards/margins"]) < 1e-4
+    assert all(math.isfinite(h["loss"]) and 0 <= h["rewards/accuracies"] <= 1 for h in dpo)
+    assert abs(dpo[-1]["rewards/chosen"]) > 1e-3, "the policy moved away from its reference"
 
 
 def test_interrupted_training_resumes_from_its_checkpoint(demo_run, recipe_path, tmp_path):

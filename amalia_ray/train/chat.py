@@ -64,6 +64,7 @@ class PackedChats:
     input_ids: np.ndarray  # (rows, seq_len)
     labels: np.ndarray  # (rows, seq_len): the token where it is a target, -100 elsewhere (HF convention)
     position_ids: np.ndarray  # restart at every conversation (and padding): attention stays within one
+    lengths: np.ndarray  # (rows,): tokens of conversations in each row, the rest is padding
 
 
 def pack_conversations(encoded: list[Encoded], seq_len: int, pad_id: int) -> PackedChats:
@@ -73,6 +74,7 @@ def pack_conversations(encoded: list[Encoded], seq_len: int, pad_id: int) -> Pac
     ids = np.full((len(bins), seq_len), pad_id, dtype=np.int64)
     labels = np.full((len(bins), seq_len), -100, dtype=np.int64)
     positions = np.zeros((len(bins), seq_len), dtype=np.int64)
+    lengths = np.zeros(len(bins), dtype=np.int64)
     for row, members in enumerate(bins):
         at = 0
         for i in members:
@@ -83,4 +85,5 @@ def pack_conversations(encoded: list[Encoded], seq_len: int, pad_id: int) -> Pac
             positions[row, at:at + n] = np.arange(n)
             at += n
         positions[row, at:] = np.arange(seq_len - at)
-    return PackedChats(ids, labels, positions)
+        lengths[row] = at
+    return PackedChats(ids, labels, positions, lengths)

@@ -40,7 +40,10 @@ def _all_reduce(values, op) -> list[float]:
 
 
 def _tokens_in(batch: dict) -> int:
-    """Positions the model computes on (padding excluded where a mask says what is padding)."""
+    """Tokens of real text in a batch: padding excluded where the batch says what is padding (the `lengths` of
+    packed rows, or an attention mask)."""
+    if "lengths" in batch:
+        return int(batch["lengths"].sum())
     mask = batch.get("attention_mask")
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
@@ -166,7 +169,7 @@ def train_loop(config: dict) -> None:
         done = step + 1
         record = {"step": done, "loss": global_loss / global_items, "lr": lr, "grad_norm": float(grad_norm),
                   **{k: v / global_items for k, v in zip(extra, extra_sums)},
-                  "tokens": int(global_tokens), "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
+                  "loss_items": int(global_items), "tokens": int(global_tokens), "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
                   "mfu": flops_token * global_tokens / elapsed / peak_flops, "memory_gb": memory,
                   "world_size": world, "attempt_start_step": start_step}
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps

@@ -22,7 +22,7 @@ def flops_per_token(hf_config, seq_len: int) -> float:
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
     """FLOP/s of a large square matmul on this device with this process's threads: the ceiling MFU is measured
     against (datasheet peaks mean little on a shared CPU)."""
-    n = 8192 if device.type == "cuda" else 1024
+    n = 8192 if device.type == "cuda" else 2048
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     torch.matmul(a, b)  # warm-up
     _sync(device)

@@ -100,7 +100,7 @@ class SFT:
     def batch(self, rows: np.ndarray, split: str = "train") -> dict:
         data = self.train if split == "train" else self.validation
         return {"input_ids": torch.from_numpy(data.input_ids[rows]), "labels": torch.from_numpy(data.labels[rows]),
-                "position_ids": torch.from_numpy(data.position_ids[rows])}
+                "position_ids": torch.from_numpy(data.position_ids[rows]), "lengths": torch.from_numpy(data.lengths[rows])}
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, int]:
         logits = Pretrain.logits(model, batch)[:, :-1].float()

@@ -8,6 +8,7 @@ from pathlib import Path
 from amalia_ray.core.config import ModelConfig, TrainStageConfig
 from amalia_ray.train.loop import train_loop
 from amalia_ray.train.model import llama_config
+from amalia_ray.train.progress import StageProgress
 
 
 def hf_config_dict(model_cfg: ModelConfig, tokenizer_dir: Path) -> dict:
@@ -62,7 +63,8 @@ def run_train_stage(
             checkpoint_config=CheckpointConfig(num_to_keep=stage.checkpoints_to_keep),
         ),
     )
-    result = trainer.fit()
+    with StageProgress(stage.name, stage_dir / "metrics.jsonl", stage.steps):
+        result = trainer.fit()
     if result.error:
         raise result.error
     history = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
