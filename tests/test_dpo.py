@@ -13,8 +13,8 @@ import torch
 from amalia_ray.core.config import TokenizerConfig
 from amalia_ray.data.conversations import faq_conversations, mismatched_answer_pairs
 from amalia_ray.data.tokenizer import train_tokenizer
-from amalia_ray.train.objectives import DPO
-from amalia_ray.train.preferences import encode_pair, read_preferences
+from amalia_ray.train.dpo import DPO
+from amalia_ray.train.dpo import encode_pair, read_preferences
 
 FAQ = Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz")
 
@@ -104,7 +104,7 @@ def test_dpo_loss_and_rewards_equal_trl(tokenizer, faq, tmp_path, conversational
     batch = ours.batch(torch.arange(len(rows)).numpy())
     with torch.no_grad():
         loss_sum, n = ours.loss(policy, batch)
-    ours_metrics = {k: v / n for k, v in ours.take_metrics().items()}
+    ours_metrics = {k: s / c for k, (s, c) in ours.take_metrics().items()}
 
     args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, max_length=seq_len, report_to=[], use_cpu=True,
                      per_device_train_batch_size=len(rows), bf16=False)
@@ -139,7 +139,7 @@ def test_dpo_training_separates_chosen_from_rejected(tokenizer, faq, tmp_path):
         (loss_sum / n).backward()
         optimizer.step()
         optimizer.zero_grad()
-        history.append({k: v / n for k, v in dpo.take_metrics().items()} | {"loss": loss_sum.item() / n})
+        history.append({k: s / c for k, (s, c) in dpo.take_metrics().items()} | {"loss": loss_sum.item() / n})
     assert abs(history[0]["loss"] - 0.6931) < 1e-3
     assert history[-1]["loss"] < 0.2 and history[-1]["rewards/accuracies"] == 1.0
     assert history[-1]["rewards/margins"] > history[0]["rewards/margins"] + 1.0

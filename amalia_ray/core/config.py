@@ -233,6 +233,8 @@ class TrainStageConfig(Strict):
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
     activation_checkpointing: bool = False
+    compile: bool = Field(False, description="torch.compile each decoder block (fuses the element-wise work; "
+                          "costs a compilation of ~20 s per worker at start)")
     num_workers: int = Field(2, ge=1)
     cpus_per_worker: int = Field(1, ge=1)
     checkpoint_every: int = Field(50, ge=1)

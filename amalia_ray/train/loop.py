@@ -102,7 +102,7 @@ def train_loop(config: dict) -> None:
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(str(Path(config["init_hf_dir"]) / "model.safetensors")), strict=False)
-    apply_fsdp(model, precision, stage["activation_checkpointing"])
+    apply_fsdp(model, precision, stage["activation_checkpointing"], stage.get("compile", False))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=stage["lr"], betas=tuple(stage["betas"]), weight_decay=stage["weight_decay"]
     )
@@ -151,9 +151,9 @@ def train_loop(config: dict) -> None:
             micro_loss, n = objective.loss(model, batch)
             micro_loss.backward()
             loss_sum, items, tokens = loss_sum + micro_loss.item(), items + n, tokens + _tokens_in(batch)
-        extra = objective.take_metrics() if hasattr(objective, "take_metrics") else {}
-        global_loss, global_items, global_tokens, *extra_sums = _all_reduce_sum(loss_sum, items, tokens,
-                                                                                *extra.values())
+        extra = objective.take_metrics() if hasattr(objective, "take_metrics") else {}  # name: (sum, count)
+        global_loss, global_items, global_tokens, *extra_sums = _all_reduce_sum(
+            loss_sum, items, tokens, *(x for pair in extra.values() for x in pair))
         # FSDP averages gradients over ranks; rescale so they are the mean over every item (token, pair) of the step
         scale = world / global_items
         for p in model.parameters():
@@ -168,7 +168,7 @@ def train_loop(config: dict) -> None:
 
         done = step + 1
         record = {"step": done, "loss": global_loss / global_items, "lr": lr, "grad_norm": float(grad_norm),
-                  **{k: v / global_items for k, v in zip(extra, extra_sums)},
+                  **{k: extra_sums[2 * i] / extra_sums[2 * i + 1] for i, k in enumerate(extra) if extra_sums[2 * i + 1]},
                   "loss_items": int(global_items), "tokens": int(global_tokens), "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
                   "mfu": flops_token * global_tokens / elapsed / peak_flops, "memory_gb": memory,
                   "world_size": world, "attempt_start_step": start_step}

@@ -1,0 +1,72 @@
+"""Rule-based rewards for GRPO: plain Python functions `(completion: str, example: dict) -> float`, registered by
+name. A recipe names them (`rewards: [format, exact_answer]`) or points at its own (`package.module:function`)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable
+
+Reward = Callable[[str, dict], float]
+REWARDS: dict[str, Reward] = {}
+
+_FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.S)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+_NUMBER = re.compile(r"-?\d+(?:[.\s]\d{3})*(?:,\d+)?|-?\d+(?:\.\d+)?")
+
+
+def register(name: str) -> Callable[[Reward], Reward]:
+    def add(fn: Reward) -> Reward:
+        REWARDS[name] = fn
+        return fn
+    return add
+
+
+def get_reward(name: str) -> Reward:
+    """A registered reward, or `module:function` imported (what a recipe uses for its own)."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward '{name}' cannot be imported: {e}") from None
+    raise ValueError(f"unknown reward '{name}'; registered: {sorted(REWARDS)} (or give module:function)")
+
+
+@register("format")
+def format_reward(completion: str, example: dict) -> float:
+    """1 when the completion is `<think>…</think> <answer>…</answer>` and nothing else (R1's format reward)."""
+    return 1.0 if _FORMAT.fullmatch(completion) else 0.0
+
+
+@register("exact_answer")
+def exact_answer_reward(completion: str, example: dict) -> float:
+    """1 when the answer (inside <answer>, else the last number of the completion) equals `example["answer"]`,
+    numbers compared as numbers (pt-PT writing: 1 234,5 or 1.234,5 = 1234.5)."""
+    tagged = _ANSWER.findall(completion)
+    text = tagged[-1] if tagged else completion
+    numbers = _NUMBER.findall(text)
+    if tagged and not numbers:
+        return 1.0 if _normalize_text(text) == _normalize_text(str(example["answer"])) else 0.0
+    if not numbers:
+        return 0.0
+    got, want = _as_number(numbers[-1]), _as_number(str(example["answer"]))
+    return 1.0 if got is not None and got == want else 0.0
+
+
+def _normalize_text(text: str) -> str:
+    return " ".join(text.lower().split()).strip(" .")
+
+
+def _as_number(text: str) -> float | None:
+    text = text.strip().replace(" ", "")
+    if "," in text:  # decimal comma; dots are thousands separators
+        text = text.replace(".", "").replace(",", ".")
+    elif re.fullmatch(r"-?\d{1,3}(\.\d{3})+", text):  # 1.234 = thousands in pt-PT
+        text = text.replace(".", "")
+    try:
+        return float(text)
+    except ValueError:
+        return None
