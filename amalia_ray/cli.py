@@ -193,6 +193,21 @@ def data_preference_pairs(
     console.print(f"{n} preference pairs -> {output}")
 
 
+@data_app.command("arithmetic")
+@guarded
+def data_arithmetic(
+    output: Annotated[Path, typer.Argument(help="tasks jsonl for a grpo stage's dataset")],
+    n: Annotated[int, typer.Option(help="number of tasks")] = 512,
+    seed: Annotated[int, typer.Option(help="seed of the draw")] = 0,
+    max_operand: Annotated[int, typer.Option(help="largest operand")] = 50,
+) -> None:
+    """Portuguese arithmetic and word problems with exact answers (GRPO tasks with verifiable rewards)."""
+    from amalia_ray.data.conversations import write_jsonl
+    from amalia_ray.data.tasks import arithmetic_tasks
+
+    console.print(f"{write_jsonl(arithmetic_tasks(n, seed, max_operand), output)} tasks -> {output}")
+
+
 @app.command()
 @guarded
 def train(

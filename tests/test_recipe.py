@@ -1,7 +1,7 @@
 import pytest
 
 from amalia_ray.core.config import Recipe
-from amalia_ray.core.errors import NotImplementedYet, RecipeError
+from amalia_ray.core.errors import RecipeError
 from amalia_ray.core.recipe import config_hash, load_recipe, parse_recipe
 from tests.conftest import DEMO_RECIPE
 
@@ -53,9 +53,10 @@ def test_yaml_syntax_error_has_line():
         parse_recipe("run:\n  name: [unclosed\n", "r.yaml")
 
 
-def test_planned_objective_says_not_implemented():
-    with pytest.raises(NotImplementedYet, match="'grpo' is not implemented yet.*#4"):
-        parse_recipe(demo_text().replace("objective: pretrain", "objective: grpo"))
+def test_grpo_batch_counts_whole_groups():
+    text = demo_text().replace("objective: pretrain", "objective: grpo\n    dataset: tasks.jsonl\n    num_generations: 3")
+    with pytest.raises(RecipeError, match="multiple of num_generations 3"):
+        parse_recipe(text)
 
 
 def test_dpo_stage_needs_preference_data():

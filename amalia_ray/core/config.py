@@ -217,6 +217,15 @@ class CurriculumConfig(Strict):
         return self
 
 
+class EngineConfig(Strict):
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="auto: bf16")
+    max_model_len: int = Field(512, ge=16)
+    gpu_memory_utilization: float = Field(
+        0.1, gt=0, le=1, description="on CPU vLLM reads this as the share of RAM it reserves: keep it small"
+    )
+    enforce_eager: bool = True
+
+
 class TrainStageConfig(Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     objective: Literal["pretrain", "sft", "dpo", "grpo"]
@@ -247,6 +256,17 @@ class TrainStageConfig(Strict):
     seq_len: int | None = Field(None, ge=8, description="sft: packed row length; dpo: longest prompt + answer "
                                 "(longer pairs keep their start); default model.max_position_embeddings")
     beta: float = Field(0.1, gt=0, description="dpo: strength of the pull towards the reference model")
+    rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="grpo: rule-based rewards by "
+                               "name (format, exact_answer) or module:function(completion, task) -> float")
+    reward_weights: list[float] | None = Field(None, description="grpo: weight of each reward (default all 1)")
+    num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt (the group)")
+    max_completion_length: int = Field(64, ge=1, description="grpo: most tokens sampled per completion")
+    temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature of the rollouts")
+    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: policy-ratio clip range")
+    kl_coef: float = Field(0.0, ge=0, description="grpo: weight of the k3 KL penalty to the initial model (0: none, "
+                           "no reference model held)")
+    rollout: EngineConfig = Field(default_factory=EngineConfig, description="grpo: the vLLM rollout engine "
+                                  "(max_model_len is the stage's seq_len)")
     document_masking: bool = Field(
         True, description="pretrain: positions restart at each document in a packed sequence and attention stays "
         "within the document")
@@ -264,21 +284,18 @@ class TrainStageConfig(Strict):
                 f"global_batch_size {self.global_batch_size} must be a multiple of "
                 f"micro_batch_size × num_workers = {per_step}"
             )
+        if self.objective == "grpo" and self.global_batch_size % self.num_generations:
+            raise ValueError(f"train stage '{self.name}': global_batch_size {self.global_batch_size} counts "
+                             f"completions and must be a multiple of num_generations {self.num_generations}")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"train stage '{self.name}': {len(self.reward_weights)} reward_weights for "
+                             f"{len(self.rewards)} rewards")
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
-        if self.objective in ("sft", "dpo") and not self.dataset:
-            kind = "conversations" if self.objective == "sft" else "preference pairs"
+        if self.objective in ("sft", "dpo", "grpo") and not self.dataset:
+            kind = {"sft": "conversations", "dpo": "preference pairs", "grpo": "tasks"}[self.objective]
             raise ValueError(f"train stage '{self.name}': objective {self.objective} needs a dataset ({kind} jsonl)")
         return self
-
-
-class EngineConfig(Strict):
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="auto: bf16")
-    max_model_len: int = Field(512, ge=16)
-    gpu_memory_utilization: float = Field(
-        0.1, gt=0, le=1, description="on CPU vLLM reads this as the share of RAM it reserves: keep it small"
-    )
-    enforce_eager: bool = True
 
 
 class ServeConfig(Strict):

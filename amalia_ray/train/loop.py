@@ -93,7 +93,8 @@ def train_loop(config: dict) -> None:
 
     hf_config = LlamaConfig.from_dict(config["hf_config"])
     seq_len = stage.get("seq_len") or hf_config.max_position_embeddings
-    objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]), seq_len)
+    objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]), seq_len,
+                                work_dir=stage_dir, seed=config["seed"], use_gpu=device.type == "cuda")
     # the measured ceiling for MFU: every worker's matmul FLOP/s in its precision, summed
     peak_flops = _all_reduce_sum(matmul_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32))[0]
     torch.manual_seed(config["seed"])
@@ -144,7 +145,10 @@ def train_loop(config: dict) -> None:
                    schedule=stage["schedule"], min_ratio=stage["min_lr_ratio"], decay_fraction=stage["decay_fraction"])
         for group in optimizer.param_groups:
             group["lr"] = lr
-        rows = sampler.next_rows(gbs)
+        if hasattr(objective, "rollout"):  # on-policy: this step's sequences are sampled now, from these prompts
+            rows = objective.rollout(model, sampler.next_rows(gbs // objective.G), step)
+        else:
+            rows = sampler.next_rows(gbs)
         loss_sum, items, tokens = 0.0, 0, 0
         for micro_rows in local_micro_batches(rows, micro, rank, world):
             batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}

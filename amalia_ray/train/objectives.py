@@ -20,6 +20,7 @@ from amalia_ray.core.errors import NotImplementedYet
 from amalia_ray.core.shards import MixtureSampler, PackedSplit, load_hook, phase_schedule
 from amalia_ray.train.chat import encode_conversation, pack_conversations
 from amalia_ray.train.dpo import DPO
+from amalia_ray.train.grpo import GRPO
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -124,10 +125,11 @@ def read_conversations(path: Path) -> list[list[dict]]:
     return out
 
 
-OBJECTIVES = {"pretrain": Pretrain, "sft": SFT, "dpo": DPO}
+OBJECTIVES = {"pretrain": Pretrain, "sft": SFT, "dpo": DPO, "grpo": GRPO}
 
 
-def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = None, seq_len: int | None = None):
+def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = None, seq_len: int | None = None,
+                    work_dir: Path | None = None, seed: int = 0, use_gpu: bool = False):
     name = stage["objective"]
     if name not in OBJECTIVES:
         raise NotImplementedYet(f"training objective '{name}'", 4)
@@ -135,4 +137,6 @@ def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = No
         return SFT(data_dir, tokenizer_dir, seq_len)
     if name == "dpo":
         return DPO(data_dir, tokenizer_dir, seq_len, stage.get("beta", 0.1))
+    if name == "grpo":
+        return GRPO(data_dir, tokenizer_dir, seq_len, stage, work_dir, seed, use_gpu)
     return Pretrain(data_dir, document_masking=stage.get("document_masking", True))

@@ -70,3 +70,10 @@ def _as_number(text: str) -> float | None:
         return float(text)
     except ValueError:
         return None
+
+
+@register("has_number")
+def has_number_reward(completion: str, example: dict) -> float:
+    """1 when the completion contains a number at all: a shaping reward that gives a small model from scratch some
+    signal before it can get answers right (weigh it low next to exact_answer)."""
+    return 1.0 if _NUMBER.search(completion) else 0.0

@@ -1,0 +1,200 @@
+"""GRPO (DeepSeek-R1): for each prompt, G completions sampled by the rollout engine (vLLM) with the current weights,
+scored by rule-based rewards, advantages normalized within each prompt's group, clipped-ratio policy loss with an
+optional k3 KL penalty to the initial model. Losses are averaged over every completion token of the step (TRL's
+default `dapo` normalization); one optimizer step per rollout, so the old policy is the current one (TRL's
+`num_iterations=1`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from amalia_ray.core.shards import MixtureSampler
+from amalia_ray.train.completions import pad_completions, token_logps
+from amalia_ray.train.rewards import get_reward
+
+log = logging.getLogger("amalia_ray.train")
+
+
+def read_tasks(path: Path) -> list[dict]:
+    """jsonl file(s): a `prompt` (string, or {role, content} messages) and whatever the rewards read (`answer`…)."""
+    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.exists() for f in files):
+        raise ValueError(f"task data not found: {path}")
+    rows = []
+    for f in files:
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}:{n}: not JSON ({e})") from None
+            prompt = row.get("prompt") if isinstance(row, dict) else None
+            ok = (isinstance(prompt, str) and prompt) or (isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt))
+            if not ok:
+                raise ValueError(f"{f}:{n}: field 'prompt' must be a non-empty string or {{role, content}} messages")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"no task in {path}")
+    return rows
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: bool = True) -> torch.Tensor:
+    """(reward - mean of its group) / (std of its group + 1e-4), std with Bessel's correction, as TRL."""
+    grouped = rewards.view(-1, group)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    return advantages.reshape(-1)
+
+
+def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon: float,
+                        ref_logps: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """Per-token loss -min(r·A, clip(r, 1-ε, 1+ε)·A) (+ kl_coef · k3 KL to the reference), and the per-token KL."""
+    ratio = torch.exp(logps - old_logps)
+    adv = advantages.unsqueeze(1)
+    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
+    kl = None
+    if ref_logps is not None:
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
+        loss = loss + kl_coef * kl
+    return loss, kl
+
+
+class GRPO:
+    name = "grpo"
+
+    def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: dict, work_dir: Path,
+                 seed: int, use_gpu: bool = False):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.tokenizer_dir, self.work_dir, self.seed, self.use_gpu = tokenizer_dir, work_dir, seed, use_gpu
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        self.seq_len = seq_len
+        self.G, self.max_new = stage["num_generations"], stage["max_completion_length"]
+        self.temperature, self.epsilon, self.kl_coef = stage["temperature"], stage["clip_epsilon"], stage["kl_coef"]
+        self.engine_config = stage["rollout"]
+        self.reward_names = list(stage["rewards"])
+        self.rewards = [get_reward(n) for n in self.reward_names]
+        self.reward_weights = torch.tensor(stage.get("reward_weights") or [1.0] * len(self.rewards))
+        self.tasks, self.prompts, dropped = [], [], 0
+        for row in read_tasks(data_path):
+            ids = self._encode_prompt(row["prompt"])
+            if len(ids) + self.max_new > seq_len:
+                dropped += 1
+                continue
+            self.tasks.append(row)
+            self.prompts.append(ids)
+        if not self.tasks:
+            raise ValueError(f"no task in {data_path} whose prompt leaves room for {self.max_new} completion tokens "
+                             f"in seq_len {seq_len}")
+        if dropped:
+            log.warning(f"{data_path}: {dropped} task(s) dropped: prompt + max_completion_length > seq_len {seq_len}")
+        self.engine = self.reference = None
+        self.buffer: list[tuple[list[int], list[int], float]] = []
+        self._stats: dict[str, tuple[float, float]] = {}
+        self._kl = [0.0, 0]
+
+    def _encode_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list):
+            rendered = self.tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+            return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        return list(self.tok(prompt)["input_ids"])
+
+    def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
+        if curriculum:
+            raise ValueError("curriculum applies to pretraining sources; a grpo stage reads one task set")
+        return MixtureSampler({"grpo": np.arange(len(self.tasks))}, self.seq_len, seed)
+
+    def num_validation(self) -> int:
+        return 0
+
+    def prepare(self, model, micro: int, rank: int, world: int, device: torch.device) -> None:
+        """Start the rollout engine on the initial weights (exported once as a HF folder it can load), and load the
+        frozen reference when a KL penalty is asked for."""
+        from amalia_ray.train.checkpoint import export_hf
+        from amalia_ray.train.rollout import start_engine
+
+        init_dir = self.work_dir / "rollout-init"
+        export_hf(model, model.config, init_dir, self.tokenizer_dir)  # collective
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            engine = {**self.engine_config, "max_model_len": self.seq_len}
+            self.engine = start_engine(str(init_dir), engine, self.seed, self.use_gpu)
+        if self.kl_coef > 0:
+            from transformers import LlamaForCausalLM
+
+            self.reference = LlamaForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device).eval()
+            self.reference.requires_grad_(False)
+
+    def rollout(self, model, prompt_rows: np.ndarray, step: int) -> np.ndarray:
+        """Push the current weights to the engine, sample G completions per prompt, score and normalize within each
+        group; every rank gets the same completions. Returns the rows (completions) of this step."""
+        import ray
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from amalia_ray.train.rollout import hf_names
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        payload = [None]
+        if dist.get_rank() == 0:
+            ray.get(self.engine.load_weights.remote(hf_names(full)))
+            prompts = [self.prompts[i] for i in prompt_rows]
+            sampled = ray.get(self.engine.generate.remote(prompts, self.G, self.max_new, self.temperature,
+                                                          self.seed * 1_000_003 + step * 10_007))
+            items, scores = [], []
+            for row, prompt, completions in zip(prompt_rows, prompts, sampled):
+                for completion in completions:
+                    text = self.tok.decode(completion, skip_special_tokens=True)
+                    scores.append([float(fn(text, self.tasks[row])) for fn in self.rewards])
+                    items.append((prompt, completion))
+            per_fn = torch.tensor(scores, dtype=torch.float32)
+            rewards = per_fn @ self.reward_weights
+            advantages = group_advantages(rewards, self.G)
+            n = len(items)
+            stats = {"reward": (rewards.sum().item(), n),
+                     "reward_std": (rewards.view(-1, self.G).std(dim=1).sum().item(), n // self.G),
+                     "completion_length": (float(sum(len(c) for _, c in items)), n),
+                     **{f"rewards/{name}": (per_fn[:, k].sum().item(), n) for k, name in enumerate(self.reward_names)}}
+            payload = [([(p, c, a) for (p, c), a in zip(items, advantages.tolist())], stats)]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        self.buffer, stats = payload[0]
+        self._stats = stats if dist.get_rank() == 0 else {k: (0.0, 0) for k in stats}
+        return np.arange(len(self.buffer))
+
+    def batch(self, rows: np.ndarray, split: str = "train") -> dict:
+        chosen = [self.buffer[i] for i in rows]
+        batch = pad_completions([(p, c) for p, c, _ in chosen], self.pad_id, self.seq_len)
+        batch["advantages"] = torch.tensor([a for _, _, a in chosen], dtype=torch.float32)
+        return batch
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, int]:
+        logps = token_logps(model, batch)
+        mask = batch["completion_mask"][:, 1:].to(logps.dtype)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = token_logps(self.reference, batch)
+        per_token, kl = clipped_policy_loss(logps, logps.detach(), batch["advantages"], self.epsilon, ref,
+                                            self.kl_coef)
+        if kl is not None:
+            self._kl = [self._kl[0] + (kl * mask).sum().item(), self._kl[1] + int(mask.sum())]
+        return (per_token * mask).sum(), int(mask.sum())
+
+    def take_metrics(self) -> dict[str, tuple[float, float]]:
+        out = dict(self._stats)
+        if self.reference is not None:
+            out["kl"] = tuple(self._kl)
+        self._stats, self._kl = {k: (0.0, 0) for k in self._stats}, [0.0, 0]
+        return out

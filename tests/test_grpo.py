@@ -1,0 +1,131 @@
+"""GRPO pieces without Ray: rewards, the arithmetic task set, group advantages equal to TRL's GRPOTrainer for the same
+rewards, and the clipped-ratio loss with its KL term."""
+
+import math
+
+import pytest
+import torch
+
+from amalia_ray.data.tasks import arithmetic_tasks
+from amalia_ray.train.grpo import clipped_policy_loss, group_advantages, read_tasks
+from amalia_ray.train.rewards import exact_answer_reward, format_reward, get_reward
+
+
+def test_format_reward_wants_think_then_answer():
+    assert format_reward("<think>12 + 30 = 42</think> <answer>42</answer>", {}) == 1.0
+    assert format_reward("<think>x</think>\n<answer>42</answer>\n", {}) == 1.0
+    assert format_reward("A resposta é 42.", {}) == 0.0
+    assert format_reward("<answer>42</answer><think>x</think>", {}) == 0.0
+    assert format_reward("<think>x</think> <answer>42</answer> e mais texto", {}) == 0.0
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("<think>…</think><answer>42</answer>", "42", 1.0),
+    ("<think>…</think><answer> 42 euros</answer>", "42", 1.0),
+    ("<think>41?</think><answer>41</answer>", "42", 0.0),
+    ("São 1.234 pessoas", "1234", 1.0),  # pt-PT thousands separator
+    ("metade: 2,5", "2.5", 1.0),  # decimal comma
+    ("nenhum número", "3", 0.0),
+    ("primeiro 3, depois 7", "7", 1.0),  # without tags: the last number
+])
+def test_exact_answer_reward_compares_numbers(completion, answer, expected):
+    assert exact_answer_reward(completion, {"answer": answer}) == expected
+
+
+def test_rewards_by_name_or_import():
+    assert get_reward("format") is format_reward
+    assert get_reward("amalia_ray.train.rewards:exact_answer_reward") is exact_answer_reward
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        get_reward("nope")
+
+
+def test_arithmetic_tasks_are_deterministic_and_right():
+    tasks = arithmetic_tasks(300, seed=7)
+    assert tasks == arithmetic_tasks(300, seed=7) and tasks != arithmetic_tasks(300, seed=8)
+    assert {t["kind"] for t in tasks} == {"add", "sub", "mul", "div"}
+    for t in tasks:
+        question = t["prompt"][0]["content"]
+        numbers = [int(x) for x in __import__("re").findall(r"\d+", question.split("\n")[0])]
+        a, b = numbers[0], numbers[-1]
+        expected = {"add": a + b, "sub": a - b, "mul": a * b, "div": a // b}[t["kind"]]
+        if t["kind"] == "div":
+            assert a % b == 0
+        assert t["answer"] == str(expected) and int(t["answer"]) >= 0, t
+
+
+def test_bad_task_rows_name_file_and_line(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt": "Quanto é 1 + 1?", "answer": "2"}\n{"answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2: field 'prompt'"):
+        read_tasks(f)
+
+
+def test_group_advantages_equal_trl(tmp_path):
+    """TRL's GRPOTrainer scores and normalizes the same rewards (two weighted reward functions, groups of 4,
+    including a group where every completion scores the same) through its own code path."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    G, prompts = 4, 3
+    first = [1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, -1.0, 0.25, 3.0]
+    second = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.0]
+    weights = [1.0, 0.5]
+
+    def reward_a(completions, **kwargs):
+        return first[:len(completions)]
+
+    def reward_b(completions, **kwargs):
+        return second[:len(completions)]
+
+    tok = AutoTokenizer.from_pretrained(str(_tiny_tokenizer(tmp_path)))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), num_generations=G, per_device_train_batch_size=G * prompts,
+                      max_completion_length=4, report_to=[], use_cpu=True, bf16=False, reward_weights=weights)
+    rows = [{"prompt": f"Quanto é {i} + {i}?"} for i in range(prompts)]
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_a, reward_b], args=args, processing_class=tok,
+                          train_dataset=Dataset.from_list(rows))
+    inputs = [rows[i // G] for i in range(G * prompts)]  # TRL's sampler repeats each prompt G times in a row
+    trl_advantages = trainer._generate_and_score_completions(inputs)["advantages"]
+
+    rewards = torch.tensor([first, second]).T @ torch.tensor(weights)
+    ours = group_advantages(rewards, G)
+    assert torch.allclose(ours, trl_advantages.float(), atol=1e-6), (ours, trl_advantages)
+    assert torch.all(ours[4:8] == 0)  # a group with one reward value teaches nothing
+
+
+def _tiny_tokenizer(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from amalia_ray.core.config import TokenizerConfig
+    from amalia_ray.data.tokenizer import train_tokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    pq.write_table(pa.table({"text": [t["prompt"][0]["content"] for t in arithmetic_tasks(200, 0)]}),
+                   corpus / "part.parquet")
+    train_tokenizer(corpus, tmp_path / "tok", TokenizerConfig(vocab_size=400))
+    return tmp_path / "tok"
+
+
+def test_clipped_loss_and_k3_kl():
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    advantages = torch.tensor([2.0])
+    loss, kl = clipped_policy_loss(logps, logps.detach(), advantages, epsilon=0.2)
+    assert kl is None and torch.allclose(loss, torch.tensor([[-2.0, -2.0]]))
+    loss.sum().backward()
+    assert torch.allclose(logps.grad, torch.tensor([[-2.0, -2.0]]))  # on-policy: gradient of -A·log p
+
+    # a ratio above 1 + ε with a positive advantage is clipped: no gradient
+    logps = torch.tensor([[math.log(0.6)]], requires_grad=True)
+    loss, _ = clipped_policy_loss(logps, torch.tensor([[math.log(0.4)]]), torch.tensor([1.0]), epsilon=0.2)
+    loss.sum().backward()
+    assert torch.allclose(loss, torch.tensor([[-1.2]])) and logps.grad.abs().item() == 0
+
+    # k3 = exp(ref - logp) - (ref - logp) - 1: zero at the reference, positive elsewhere
+    logps = torch.tensor([[-1.0, -1.0]])
+    _, kl = clipped_policy_loss(logps, logps, torch.tensor([0.0]), 0.2, torch.tensor([[-1.0, -2.0]]), kl_coef=0.1)
+    assert kl[0, 0] == 0 and torch.isclose(kl[0, 1], torch.tensor(math.exp(-1.0) + 1.0 - 1.0))
