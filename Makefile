@@ -10,10 +10,18 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast install corpus clean
+.PHONY: demo demo-inputs test test-fast install corpus clean
 
-demo: install corpus
+demo: install corpus demo-inputs
 	$(BIN)/amalia run recipes/demo.yaml
+
+# Post-training inputs, made by code from the corpus (deterministic: unchanged files let `amalia run` skip stages)
+INPUTS := runs/inputs
+demo-inputs: install corpus
+	@mkdir -p $(INPUTS)
+	$(BIN)/amalia data faq-chat /usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz $(INPUTS)/faq-chat.jsonl
+	$(BIN)/amalia data preference-pairs $(INPUTS)/faq-chat.jsonl $(INPUTS)/faq-pairs.jsonl
+	$(BIN)/amalia data arithmetic $(INPUTS)/arithmetic.jsonl --n 512
 
 test: install corpus
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

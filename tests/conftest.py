@@ -24,11 +24,12 @@ def free_port() -> int:
 
 
 def write_recipe(tmp_path: Path, **overrides) -> Path:
-    """The demo recipe with dotted-path overrides (e.g. `train.0.steps=20`), written next to a copy of the eval
-    task so relative paths keep working."""
+    """The demo recipe (its pretraining stage) with dotted-path overrides (e.g. `train.0.steps=20`), written next to
+    a copy of the eval task so relative paths keep working."""
     data = yaml.safe_load(DEMO_RECIPE.read_text())
     data["eval"]["tasks"][0]["path"] = str(ROOT / "evals" / "tasks" / "pt_mc_sample.jsonl")
     data["run"]["output_dir"] = str(tmp_path / "runs")
+    data["train"] = data["train"][:1]  # pretraining; tests add the post-training stages they need, with their data
     for dotted, value in overrides.items():
         node = data
         keys = [int(k) if k.isdigit() else k for k in dotted.split(".")]

@@ -150,6 +150,62 @@ def test_sft_then_dpo_continue_from_the_previous_checkpoints(demo_run, recipe_pa
     assert abs(dpo[-1]["rewards/chosen"]) > 1e-3, "the policy moved away from its reference"
 
 
+def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):
+    """The R1-Zero chain, pretrain -> grpo on generated Portuguese arithmetic: completions sampled by the vLLM
+    rollout engine every step, rule-based rewards, group advantages, k3 KL to the pretrained model."""
+    from amalia_ray.data.conversations import write_jsonl
+    from amalia_ray.data.tasks import arithmetic_tasks
+
+    tasks = recipe_path.parent / "arithmetic.jsonl"
+    write_jsonl(arithmetic_tasks(64, seed=0), tasks)
+    data = yaml.safe_load(recipe_path.read_text())
+    data["train"].append({**data["train"][0], "name": "grpo", "objective": "grpo", "dataset": str(tasks),
+                          "seq_len": 160, "steps": 3, "warmup_steps": 0, "lr": 0.0005, "checkpoint_every": 3,
+                          "curriculum": None, "num_generations": 4, "max_completion_length": 24, "kl_coef": 0.05,
+                          "rewards": ["format", "exact_answer", "has_number"], "reward_weights": [1.0, 1.0, 0.2]})
+    r1_recipe = recipe_path.parent / "r1-zero.yaml"
+    r1_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    pipeline = Pipeline(load_recipe(r1_recipe))
+    pipeline.run(until="grpo")
+    rec = pipeline.manifest.stages["grpo"]
+    assert rec.status == "completed" and "init_checkpoint" in rec.inputs
+    history = read_jsonl(pipeline.run_dir / "grpo" / "metrics.jsonl")
+    assert [h["step"] for h in history] == [1, 2, 3] and all(h["world_size"] == 2 for h in history)
+    for h in history:
+        assert math.isfinite(h["loss"]) and h["kl"] >= 0 and 0 < h["completion_length"] <= 24
+        assert 0 <= h["rewards/format"] <= 1 and 0 <= h["rewards/exact_answer"] <= 1 and "reward_std" in h
+    assert history[0]["kl"] < 1e-6, "the first rollout's policy is the reference"
+    assert (pipeline.checkpoint_of("grpo") / "model.safetensors").exists()
+
+
+def test_rollout_engine_takes_new_weights_in_place(demo_run):
+    """The mechanism GRPO relies on every step: weights pushed into the running vLLM engine change what it samples,
+    and pushing the original weights back reproduces the original samples exactly (same seed)."""
+    import ray
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from amalia_ray.train.rollout import start_engine
+
+    pipeline, _ = demo_run
+    ckpt = pipeline.checkpoint_of("pretrain")
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    engine = start_engine(str(ckpt), {"max_model_len": 128, "gpu_memory_utilization": 0.1, "enforce_eager": True},
+                          seed=0, use_gpu=False)
+    prompts = [tok("O sistema Debian")["input_ids"], tok("Para instalar")["input_ids"]]
+    sample = lambda: ray.get(engine.generate.remote(prompts, 3, 12, 1.0, 7))  # noqa: E731
+    original = load_file(str(ckpt / "model.safetensors"))
+    before = sample()
+    assert before == sample(), "same weights and seed: same samples"
+    torch.manual_seed(0)
+    ray.get(engine.load_weights.remote({k: v + 0.5 * torch.randn_like(v) for k, v in original.items()}))
+    assert sample() != before
+    ray.get(engine.load_weights.remote(original))
+    assert sample() == before
+    ray.kill(engine)
+
+
 def test_interrupted_training_resumes_from_its_checkpoint(demo_run, recipe_path, tmp_path):
     """SIGKILL a training worker after the first checkpoint (failure budget 0, so the stage fails), then run
     again: the stage resumes from the checkpoint instead of step 0, and the metrics history has every step once."""
@@ -200,6 +256,40 @@ def test_interrupted_training_resumes_from_its_checkpoint(demo_run, recipe_path,
     assert [h["step"] for h in expected] == list(range(1, 61))
     for got, want in zip(history, expected):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * max(1.0, abs(want["loss"])), (got["step"], got, want)
+
+
+def test_killed_worker_within_failure_budget_the_stage_completes(demo_run, recipe_path):
+    """max_failures: 1 and a worker SIGKILLed mid-run: Ray Train restarts the worker group from the latest
+    checkpoint by itself, the stage completes in the same pipeline run, and at most one checkpoint interval is
+    trained again."""
+    budget_dir = recipe_path.parent / "budget"
+    budget_dir.mkdir()
+    recipe = write_recipe(budget_dir, **{
+        "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"), "train.0.steps": 30,
+        "train.0.checkpoint_every": 10, "train.0.warmup_steps": 5, "train.0.max_failures": 1,
+    })
+    pipeline = Pipeline(load_recipe(recipe))
+    errors: list[BaseException] = []
+    runner = threading.Thread(target=lambda: _capture(errors, lambda: pipeline.run(until="pretrain")))
+    runner.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not _registered_checkpoint(pipeline.run_dir):
+        time.sleep(0.2)
+    from ray.util.state import list_actors
+
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    assert workers, "no training worker found to kill"
+    killed_at = read_jsonl(pipeline.run_dir / "pretrain" / "metrics.jsonl")[-1]["step"]
+    os.kill(workers[-1].pid, signal.SIGKILL)
+    runner.join(timeout=400)
+    assert not runner.is_alive() and not errors, errors
+    rec = json.loads((pipeline.run_dir / "manifest.json").read_text())["stages"]["pretrain"]
+    assert rec["status"] == "completed" and rec["attempts"] == 1, "recovered inside the stage, not by a rerun"
+    history = read_jsonl(pipeline.run_dir / "pretrain" / "metrics.jsonl")
+    assert [h["step"] for h in history] == list(range(1, 31))
+    resumed_at = max(h["attempt_start_step"] for h in history)
+    assert resumed_at in (10, 20), "the restarted workers continue from a checkpoint"
+    assert killed_at - resumed_at <= 10, "at most one checkpoint interval is lost"
 
 
 def test_corpus_empty_after_filtering(ray_cluster, tmp_path):
