@@ -193,6 +193,30 @@ def data_preference_pairs(
     console.print(f"{n} preference pairs -> {output}")
 
 
+@data_app.command("synthesize")
+@guarded
+def data_synthesize(
+    seeds: Annotated[Path, typer.Argument(help="seed prompts jsonl ({prompt, answer?, …}), e.g. from arithmetic")],
+    output: Annotated[Path, typer.Argument(help="conversations jsonl (an sft stage's dataset)")],
+    base_url: Annotated[str, typer.Option(help="OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1")],
+    model: Annotated[str, typer.Option(help="served model id")],
+    per_seed: Annotated[int, typer.Option(help="samples per seed prompt")] = 4,
+    reward: Annotated[str | None, typer.Option(help="keep only samples this reward scores >= --min-reward "
+                                               "(rejection sampling), e.g. exact_answer")] = None,
+    min_reward: Annotated[float, typer.Option(help="threshold for --reward")] = 1.0,
+    temperature: float = 1.0,
+    max_tokens: int = 256,
+) -> None:
+    """Expand seed prompts into many samples with a served model, through Ray Data (R1-style rejection sampling)."""
+    from amalia_ray.cluster.local import ray_session
+    from amalia_ray.data.synthesize import synthesize
+
+    with ray_session():
+        stats = synthesize(seeds, output, base_url=base_url, model=model, per_seed=per_seed, temperature=temperature,
+                           max_tokens=max_tokens, reward=reward, min_reward=min_reward)
+    console.print_json(json.dumps(stats))
+
+
 @data_app.command("arithmetic")
 @guarded
 def data_arithmetic(

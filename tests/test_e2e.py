@@ -7,6 +7,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -111,23 +113,27 @@ def test_second_run_skips_unchanged_stages(demo_run, recipe_path, capsys):
     assert out.count("skipped") == len(before)
 
 
-def test_sft_then_dpo_continue_from_the_previous_checkpoints(demo_run, recipe_path):
-    """pretrain -> sft on conversations made from the Debian FAQ -> dpo on pairs made from them: each stage starts
-    from the previous stage's export, sft trains on assistant tokens only, dpo starts at exactly ln 2 (the policy
-    is its own reference before the first update), and both export HF checkpoints and TensorBoard events. (That
-    DPO learns is shown without Ray in test_dpo.py.)"""
-    from amalia_ray.data.conversations import mismatched_answer_pairs, write_faq_conversations, write_jsonl
+def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run, recipe_path):
+    """pretrain -> sft on conversations made from the Debian FAQ -> AMALIA-style on-policy dpo: the pairs are
+    sampled from the sft checkpoint through the vLLM engine and ranked by rewards. Each stage starts from the
+    previous stage's export, sft trains on assistant tokens only, dpo starts at exactly ln 2 (the policy is its own
+    reference before the first update), and both export HF checkpoints and TensorBoard events. (That DPO learns,
+    and that its loss equals TRL's, is shown without Ray in test_dpo.py.)"""
+    from amalia_ray.data.conversations import write_faq_conversations, write_jsonl
+    from amalia_ray.data.tasks import arithmetic_tasks
 
     chats = recipe_path.parent / "faq-chat.jsonl"
     assert write_faq_conversations(Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"), chats) >= 100
-    pairs = recipe_path.parent / "faq-pairs.jsonl"
-    write_jsonl(mismatched_answer_pairs(read_jsonl(chats), seed=0), pairs)
+    tasks = recipe_path.parent / "dpo-tasks.jsonl"
+    write_jsonl(arithmetic_tasks(48, seed=1), tasks)
     data = yaml.safe_load(recipe_path.read_text())
     data["train"].append({**data["train"][0], "name": "sft", "objective": "sft", "dataset": str(chats),
                           "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 8,
                           "curriculum": None})
-    data["train"].append({**data["train"][-1], "name": "dpo", "objective": "dpo", "dataset": str(pairs),
-                          "steps": 6, "lr": 0.0005, "beta": 0.1, "checkpoint_every": 6})
+    data["train"].append({**data["train"][-1], "name": "dpo", "objective": "dpo", "dataset": str(tasks),
+                          "on_policy": True, "num_generations": 4, "max_completion_length": 24, "seq_len": 160,
+                          "rewards": ["exact_answer", "has_number"], "steps": 4, "lr": 0.0005, "beta": 0.1,
+                          "checkpoint_every": 4})
     post_recipe = recipe_path.parent / "post.yaml"
     post_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     pipeline = Pipeline(load_recipe(post_recipe))
@@ -143,8 +149,10 @@ def test_sft_then_dpo_continue_from_the_previous_checkpoints(demo_run, recipe_pa
     assert [h["step"] for h in sft] == list(range(1, 9))
     assert all(math.isfinite(h["loss"]) for h in sft) and sft[-1]["loss_items"] < 8 * 512
     assert all(0 < h["mfu"] < 1.5 and h["memory_gb"] > 0 for h in sft)
+    pairs = read_jsonl(pipeline.run_dir / "dpo" / "on-policy-pairs.jsonl")
+    assert pairs and all(p["chosen"] != p["rejected"] for p in pairs)
     dpo = read_jsonl(pipeline.run_dir / "dpo" / "metrics.jsonl")
-    assert [h["step"] for h in dpo] == list(range(1, 7)) and all(h["loss_items"] == 8 for h in dpo)
+    assert [h["step"] for h in dpo] == list(range(1, 5)) and all(h["loss_items"] == 8 for h in dpo)
     assert abs(dpo[0]["loss"] - math.log(2)) < 1e-4 and abs(dpo[0]["rewards/margins"]) < 1e-4
     assert all(math.isfinite(h["loss"]) and 0 <= h["rewards/accuracies"] <= 1 for h in dpo)
     assert abs(dpo[-1]["rewards/chosen"]) > 1e-3, "the policy moved away from its reference"
@@ -204,6 +212,37 @@ def test_rollout_engine_takes_new_weights_in_place(demo_run):
     ray.get(engine.load_weights.remote(original))
     assert sample() == before
     ray.kill(engine)
+
+
+def test_synthetic_data_from_seeds_through_a_served_model(demo_run, tmp_path):
+    """R1's seeds -> many samples at small scale: Ray Data actors send each seed prompt to the model served by
+    Ray Serve + vLLM (OpenAI API over HTTP), n samples per request; with a reward only accepted samples stay."""
+    from amalia_ray.core.config import ServeConfig
+    from amalia_ray.data.conversations import write_jsonl
+    from amalia_ray.data.synthesize import synthesize
+    from amalia_ray.data.tasks import arithmetic_tasks
+    from amalia_ray.serve import app as serve_app
+
+    pipeline, _ = demo_run
+    seeds = tmp_path / "seeds.jsonl"
+    write_jsonl(arithmetic_tasks(12, seed=3), seeds)
+    base_url = serve_app.start({"synth": pipeline.checkpoint_of("pretrain")}, ServeConfig(port=free_port()), False)
+    try:
+        everything = synthesize(seeds, tmp_path / "all.jsonl", base_url=base_url, model="synth", per_seed=3,
+                                max_tokens=24)
+        accepted = synthesize(seeds, tmp_path / "kept.jsonl", base_url=base_url, model="synth", per_seed=3,
+                              max_tokens=24, reward="has_number")
+    finally:
+        serve_app.stop()
+    rows = read_jsonl(tmp_path / "all.jsonl")
+    assert everything["seeds"] == 12 and everything["sampled"] == 36 and len(rows) == everything["kept"] >= 18
+    seed_prompts = {t["id"]: t["prompt"] for t in read_jsonl(seeds)}
+    for row in rows:
+        assert row["model"] == "synth" and row["reward"] is None
+        assert row["messages"][:-1] == seed_prompts[row["seed_id"]] and row["messages"][-1]["role"] == "assistant"
+    kept = read_jsonl(tmp_path / "kept.jsonl")
+    assert len(kept) == accepted["kept"] <= 36 and all(r["reward"] == 1.0 for r in kept)
+    assert all(any(ch.isdigit() for ch in r["messages"][-1]["content"]) for r in kept)
 
 
 def test_interrupted_training_resumes_from_its_checkpoint(demo_run, recipe_path, tmp_path):
@@ -290,6 +329,26 @@ def test_killed_worker_within_failure_budget_the_stage_completes(demo_run, recip
     resumed_at = max(h["attempt_start_step"] for h in history)
     assert resumed_at in (10, 20), "the restarted workers continue from a checkpoint"
     assert killed_at - resumed_at <= 10, "at most one checkpoint interval is lost"
+
+
+def test_elastic_stage_carries_on_when_a_node_goes_away(demo_run, tmp_path):
+    """num_workers [1, 2] on a three-node local cluster of its own (tests/elastic_stage.py, in a subprocess): one
+    node is removed after the first checkpoint and training carries on with one worker from that checkpoint, the
+    global batch unchanged (accumulation doubles), to the last step."""
+    pipeline, _ = demo_run
+    out = tmp_path / "elastic"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "tests.elastic_stage", str(pipeline.stage_dir("pack")),
+                           str(pipeline.stage_dir("tokenizer")), str(out)], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    removed_at = json.loads((out / "result.json").read_text())["removed_at_step"]
+    history = read_jsonl(out / "elastic" / "metrics.jsonl")
+    assert removed_at is not None and [h["step"] for h in history] == list(range(1, 31))
+    assert history[0]["world_size"] == 2 and history[-1]["world_size"] == 1
+    restarted = [h for h in history if h["world_size"] == 1]
+    assert restarted[0]["attempt_start_step"] >= 5 and restarted[0]["attempt_start_step"] % 5 == 0
+    assert all(h["tokens"] == history[0]["tokens"] for h in history), "same global batch with one worker or two"
 
 
 def test_corpus_empty_after_filtering(ray_cluster, tmp_path):

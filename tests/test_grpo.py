@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from amalia_ray.data.tasks import arithmetic_tasks
-from amalia_ray.train.grpo import clipped_policy_loss, group_advantages, read_tasks
-from amalia_ray.train.rewards import exact_answer_reward, format_reward, get_reward
+from amalia_ray.train.grpo import clipped_policy_loss, group_advantages
+from amalia_ray.train.rollout import read_tasks
+from amalia_ray.core.rewards import exact_answer_reward, format_reward, get_reward
 
 
 def test_format_reward_wants_think_then_answer():
@@ -34,7 +35,7 @@ def test_exact_answer_reward_compares_numbers(completion, answer, expected):
 
 def test_rewards_by_name_or_import():
     assert get_reward("format") is format_reward
-    assert get_reward("amalia_ray.train.rewards:exact_answer_reward") is exact_answer_reward
+    assert get_reward("amalia_ray.core.rewards:exact_answer_reward") is exact_answer_reward
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         get_reward("nope")
 

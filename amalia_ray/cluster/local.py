@@ -13,12 +13,14 @@ from amalia_ray.core.console import stage_line
 MIN_LOGICAL_CPUS = 8
 
 
-def embedded_num_cpus(requested: int | None) -> int:
-    return requested or max(MIN_LOGICAL_CPUS, os.cpu_count() or 1)
+def embedded_num_cpus(requested: int | None, needed: int = 0) -> int:
+    """What the embedded cluster advertises: the recipe's `resources.num_cpus`, else enough logical CPUs for the
+    largest thing the recipe schedules at once (`needed`), at least MIN_LOGICAL_CPUS and the core count."""
+    return requested or max(MIN_LOGICAL_CPUS, os.cpu_count() or 1, needed)
 
 
 @contextmanager
-def ray_session(address: str | None = None, num_cpus: int | None = None):
+def ray_session(address: str | None = None, num_cpus: int | None = None, needed_cpus: int = 0):
     """Yields a description of the cluster. Reuses a Ray already initialized in this process (tests, jobs)."""
     import ray
 
@@ -32,7 +34,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None):
     else:
         # Ray 2.60 turns token auth on when ~/.ray/auth_token exists; a private local cluster needs none.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus), include_dashboard=True,
+        ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=True,
                  log_to_driver=True)
         mode = "embedded local Ray"
     resources = ray.cluster_resources()

@@ -244,7 +244,9 @@ class TrainStageConfig(Strict):
     activation_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile each decoder block (fuses the element-wise work; "
                           "costs a compilation of ~20 s per worker at start)")
-    num_workers: int = Field(2, ge=1)
+    num_workers: int | tuple[int, int] = Field(2, description="workers, or [min, max] for elastic training: "
+                                               "starts with what the cluster has (at least min) and carries on "
+                                               "with fewer workers when a node goes away (needs max_failures)")
     cpus_per_worker: int = Field(1, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     checkpoints_to_keep: int = Field(2, ge=1)
@@ -252,20 +254,24 @@ class TrainStageConfig(Strict):
     log_every: int = Field(1, ge=1)
     dataset: str | None = Field(None, description="sft: jsonl file or folder of conversations ({messages: [{role, "
                                 "content}]}); dpo: jsonl of {prompt, chosen, rejected} (strings or messages); "
-                                "relative to the recipe")
+                                "grpo and on-policy dpo: jsonl of tasks {prompt, answer, …}; relative to the recipe")
     seq_len: int | None = Field(None, ge=8, description="sft: packed row length; dpo: longest prompt + answer "
                                 "(longer pairs keep their start); default model.max_position_embeddings")
     beta: float = Field(0.1, gt=0, description="dpo: strength of the pull towards the reference model")
-    rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="grpo: rule-based rewards by "
-                               "name (format, exact_answer) or module:function(completion, task) -> float")
-    reward_weights: list[float] | None = Field(None, description="grpo: weight of each reward (default all 1)")
-    num_generations: int = Field(4, ge=2, description="grpo: completions sampled per prompt (the group)")
-    max_completion_length: int = Field(64, ge=1, description="grpo: most tokens sampled per completion")
-    temperature: float = Field(1.0, gt=0, description="grpo: sampling temperature of the rollouts")
+    on_policy: bool = Field(False, description="dpo: make the pairs with the stage's initial model (AMALIA): "
+                            "dataset = tasks; num_generations candidates per prompt sampled by the rollout engine, "
+                            "ranked by the rewards below (best = chosen, worst = rejected)")
+    rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="grpo / on-policy dpo: "
+                               "rule-based rewards by name (format, exact_answer, has_number) or "
+                               "module:function(completion, task) -> float")
+    reward_weights: list[float] | None = Field(None, description="grpo / on-policy dpo: weight of each reward (default all 1)")
+    num_generations: int = Field(4, ge=2, description="grpo / on-policy dpo: completions sampled per prompt (the group)")
+    max_completion_length: int = Field(64, ge=1, description="grpo / on-policy dpo: most tokens sampled per completion")
+    temperature: float = Field(1.0, gt=0, description="grpo / on-policy dpo: sampling temperature of the rollouts")
     clip_epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: policy-ratio clip range")
     kl_coef: float = Field(0.0, ge=0, description="grpo: weight of the k3 KL penalty to the initial model (0: none, "
                            "no reference model held)")
-    rollout: EngineConfig = Field(default_factory=EngineConfig, description="grpo: the vLLM rollout engine "
+    rollout: EngineConfig = Field(default_factory=EngineConfig, description="grpo / on-policy dpo: the vLLM rollout engine "
                                   "(max_model_len is the stage's seq_len)")
     document_masking: bool = Field(
         True, description="pretrain: positions restart at each document in a packed sequence and attention stays "
@@ -276,14 +282,22 @@ class TrainStageConfig(Strict):
         "previous", description="previous: start from the previous training stage's checkpoint (scratch for the first)"
     )
 
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        return (self.num_workers, self.num_workers) if isinstance(self.num_workers, int) else tuple(self.num_workers)
+
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainStageConfig:
-        per_step = self.micro_batch_size * self.num_workers
-        if self.global_batch_size % per_step:
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} must be a multiple of "
-                f"micro_batch_size × num_workers = {per_step}"
-            )
+        low, high = self.worker_range
+        if not 1 <= low <= high:
+            raise ValueError(f"num_workers must be >= 1, or [min, max] with 1 <= min <= max; got {self.num_workers}")
+        for workers in range(low, high + 1):  # the global batch stays the same whatever the world size
+            per_step = self.micro_batch_size * workers
+            if self.global_batch_size % per_step:
+                raise ValueError(
+                    f"global_batch_size {self.global_batch_size} must be a multiple of "
+                    f"micro_batch_size × num_workers = {per_step}"
+                    + (f" (for every worker count in {list(self.num_workers)})" if low != high else ""))
         if self.objective == "grpo" and self.global_batch_size % self.num_generations:
             raise ValueError(f"train stage '{self.name}': global_batch_size {self.global_batch_size} counts "
                              f"completions and must be a multiple of num_generations {self.num_generations}")

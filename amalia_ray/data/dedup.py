@@ -68,14 +68,18 @@ def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, thres
 
     keys = docs.select_columns(["id", "text"]).map_batches(BandKeys(params), batch_format="pyarrow")
     star_edges = per_part(keys.map_batches(band_rows, batch_format="pyarrow"), _bucket_edges, partitions)
-    # a pair found in several bands was found in several parts: one more keyed shuffle (by src) keeps it once
-    candidates = per_part(star_edges.map_batches(lambda b: with_part(b, "src", partitions), batch_format="pyarrow"),
-                          _unique_edges, partitions).materialize()
-    stats = {"candidate_pairs": candidates.count()}
-    edges = candidates
-    if threshold is not None and stats["candidate_pairs"]:
-        edges = _verified(candidates, docs, params, threshold, partitions, broadcast_rows).materialize()
-    stats["duplicate_pairs"] = edges.count() if edges is not candidates else stats["candidate_pairs"]
+    if threshold is not None:
+        # a pair found in several bands comes once per band here; verification keeps each pair once
+        candidates = star_edges.materialize()
+        stats = {"candidate_edges": candidates.count()}
+        edges = (_verified(candidates, docs, params, threshold, partitions, broadcast_rows).materialize()
+                 if stats["candidate_edges"] else candidates)
+    else:
+        # one more keyed shuffle (by src) keeps each pair once
+        edges = per_part(star_edges.map_batches(lambda b: with_part(b, "src", partitions), batch_format="pyarrow"),
+                         _unique_edges, partitions).materialize()
+        stats = {"candidate_edges": edges.count()}
+    stats["duplicate_pairs"] = edges.count()
     if not stats["duplicate_pairs"]:
         return ray.data.from_arrow(CLUSTER_SCHEMA.empty_table()), {**stats, "cc_rounds": 0}
     labels, stats["cc_rounds"] = connected_components(edges, partitions)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from amalia_ray.evals.client import OpenAIClient
+from amalia_ray.core.openai_client import OpenAIClient
 from amalia_ray.evals.tasks import MCItem
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from amalia_ray.core.errors import NotImplementedYet
 from amalia_ray.core.storage import write_json
-from amalia_ray.evals.client import OpenAIClient
+from amalia_ray.core.openai_client import OpenAIClient
 from amalia_ray.evals.loglik import evaluate_mc
 from amalia_ray.evals.tasks import load_mc
 

@@ -39,9 +39,18 @@ def preflight(p: Pipeline, needs_serving: bool) -> None:
             serve_app.check_port_free(r.serve.host, r.serve.port)
 
 
+def logical_cpus_needed(r) -> int:
+    """Logical CPUs the recipe's widest step holds at once: serving every trained model side by side (a vLLM
+    replica holds its actor's CPU and its engine bundle's) plus the ingress and slack, or the widest training stage
+    plus its rollout engine and controller."""
+    serve = 2 * len(r.train) * r.serve.cpus_per_replica * r.serve.max_replicas + 4
+    train = max((s.worker_range[1] * s.cpus_per_worker + 3 for s in r.train), default=0)
+    return max(serve if r.eval.tasks else 0, train)
+
+
 @contextmanager
 def cluster(p: Pipeline):
-    with ray_session(p.recipe.resources.address, p.recipe.resources.num_cpus) as info:
+    with ray_session(p.recipe.resources.address, p.recipe.resources.num_cpus, logical_cpus_needed(p.recipe)) as info:
         p.cluster_info = info
         yield info
 

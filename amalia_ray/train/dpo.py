@@ -139,6 +139,84 @@ class DPO:
                         "(e.g. a prompt ending in a space); their prompt/answer split is approximate")
         self.reference: dict[str, torch.Tensor] = {}
         self._sums, self._pairs = torch.zeros(len(self.REWARDS), dtype=torch.float64), 0
+        self.on_policy: dict | None = None
+
+    @classmethod
+    def from_policy(cls, tasks_path: Path, tokenizer_dir: Path, seq_len: int, stage: dict, work_dir: Path,
+                    seed: int, use_gpu: bool = False, validation_fraction: float = 0.05) -> DPO:
+        """AMALIA-style on-policy DPO: the pairs are made in `prepare` by the stage's initial model (the previous
+        stage's checkpoint) — `num_generations` completions per task prompt sampled through the vLLM rollout engine,
+        scored by the stage's rewards; the best becomes chosen and the worst rejected (ties give no pair)."""
+        from transformers import AutoTokenizer
+
+        from amalia_ray.core.rewards import get_reward
+        from amalia_ray.train.rollout import encode_prompt, read_tasks
+
+        self = cls.__new__(cls)
+        self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        self.seq_len, self.beta, self.dropped = seq_len, stage["beta"], 0
+        self.pairs = {"train": [], "validation": []}
+        tasks = [t for t in read_tasks(tasks_path)]
+        prompts = [encode_prompt(self.tok, t["prompt"]) for t in tasks]
+        keep = [i for i, p in enumerate(prompts) if len(p) + stage["max_completion_length"] <= seq_len]
+        self.dropped = len(tasks) - len(keep)
+        weights = stage.get("reward_weights") or [1.0] * len(stage["rewards"])
+        self.on_policy = {"tasks": [tasks[i] for i in keep], "prompts": [prompts[i] for i in keep],
+                          "rewards": [get_reward(n) for n in stage["rewards"]], "weights": torch.tensor(weights),
+                          "stage": stage, "tokenizer_dir": tokenizer_dir, "work_dir": work_dir, "seed": seed,
+                          "use_gpu": use_gpu, "validation_fraction": validation_fraction, "source": tasks_path}
+        if not keep:
+            raise ValueError(f"no task in {tasks_path} whose prompt leaves room for "
+                             f"{stage['max_completion_length']} completion tokens in seq_len {seq_len}")
+        self.reference = {}
+        self._sums, self._pairs = torch.zeros(len(self.REWARDS), dtype=torch.float64), 0
+        return self
+
+    def _make_pairs(self, model) -> None:
+        """Rank 0 samples and ranks candidates; every rank gets the same pairs. Also written to
+        on-policy-pairs.jsonl in the stage folder, decoded, for inspection."""
+        import ray
+
+        from amalia_ray.train.rollout import engine_on_model, sample_and_score
+
+        cfg, stage = self.on_policy, self.on_policy["stage"]
+        engine = engine_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], {**stage["rollout"],
+                                 "max_model_len": self.seq_len}, cfg["seed"], cfg["use_gpu"])
+        payload = [None]
+        if dist.get_rank() == 0:
+            n = stage["num_generations"]
+            items, scores = sample_and_score(engine, self.tok, cfg["prompts"], cfg["tasks"], cfg["rewards"], n,
+                                             stage["max_completion_length"], stage["temperature"], cfg["seed"])
+            ray.kill(engine)
+            totals = (scores @ cfg["weights"]).view(-1, n)
+            pairs, ties = [], 0
+            for i, group in enumerate(totals):
+                best, worst = int(group.argmax()), int(group.argmin())
+                if group[best] == group[worst]:
+                    ties += 1
+                    continue
+                prompt = items[i * n][0]
+                pairs.append(Pair(prompt, items[i * n + best][1], items[i * n + worst][1]))
+            payload = [(pairs, ties)]
+            with (cfg["work_dir"] / "on-policy-pairs.jsonl").open("w", encoding="utf-8") as f:
+                for p in pairs:
+                    f.write(json.dumps({"prompt": self.tok.decode(p.prompt), "chosen": self.tok.decode(p.chosen),
+                                        "rejected": self.tok.decode(p.rejected)}, ensure_ascii=False) + "\n")
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        pairs, ties = payload[0]
+        if not pairs:
+            raise ValueError(f"on-policy DPO on {cfg['source']}: every prompt's {stage['num_generations']} "
+                             "candidates scored the same, so there is no preference to learn; use rewards that "
+                             "separate them, more generations or a higher temperature")
+        log.info(f"on-policy DPO: {len(pairs)} pairs from {len(cfg['prompts'])} prompts ({ties} ties skipped)")
+        for i, pair in enumerate(pairs):
+            key = json.dumps([pair.prompt, i]).encode()
+            split = "validation" if zlib.crc32(key) / 2**32 < cfg["validation_fraction"] else "train"
+            self.pairs[split].append(pair)
+        if not self.pairs["train"]:
+            self.pairs = {"train": self.pairs["validation"], "validation": []}
 
     def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
         if curriculum:
@@ -153,6 +231,8 @@ class DPO:
 
     @torch.no_grad()
     def prepare(self, model, micro: int, rank: int, world: int, device: torch.device) -> None:
+        if self.on_policy and not self.pairs["train"]:
+            self._make_pairs(model)
         model.eval()
         for split, pairs in self.pairs.items():
             n = len(pairs)

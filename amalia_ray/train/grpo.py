@@ -6,7 +6,6 @@ default `dapo` normalization); one optimizer step per rollout, so the old policy
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -16,34 +15,10 @@ import torch.distributed as dist
 
 from amalia_ray.core.shards import MixtureSampler
 from amalia_ray.train.completions import pad_completions, token_logps
-from amalia_ray.train.rewards import get_reward
+from amalia_ray.core.rewards import get_reward
+from amalia_ray.train.rollout import encode_prompt, engine_on_model, read_tasks, sample_and_score
 
 log = logging.getLogger("amalia_ray.train")
-
-
-def read_tasks(path: Path) -> list[dict]:
-    """jsonl file(s): a `prompt` (string, or {role, content} messages) and whatever the rewards read (`answer`…)."""
-    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
-    if not files or not all(f.exists() for f in files):
-        raise ValueError(f"task data not found: {path}")
-    rows = []
-    for f in files:
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{f}:{n}: not JSON ({e})") from None
-            prompt = row.get("prompt") if isinstance(row, dict) else None
-            ok = (isinstance(prompt, str) and prompt) or (isinstance(prompt, list) and prompt and all(
-                isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt))
-            if not ok:
-                raise ValueError(f"{f}:{n}: field 'prompt' must be a non-empty string or {{role, content}} messages")
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"no task in {path}")
-    return rows
 
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: bool = True) -> torch.Tensor:
@@ -88,7 +63,7 @@ class GRPO:
         self.reward_weights = torch.tensor(stage.get("reward_weights") or [1.0] * len(self.rewards))
         self.tasks, self.prompts, dropped = [], [], 0
         for row in read_tasks(data_path):
-            ids = self._encode_prompt(row["prompt"])
+            ids = encode_prompt(self.tok, row["prompt"])
             if len(ids) + self.max_new > seq_len:
                 dropped += 1
                 continue
@@ -104,12 +79,6 @@ class GRPO:
         self._stats: dict[str, tuple[float, float]] = {}
         self._kl = [0.0, 0]
 
-    def _encode_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list):
-            rendered = self.tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
-            return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-        return list(self.tok(prompt)["input_ids"])
-
     def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
         if curriculum:
             raise ValueError("curriculum applies to pretraining sources; a grpo stage reads one task set")
@@ -121,19 +90,12 @@ class GRPO:
     def prepare(self, model, micro: int, rank: int, world: int, device: torch.device) -> None:
         """Start the rollout engine on the initial weights (exported once as a HF folder it can load), and load the
         frozen reference when a KL penalty is asked for."""
-        from amalia_ray.train.checkpoint import export_hf
-        from amalia_ray.train.rollout import start_engine
-
-        init_dir = self.work_dir / "rollout-init"
-        export_hf(model, model.config, init_dir, self.tokenizer_dir)  # collective
-        if world > 1:
-            dist.barrier()
-        if rank == 0:
-            engine = {**self.engine_config, "max_model_len": self.seq_len}
-            self.engine = start_engine(str(init_dir), engine, self.seed, self.use_gpu)
+        engine = {**self.engine_config, "max_model_len": self.seq_len}
+        self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu)
         if self.kl_coef > 0:
             from transformers import LlamaForCausalLM
 
+            init_dir = self.work_dir / "rollout-init"
             self.reference = LlamaForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device).eval()
             self.reference.requires_grad_(False)
 
@@ -150,15 +112,9 @@ class GRPO:
         if dist.get_rank() == 0:
             ray.get(self.engine.load_weights.remote(hf_names(full)))
             prompts = [self.prompts[i] for i in prompt_rows]
-            sampled = ray.get(self.engine.generate.remote(prompts, self.G, self.max_new, self.temperature,
-                                                          self.seed * 1_000_003 + step * 10_007))
-            items, scores = [], []
-            for row, prompt, completions in zip(prompt_rows, prompts, sampled):
-                for completion in completions:
-                    text = self.tok.decode(completion, skip_special_tokens=True)
-                    scores.append([float(fn(text, self.tasks[row])) for fn in self.rewards])
-                    items.append((prompt, completion))
-            per_fn = torch.tensor(scores, dtype=torch.float32)
+            items, per_fn = sample_and_score(self.engine, self.tok, prompts, [self.tasks[i] for i in prompt_rows],
+                                             self.rewards, self.G, self.max_new, self.temperature,
+                                             self.seed * 1_000_003 + step * 10_007)
             rewards = per_fn @ self.reward_weights
             advantages = group_advantages(rewards, self.G)
             n = len(items)

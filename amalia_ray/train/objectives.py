@@ -135,6 +135,8 @@ def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = No
         raise NotImplementedYet(f"training objective '{name}'", 4)
     if name == "sft":
         return SFT(data_dir, tokenizer_dir, seq_len)
+    if name == "dpo" and stage.get("on_policy"):
+        return DPO.from_policy(data_dir, tokenizer_dir, seq_len, stage, work_dir, seed, use_gpu)
     if name == "dpo":
         return DPO(data_dir, tokenizer_dir, seq_len, stage.get("beta", 0.1))
     if name == "grpo":

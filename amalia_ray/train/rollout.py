@@ -1,5 +1,6 @@
-"""The rollout engine for on-policy RL: vLLM in its own Ray actor, with its engine in that process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) so the trainer's weights can be swapped in place before every generation.
+"""On-policy sampling (GRPO's rollouts, on-policy DPO's candidates): task prompts, and the rollout engine — vLLM in
+its own Ray actor, with its engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the trainer's weights can
+be swapped in place before every generation — sampling completions that rule-based rewards score.
 
 A separate actor rather than vLLM inside a training worker: the training workers already own a torch.distributed
 group that vLLM would try to join, and the actor can sit on any node of the cluster (on GPU clusters it takes a
@@ -7,8 +8,13 @@ GPU of its own, as TRL's server mode does)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Callable
+
 import ray
 import torch
+import torch.distributed as dist
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -61,3 +67,62 @@ def hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             name = name.replace(prefix, "")
         out[name] = tensor
     return out
+
+
+def read_tasks(path: Path) -> list[dict]:
+    """jsonl file(s): a `prompt` (string, or {role, content} messages) and whatever the rewards read (`answer`…)."""
+    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.exists() for f in files):
+        raise ValueError(f"task data not found: {path}")
+    rows = []
+    for f in files:
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}:{n}: not JSON ({e})") from None
+            prompt = row.get("prompt") if isinstance(row, dict) else None
+            ok = (isinstance(prompt, str) and prompt) or (isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt))
+            if not ok:
+                raise ValueError(f"{f}:{n}: field 'prompt' must be a non-empty string or {{role, content}} messages")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"no task in {path}")
+    return rows
+
+
+def encode_prompt(tok, prompt) -> list[int]:
+    """Messages through the chat template with the generation prompt (as TRL); a string as it is."""
+    if isinstance(prompt, list):
+        rendered = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    return list(tok(prompt)["input_ids"])
+
+
+def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, seed: int, use_gpu: bool):
+    """Export the model's current weights as a HF folder (a collective: every rank calls this) and start an engine
+    on it from rank 0; None on the other ranks."""
+    from amalia_ray.train.checkpoint import export_hf
+
+    init_dir = work_dir / "rollout-init"
+    export_hf(model, model.config, init_dir, tokenizer_dir)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    return start_engine(str(init_dir), engine, seed, use_gpu) if dist.get_rank() == 0 else None
+
+
+def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], rewards: list[Callable],
+                     n: int, max_tokens: int, temperature: float, seed: int) -> tuple[list, torch.Tensor]:
+    """`n` completions per prompt from the engine, each scored by every reward -> ([(prompt, completion)], scores
+    (completions, rewards)); completions of one prompt are consecutive."""
+    sampled = ray.get(engine.generate.remote(prompts, n, max_tokens, temperature, seed))
+    items, scores = [], []
+    for prompt, task, completions in zip(prompts, tasks, sampled):
+        for completion in completions:
+            text = tok.decode(completion, skip_special_tokens=True)
+            scores.append([float(fn(text, task)) for fn in rewards])
+            items.append((prompt, completion))
+    return items, torch.tensor(scores, dtype=torch.float32).reshape(len(items), len(rewards))

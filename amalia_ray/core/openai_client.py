@@ -1,5 +1,5 @@
-"""A small OpenAI-API client: bounded concurrency and retries on transient errors. Evaluation reaches models only
-through this, over HTTP."""
+"""A small OpenAI-API client: bounded concurrency and retries on transient errors. Evaluation and synthetic-data
+generation reach served models only through this, over HTTP."""
 
 from __future__ import annotations
 
