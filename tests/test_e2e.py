@@ -255,19 +255,8 @@ def test_interrupted_training_resumes_from_its_checkpoint(demo_run, recipe_path,
         "train.0.checkpoint_every": 10, "train.0.warmup_steps": 5, "train.0.max_failures": 0,
     })
     pipeline = Pipeline(load_recipe(recipe))
-    errors: list[BaseException] = []
-    runner = threading.Thread(target=lambda: _capture(errors, lambda: pipeline.run(until="pretrain")))
     (pipeline.run_dir / "pretrain" / "metrics.jsonl").unlink()  # the earlier 40-step history
-    runner.start()
-    deadline = time.monotonic() + 300
-    # kill only once Ray Train's controller has registered a checkpoint of this run in its snapshot
-    while time.monotonic() < deadline and not _registered_checkpoint(pipeline.run_dir):
-        time.sleep(0.2)
-    from ray.util.state import list_actors
-
-    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    assert workers, "no training worker found to kill"
-    os.kill(workers[0].pid, signal.SIGKILL)
+    runner, errors, _ = _run_and_kill_a_worker(pipeline)
     runner.join(timeout=300)
     assert errors, "with max_failures=0 the killed worker must fail the stage"
     rec = json.loads((pipeline.run_dir / "manifest.json").read_text())["stages"]["pretrain"]
@@ -308,18 +297,7 @@ def test_killed_worker_within_failure_budget_the_stage_completes(demo_run, recip
         "train.0.checkpoint_every": 10, "train.0.warmup_steps": 5, "train.0.max_failures": 1,
     })
     pipeline = Pipeline(load_recipe(recipe))
-    errors: list[BaseException] = []
-    runner = threading.Thread(target=lambda: _capture(errors, lambda: pipeline.run(until="pretrain")))
-    runner.start()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not _registered_checkpoint(pipeline.run_dir):
-        time.sleep(0.2)
-    from ray.util.state import list_actors
-
-    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-    assert workers, "no training worker found to kill"
-    killed_at = read_jsonl(pipeline.run_dir / "pretrain" / "metrics.jsonl")[-1]["step"]
-    os.kill(workers[-1].pid, signal.SIGKILL)
+    runner, errors, killed_at = _run_and_kill_a_worker(pipeline)
     runner.join(timeout=400)
     assert not runner.is_alive() and not errors, errors
     rec = json.loads((pipeline.run_dir / "manifest.json").read_text())["stages"]["pretrain"]
@@ -355,6 +333,24 @@ def test_corpus_empty_after_filtering(ray_cluster, tmp_path):
     recipe = write_recipe(tmp_path, **{"run.name": "empty", "data.min_chars": 10_000_000})
     with pytest.raises(AmaliaError, match=r"corpus empty after filtering: 0 of \d+ documents kept"):
         Pipeline(load_recipe(recipe)).run(until="data")
+
+
+def _run_and_kill_a_worker(pipeline: Pipeline) -> tuple[threading.Thread, list, int]:
+    """Run the pretrain stage in a thread and SIGKILL a training worker once Ray Train's controller has registered a
+    checkpoint of the run; returns the thread, the errors it raised and the last step logged before the kill."""
+    errors: list[BaseException] = []
+    runner = threading.Thread(target=lambda: _capture(errors, lambda: pipeline.run(until="pretrain")))
+    runner.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not _registered_checkpoint(pipeline.run_dir):
+        time.sleep(0.2)
+    from ray.util.state import list_actors
+
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    assert workers, "no training worker found to kill"
+    killed_at = read_jsonl(pipeline.run_dir / "pretrain" / "metrics.jsonl")[-1]["step"]
+    os.kill(workers[0].pid, signal.SIGKILL)
+    return runner, errors, killed_at
 
 
 def _registered_checkpoint(run_dir: Path) -> bool:

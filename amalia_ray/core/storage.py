@@ -51,3 +51,19 @@ def write_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def jsonl_rows(path: Path, what: str):
+    """(file, line number, parsed row) for every non-empty line of a jsonl file or of the *.jsonl files under a
+    folder; a missing input or a line that is not JSON is a ValueError naming `what`, the file and the line."""
+    path = Path(path)
+    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"{what} not found: {path}")
+    for f in files:
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    yield f, n, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{f}:{n}: not JSON ({e})") from None

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from amalia_ray.core.shards import MixtureSampler
+from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.train.completions import pad_completions, token_logps
 
 log = logging.getLogger("amalia_ray.train")
@@ -39,27 +40,17 @@ class Pair:
 
 def read_preferences(path: Path) -> list[dict]:
     """jsonl file(s) of {prompt, chosen, rejected}; a bad row is an error naming file, line and field."""
-    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
-    if not files or not all(f.exists() for f in files):
-        raise ValueError(f"preference data not found: {path}")
     rows = []
-    for f in files:
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{f}:{n}: not JSON ({e})") from None
-            for field in ("prompt", "chosen", "rejected"):
-                value = row.get(field) if isinstance(row, dict) else None
-                if not (isinstance(value, str) and value) and not _is_messages(value):
-                    raise ValueError(f"{f}:{n}: field '{field}' must be a non-empty string or a list of "
-                                     "{role, content} messages")
-            if _is_messages(row["prompt"]) != _is_messages(row["chosen"]) or \
-                    _is_messages(row["chosen"]) != _is_messages(row["rejected"]):
-                raise ValueError(f"{f}:{n}: prompt, chosen and rejected must all be strings or all be messages")
-            rows.append(row)
+    for f, n, row in jsonl_rows(path, "preference data"):
+        for field in ("prompt", "chosen", "rejected"):
+            value = row.get(field) if isinstance(row, dict) else None
+            if not (isinstance(value, str) and value) and not _is_messages(value):
+                raise ValueError(f"{f}:{n}: field '{field}' must be a non-empty string or a list of "
+                                 "{role, content} messages")
+        if _is_messages(row["prompt"]) != _is_messages(row["chosen"]) or \
+                _is_messages(row["chosen"]) != _is_messages(row["rejected"]):
+            raise ValueError(f"{f}:{n}: prompt, chosen and rejected must all be strings or all be messages")
+        rows.append(row)
     return rows
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from amalia_ray.core.errors import NotImplementedYet
 from amalia_ray.core.shards import MixtureSampler, PackedSplit, load_hook, phase_schedule
+from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.train.chat import encode_conversation, pack_conversations
 from amalia_ray.train.dpo import DPO
 from amalia_ray.train.grpo import GRPO
@@ -111,17 +112,11 @@ class SFT:
 
 def read_conversations(path: Path) -> list[list[dict]]:
     """jsonl file(s) with a `messages` list per row; a bad row is an error naming file and line."""
-    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
     out = []
-    for f in files:
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{f}:{n}: not a JSON object with 'messages' ({e})") from None
-            out.append(messages)
+    for f, n, row in jsonl_rows(path, "conversations"):
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise ValueError(f"{f}:{n}: not a JSON object with 'messages' (a list of {{role, content}})")
+        out.append(row["messages"])
     return out
 
 

@@ -8,13 +8,14 @@ GPU of its own, as TRL's server mode does)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
 import ray
 import torch
 import torch.distributed as dist
+
+from amalia_ray.core.storage import jsonl_rows
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -71,24 +72,14 @@ def hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def read_tasks(path: Path) -> list[dict]:
     """jsonl file(s): a `prompt` (string, or {role, content} messages) and whatever the rewards read (`answer`…)."""
-    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
-    if not files or not all(f.exists() for f in files):
-        raise ValueError(f"task data not found: {path}")
     rows = []
-    for f in files:
-        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{f}:{n}: not JSON ({e})") from None
-            prompt = row.get("prompt") if isinstance(row, dict) else None
-            ok = (isinstance(prompt, str) and prompt) or (isinstance(prompt, list) and prompt and all(
-                isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt))
-            if not ok:
-                raise ValueError(f"{f}:{n}: field 'prompt' must be a non-empty string or {{role, content}} messages")
-            rows.append(row)
+    for f, n, row in jsonl_rows(path, "task data"):
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        ok = (isinstance(prompt, str) and prompt) or (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt))
+        if not ok:
+            raise ValueError(f"{f}:{n}: field 'prompt' must be a non-empty string or {{role, content}} messages")
+        rows.append(row)
     if not rows:
         raise ValueError(f"no task in {path}")
     return rows
