@@ -188,7 +188,7 @@ def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):
 
 def test_rollout_engine_takes_new_weights_in_place(demo_run):
     """The mechanism GRPO relies on every step: weights pushed into the running vLLM engine change what it samples,
-    and pushing the original weights back reproduces the original samples exactly (same seed)."""
+    and pushing the original weights back reproduces the original samples exactly (greedy decoding)."""
     import ray
     import torch
     from safetensors.torch import load_file
@@ -202,10 +202,10 @@ def test_rollout_engine_takes_new_weights_in_place(demo_run):
     engine = start_engine(str(ckpt), {"max_model_len": 128, "gpu_memory_utilization": 0.1, "enforce_eager": True},
                           seed=0, use_gpu=False)
     prompts = [tok("O sistema Debian")["input_ids"], tok("Para instalar")["input_ids"]]
-    sample = lambda: ray.get(engine.generate.remote(prompts, 3, 12, 1.0, 7))  # noqa: E731
+    sample = lambda: ray.get(engine.generate.remote(prompts, 1, 12, 0.0))  # noqa: E731
     original = load_file(str(ckpt / "model.safetensors"))
     before = sample()
-    assert before == sample(), "same weights and seed: same samples"
+    assert before == sample(), "same weights, greedy: same samples"
     torch.manual_seed(0)
     ray.get(engine.load_weights.remote({k: v + 0.5 * torch.randn_like(v) for k, v in original.items()}))
     assert sample() != before

@@ -178,7 +178,7 @@ class DPO:
         if dist.get_rank() == 0:
             n = stage["num_generations"]
             items, scores = sample_and_score(engine, self.tok, cfg["prompts"], cfg["tasks"], cfg["rewards"], n,
-                                             stage["max_completion_length"], stage["temperature"], cfg["seed"])
+                                             stage["max_completion_length"], stage["temperature"])
             ray.kill(engine)
             totals = (scores @ cfg["weights"]).view(-1, n)
             pairs, ties = [], 0

@@ -113,8 +113,7 @@ class GRPO:
             ray.get(self.engine.load_weights.remote(hf_names(full)))
             prompts = [self.prompts[i] for i in prompt_rows]
             items, per_fn = sample_and_score(self.engine, self.tok, prompts, [self.tasks[i] for i in prompt_rows],
-                                             self.rewards, self.G, self.max_new, self.temperature,
-                                             self.seed * 1_000_003 + step * 10_007)
+                                             self.rewards, self.G, self.max_new, self.temperature)
             rewards = per_fn @ self.reward_weights
             advantages = group_advantages(rewards, self.G)
             n = len(items)

@@ -35,14 +35,15 @@ class RolloutEngine:
         self.llm.collective_rpc(reload, args=(weights,))
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 seed: int) -> list[list[list[int]]]:
-        """For each prompt (token ids), `n` sampled completions (token ids, the stop token included)."""
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int,
+                 temperature: float) -> list[list[list[int]]]:
+        """For each prompt (token ids), `n` sampled completions (token ids, the stop token included). Sampling draws
+        from the engine's seeded generator, so a fresh engine given the same calls samples the same; no per-request
+        seed: vLLM on CPU cannot rewind a request's own generator when the scheduler splits its prefill."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, seed=seed + i)
-                  for i in range(len(prompts))]
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[list(c.token_ids) for c in out.outputs] for out in outputs]
 
@@ -106,10 +107,10 @@ def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, se
 
 
 def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], rewards: list[Callable],
-                     n: int, max_tokens: int, temperature: float, seed: int) -> tuple[list, torch.Tensor]:
+                     n: int, max_tokens: int, temperature: float) -> tuple[list, torch.Tensor]:
     """`n` completions per prompt from the engine, each scored by every reward -> ([(prompt, completion)], scores
     (completions, rewards)); completions of one prompt are consecutive."""
-    sampled = ray.get(engine.generate.remote(prompts, n, max_tokens, temperature, seed))
+    sampled = ray.get(engine.generate.remote(prompts, n, max_tokens, temperature))
     items, scores = [], []
     for prompt, task, completions in zip(prompts, tasks, sampled):
         for completion in completions:
