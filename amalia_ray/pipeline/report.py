@@ -93,11 +93,15 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
         for n in train_stages:
             history = _read_metrics(run_dir / n / "metrics.jsonl")
             vals = [h["val_loss"] for h in history if h.get("val_loss") is not None]
-            tps = [h["tokens_per_s"] for h in history[1:]] or [history[0]["tokens_per_s"]]
+            steady = history[1:] or history  # the first step of an attempt waits for start-up work
+            tps = [h["tokens_per_s"] for h in steady]
+            mfu = [h["mfu"] for h in steady if h.get("mfu") is not None]
             rows.append([n, len(history), history[0]["loss"], history[-1]["loss"], vals[-1] if vals else None,
-                         sum(h["tokens"] for h in history), sum(tps) / len(tps)])
+                         sum(h["tokens"] for h in history), sum(tps) / len(tps),
+                         f"{sum(mfu) / len(mfu):.0%}" if mfu else None])
         parts += ["## Training", "", _table(
-            ["stage", "steps", "first loss", "last loss", "validation loss", "tokens", "tokens/s (mean)"], rows), ""]
+            ["stage", "steps", "first loss", "last loss", "validation loss", "tokens", "tokens/s (mean)",
+             "MFU (mean)"], rows), ""]
         png = plot_losses(run_dir, train_stages)
         if png:
             parts += [f"![loss curve]({png.name})", ""]
