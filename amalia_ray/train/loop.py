@@ -171,9 +171,11 @@ def train_loop(config: dict) -> None:
         memory = _all_reduce([memory_gb(device)], dist.ReduceOp.MAX)[0]
 
         done = step + 1
+        objective_metrics = {k: extra_sums[2 * i] / extra_sums[2 * i + 1]
+                             for i, k in enumerate(extra) if extra_sums[2 * i + 1]}
         record = {"step": done, "loss": global_loss / global_items, "lr": lr, "grad_norm": float(grad_norm),
-                  **{k: extra_sums[2 * i] / extra_sums[2 * i + 1] for i, k in enumerate(extra) if extra_sums[2 * i + 1]},
-                  "loss_items": int(global_items), "tokens": int(global_tokens), "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
+                  **objective_metrics, "loss_items": int(global_items), "tokens": int(global_tokens),
+                  "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
                   "mfu": flops_token * global_tokens / elapsed / peak_flops, "memory_gb": memory,
                   "world_size": world, "attempt_start_step": start_step}
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps
