@@ -108,15 +108,9 @@ class DPO:
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, beta: float,
                  validation_fraction: float = 0.05):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.seq_len, self.beta = seq_len, beta
-        self.pairs: dict[str, list] = {"train": [], "validation": []}
-        self.dropped = 0
+        self._setup(tokenizer_dir, seq_len, beta)
         for row in read_preferences(data_path):
-            pair = encode_pair(tok, row)
+            pair = encode_pair(self.tok, row)
             if not fits(pair, seq_len):
                 self.dropped += 1
                 continue
@@ -128,6 +122,15 @@ class DPO:
         if unclean:
             log.warning(f"{data_path}: {unclean} pair(s) where prompt+answer does not tokenize as prompt then answer "
                         "(e.g. a prompt ending in a space); their prompt/answer split is approximate")
+
+    def _setup(self, tokenizer_dir: Path, seq_len: int, beta: float) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        self.seq_len, self.beta = seq_len, beta
+        self.pairs: dict[str, list] = {"train": [], "validation": []}
+        self.dropped = 0
         self.reference: dict[str, torch.Tensor] = {}
         self._sums, self._pairs = torch.zeros(len(self.REWARDS), dtype=torch.float64), 0
         self.on_policy: dict | None = None
@@ -138,20 +141,18 @@ class DPO:
         """AMALIA-style on-policy DPO: the pairs are made in `prepare` by the stage's initial model (the previous
         stage's checkpoint) — `num_generations` completions per task prompt sampled through the vLLM rollout engine,
         scored by the stage's rewards; the best becomes chosen and the worst rejected (ties give no pair)."""
-        from transformers import AutoTokenizer
-
         from amalia_ray.core.rewards import get_reward
         from amalia_ray.train.rollout import encode_prompt, read_tasks
 
         self = cls.__new__(cls)
-        self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        self.seq_len, self.beta, self.dropped = seq_len, stage["beta"], 0
-        self.pairs = {"train": [], "validation": []}
-        tasks = [t for t in read_tasks(tasks_path)]
+        self._setup(tokenizer_dir, seq_len, stage["beta"])
+        tasks = list(read_tasks(tasks_path))
         prompts = [encode_prompt(self.tok, t["prompt"]) for t in tasks]
         keep = [i for i, p in enumerate(prompts) if len(p) + stage["max_completion_length"] <= seq_len]
         self.dropped = len(tasks) - len(keep)
+        if self.dropped:
+            log.warning(f"{tasks_path}: {self.dropped} prompt(s) leave no room for {stage['max_completion_length']} "
+                        f"completion tokens in seq_len {seq_len}: skipped")
         weights = stage.get("reward_weights") or [1.0] * len(stage["rewards"])
         self.on_policy = {"tasks": [tasks[i] for i in keep], "prompts": [prompts[i] for i in keep],
                           "rewards": [get_reward(n) for n in stage["rewards"]], "weights": torch.tensor(weights),
@@ -160,8 +161,6 @@ class DPO:
         if not keep:
             raise ValueError(f"no task in {tasks_path} whose prompt leaves room for "
                              f"{stage['max_completion_length']} completion tokens in seq_len {seq_len}")
-        self.reference = {}
-        self._sums, self._pairs = torch.zeros(len(self.REWARDS), dtype=torch.float64), 0
         return self
 
     def _make_pairs(self, model) -> None:

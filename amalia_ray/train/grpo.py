@@ -99,7 +99,7 @@ class GRPO:
             self.reference = LlamaForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device).eval()
             self.reference.requires_grad_(False)
 
-    def rollout(self, model, prompt_rows: np.ndarray, step: int) -> np.ndarray:
+    def rollout(self, model, prompt_rows: np.ndarray) -> np.ndarray:
         """Push the current weights to the engine, sample G completions per prompt, score and normalize within each
         group; every rank gets the same completions. Returns the rows (completions) of this step."""
         import ray

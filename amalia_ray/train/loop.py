@@ -146,7 +146,7 @@ def train_loop(config: dict) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         if hasattr(objective, "rollout"):  # on-policy: this step's sequences are sampled now, from these prompts
-            rows = objective.rollout(model, sampler.next_rows(gbs // objective.G), step)
+            rows = objective.rollout(model, sampler.next_rows(gbs // objective.G))
         else:
             rows = sampler.next_rows(gbs)
         loss_sum, items, tokens = 0.0, 0, 0
