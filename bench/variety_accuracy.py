@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from amalia_ray.data.variety import score_variety
+from amalia_ray.core.variety import score_variety
 
 PT_FILES = ["/usr/share/debian-reference/debian-reference.pt.txt.gz", "/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"]
 BR_FORTUNES = "/usr/share/games/fortunes/brasil"

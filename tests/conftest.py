@@ -24,10 +24,11 @@ def free_port() -> int:
 
 
 def write_recipe(tmp_path: Path, **overrides) -> Path:
-    """The demo recipe (its pretraining stage) with dotted-path overrides (e.g. `train.0.steps=20`), written next to
-    a copy of the eval task so relative paths keep working."""
+    """The demo recipe (its pretraining stage) with dotted-path overrides (e.g. `train.0.steps=20`), written with
+    absolute paths to the eval tasks."""
     data = yaml.safe_load(DEMO_RECIPE.read_text())
-    data["eval"]["tasks"][0]["path"] = str(ROOT / "evals" / "tasks" / "pt_mc_sample.jsonl")
+    for task in data["eval"]["tasks"]:
+        task["path"] = str((DEMO_RECIPE.parent / task["path"]).resolve())
     data["run"]["output_dir"] = str(tmp_path / "runs")
     data["train"] = data["train"][:1]  # pretraining; tests add the post-training stages they need, with their data
     for dotted, value in overrides.items():

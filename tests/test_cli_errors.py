@@ -64,17 +64,23 @@ def test_vllm_not_installed(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "args, what",
+    "args, message",
     [
-        (["serve", "--stop", "x"], "amalia serve --stop"),
+        (["serve", "--stop", "--port", "9"], "error: no `amalia serve` on 127.0.0.1:9 on this machine"),
+        (["serve"], "error: name at least one checkpoint folder to serve"),
         (["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--task", "t.jsonl", "--format", "judge"],
-         "eval --format judge"),
+         "error: --format judge needs --judge-model"),
+        (["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--task", "t.jsonl", "--format", "cloze",
+          "--method", "loglik"], "error: --options: Value error, task 't': method 'loglik' applies to mcq, pheb"),
+        (["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--task", "t.jsonl", "--format", "exam"],
+         "error: --format: Input should be 'mcq', 'pheb'"),
     ],
 )
-def test_not_implemented_yet_is_one_line(args, what):
+def test_bad_serve_and_eval_options_are_one_line(args, message, tmp_path, monkeypatch):
+    monkeypatch.setenv("AMALIA_STATE_DIR", str(tmp_path))
     code, lines = invoke(*args)
-    assert code == 3 and len(lines) == 1
-    assert lines[0].startswith(f"error: {what} is not implemented yet")
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith(message), lines[0]
 
 
 def test_debug_shows_traceback():

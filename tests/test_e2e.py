@@ -96,9 +96,17 @@ def test_eval_over_http_scores_every_item(demo_run):
     assert 0.0 <= result["scores"]["acc"] <= 1.0
     for item in result["items"]:
         assert len(item["logprobs"]) == 4 and all(lp < 0 and math.isfinite(lp) for lp in item["logprobs"])
+    every = {t.stem: json.loads(t.read_text()) for t in (pipeline.run_dir / "eval" / "e2e-pretrain").glob("*.json")}
+    assert set(every) == {"pt-mc-sample", "pheb-sample", "saudade-sample", "cloze-sample", "variety-sample"}
+    assert every["saudade-sample"]["scores"]["chance"] == 0.5 and every["pheb-sample"]["by_subject"]
+    assert every["cloze-sample"]["method"] == "generate" and all(
+        "generation" in it for it in every["cloze-sample"]["items"])
+    assert {it["label"] for it in every["variety-sample"]["items"]} <= {"pt-PT", "pt-BR", "unknown"}
     text = report.read_text()
-    assert "## Evaluation" in text and "pt-mc-sample" in text and "![loss curve](loss.png)" in text
+    assert "## Evaluation" in text and "| saudade-sample | acc |" in text and "![loss curve](loss.png)" in text
+    assert "![evaluation](eval.png)" in text and "| variety-sample | pt_pt |" in text
     assert (pipeline.run_dir / "loss.png").stat().st_size > 10_000
+    assert (pipeline.run_dir / "eval.png").stat().st_size > 5_000
 
 
 def test_second_run_skips_unchanged_stages(demo_run, recipe_path, capsys):
@@ -214,31 +222,125 @@ def test_rollout_engine_takes_new_weights_in_place(demo_run):
     ray.kill(engine)
 
 
-def test_synthetic_data_from_seeds_through_a_served_model(demo_run, tmp_path):
+API_KEY = "e2e-secret-key"
+
+
+@pytest.fixture(scope="module")
+def served(demo_run, tmp_path_factory):
+    """`amalia serve` as a user runs it — its own embedded Ray in a subprocess, API key on — serving the pretrained
+    checkpoint under two model ids; stopped at the end with `amalia serve --stop`, which must shut it down."""
+    import httpx
+
+    pipeline, _ = demo_run
+    port, state = free_port(), tmp_path_factory.mktemp("serve-state")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(AMALIA_API_KEY=API_KEY, AMALIA_STATE_DIR=str(state), RAY_AUTH_MODE="disabled")
+    ckpt = str(pipeline.checkpoint_of("pretrain"))
+    cli = [sys.executable, "-m", "amalia_ray.cli"]
+    proc = subprocess.Popen([*cli, "serve", ckpt, ckpt, "--name", "pre", "--name", "pre-copy", "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(3)
+    assert proc.poll() is None, proc.stdout.read()
+    yield {"base": base, "url": f"{base}/v1", "key": API_KEY, "checkpoint": ckpt}
+    stop = subprocess.run([*cli, "serve", "--stop", "--port", str(port)], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr
+    assert proc.wait(timeout=60) is not None and not list(state.rglob("*.json"))
+
+
+def test_serving_guards_bad_requests_and_keeps_serving(served):
+    """401 without the key (not on /health), 404 naming the served ids, 400 for a prompt or max_tokens over the
+    context, 400 for broken JSON or wrong types, 413 for a huge body — and a normal request still works."""
+    import httpx
+
+    base, auth = served["base"], {"Authorization": f"Bearer {served['key']}"}
+    ok = {"model": "pre", "prompt": "O sistema Debian", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{base}/v1/completions", json=ok).status_code == 401
+    assert httpx.post(f"{base}/v1/completions", json=ok, headers={"Authorization": "Bearer nope"}).status_code == 401
+    health = httpx.get(f"{base}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok", "models": {"pre": "ok", "pre-copy": "ok"}}
+    assert {m["id"] for m in httpx.get(f"{base}/v1/models", headers=auth).json()["data"]} == {"pre", "pre-copy"}
+    r = httpx.post(f"{base}/v1/completions", json={**ok, "model": "nope"}, headers=auth)
+    assert r.status_code == 404 and "served models: ['pre', 'pre-copy']" in r.text
+    cases = [({**ok, "prompt": "palavra " * 3000}, 400), ({**ok, "max_tokens": 100_000}, 400),
+             ({**ok, "prompt": 5.5, "max_tokens": "x"}, 400), ({**ok, "prompt": "a" * (9 << 20)}, 413)]
+    for body, code in cases:
+        assert httpx.post(f"{base}/v1/completions", json=body, headers=auth, timeout=120).status_code == code
+    r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 400
+    r = httpx.post(f"{base}/v1/completions", json=ok, headers=auth)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
+    """Our task exported as lm-eval YAML, run by lm-eval's `local-completions` against the same server: the same
+    accuracy and acc_norm, and the same log-likelihood per choice."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from amalia_ray.core.config import EvalConfig, EvalTaskConfig
+    from amalia_ray.evals.lmeval_export import export_lm_eval
+    from amalia_ray.evals.runner import run_task
+
+    task = EvalTaskConfig(name="pt-mc-parity", path=str(Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl"))
+    ours = run_task(task, Path(task.path), base_url=served["url"], model="pre", settings=EvalConfig(),
+                    api_key=served["key"])
+    export_lm_eval(task, Path(task.path), tmp_path)
+    monkeypatch.setenv("OPENAI_API_KEY", served["key"])  # lm-eval's local-completions sends it as the Bearer token
+    theirs = lm_eval.simple_evaluate(
+        model="local-completions", tasks=[task.name], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args=f"model=pre,base_url={served['url']}/completions,tokenizer={served['checkpoint']},"
+                   "tokenizer_backend=huggingface,num_concurrent=4,max_retries=2", log_samples=True)
+    scores = theirs["results"][task.name]
+    assert ours["n"] == 20
+    assert ours["scores"]["acc"] == scores["acc,none"] and ours["scores"]["acc_norm"] == scores["acc_norm,none"]
+    their_ll = {str(s["doc"]["id"]): [r[0][0] for r in s["resps"]] for s in theirs["samples"][task.name]}
+    for item in ours["items"]:
+        assert item["logprobs"] == pytest.approx(their_ll[item["id"]], abs=1e-4)
+
+
+def test_eval_command_line_contract(served, tmp_path):
+    """`amalia eval --base-url --model --task --format --output`: a result JSON with scores and per-item
+    predictions, for a PHEB exam file and a variety task."""
+    env = {**os.environ, "AMALIA_API_KEY": served["key"]}
+    tasks = Path(__file__).parent.parent / "evals" / "tasks"
+    for fmt, name, metric in [("pheb", "pheb_sample.json", "acc"), ("variety", "variety_sample.jsonl", "pt_pt")]:
+        out = tmp_path / f"{fmt}.json"
+        proc = subprocess.run([sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"],
+                               "--model", "pre-copy", "--task", str(tasks / name), "--format", fmt,
+                               "--output", str(out)], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(out.read_text())
+        assert result["model"] == "pre-copy" and result["format"] == fmt and len(result["items"]) == result["n"] >= 8
+        assert 0.0 <= result["scores"][metric] <= 1.0 and f"{metric}_stderr" in result["scores"]
+    assert set(json.loads((tmp_path / "pheb.json").read_text())["by_subject"]) >= {"Matemática", "História"}
+
+
+def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):
     """R1's seeds -> many samples at small scale: Ray Data actors send each seed prompt to the model served by
     Ray Serve + vLLM (OpenAI API over HTTP), n samples per request; with a reward only accepted samples stay."""
-    from amalia_ray.core.config import ServeConfig
     from amalia_ray.data.conversations import write_jsonl
     from amalia_ray.data.synthesize import synthesize
     from amalia_ray.data.tasks import arithmetic_tasks
-    from amalia_ray.serve import app as serve_app
 
-    pipeline, _ = demo_run
     seeds = tmp_path / "seeds.jsonl"
     write_jsonl(arithmetic_tasks(12, seed=3), seeds)
-    base_url = serve_app.start({"synth": pipeline.checkpoint_of("pretrain")}, ServeConfig(port=free_port()), False)
-    try:
-        everything = synthesize(seeds, tmp_path / "all.jsonl", base_url=base_url, model="synth", per_seed=3,
-                                max_tokens=24)
-        accepted = synthesize(seeds, tmp_path / "kept.jsonl", base_url=base_url, model="synth", per_seed=3,
-                              max_tokens=24, reward="has_number")
-    finally:
-        serve_app.stop()
+    common = {"base_url": served["url"], "model": "pre", "per_seed": 3, "max_tokens": 24, "api_key": served["key"]}
+    everything = synthesize(seeds, tmp_path / "all.jsonl", **common)
+    accepted = synthesize(seeds, tmp_path / "kept.jsonl", **common, reward="has_number")
     rows = read_jsonl(tmp_path / "all.jsonl")
     assert everything["seeds"] == 12 and everything["sampled"] == 36 and len(rows) == everything["kept"] >= 18
     seed_prompts = {t["id"]: t["prompt"] for t in read_jsonl(seeds)}
     for row in rows:
-        assert row["model"] == "synth" and row["reward"] is None
+        assert row["model"] == "pre" and row["reward"] is None
         assert row["messages"][:-1] == seed_prompts[row["seed_id"]] and row["messages"][-1]["role"] == "assistant"
     kept = read_jsonl(tmp_path / "kept.jsonl")
     assert len(kept) == accepted["kept"] <= 36 and all(r["reward"] == 1.0 for r in kept)

@@ -1,35 +1,94 @@
+"""Task files: every format loads, and every problem names the file and line before a request is sent."""
+
 import json
 
 import pytest
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.evals.loglik import mean_and_stderr
-from amalia_ray.evals.tasks import load_mc
+from amalia_ray.evals.metrics import by_group, mean_and_stderr
+from amalia_ray.evals.tasks import FORMATS, ClozeItem, MCItem, PromptItem, load_task
 from tests.conftest import ROOT
 
+SAMPLES = {"mcq": "pt_mc_sample.jsonl", "pheb": "pheb_sample.json", "binary": "saudade_sample.jsonl",
+           "cloze": "cloze_sample.jsonl", "judge": "judge_sample.jsonl", "variety": "variety_sample.jsonl"}
 
-def test_sample_task_loads():
-    items = load_mc(ROOT / "evals" / "tasks" / "pt_mc_sample.jsonl")
-    assert len(items) == 20 and len({it.answer for it in items}) > 1
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_our_sample_tasks_load(fmt):
+    items = load_task(ROOT / "evals" / "tasks" / SAMPLES[fmt], fmt)
+    assert len(items) >= 6 and len({it.id for it in items}) == len(items)
+    if fmt in ("mcq", "pheb", "binary"):
+        assert all(isinstance(it, MCItem) for it in items) and len({it.answer for it in items}) > 1
+    if fmt == "pheb":
+        assert all({"year", "phase", "subject"} <= set(it.meta) for it in items)
+    if fmt == "binary":
+        assert all(len(it.choices) == 2 for it in items)
+    if fmt == "cloze":
+        assert all(isinstance(it, ClozeItem) and it.target and it.target[-1].isalnum() for it in items)
+    if fmt in ("judge", "variety"):
+        assert all(isinstance(it, PromptItem) for it in items)
+
+
+def test_answer_forms_and_choice_dicts(tmp_path):
+    rows = [{"question": "q", "choices": ["x", "y", "z"], "answer": 2},
+            {"question": "q", "choices": {"A": "x", "B": "y"}, "answer": "B"},
+            {"pergunta": "q", "opcoes": ["x", "y"], "resposta": "(a)"},
+            {"question": "q", "options": ["x", "y"], "answer": "y"}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert [it.answer for it in load_task(path, "mcq")] == [2, 1, 0, 1]
+
+
+def test_json_array_keeps_line_numbers(tmp_path):
+    path = tmp_path / "pheb.json"
+    path.write_text('[\n {"year": 2020, "phase": 1, "subject": "H", "question": "q", "choices": ["a", "b"],\n'
+                    '  "answer": 0},\n {"year": 2020, "phase": 1, "question": "q", "choices": ["a", "b"], "answer": 0}\n]')
+    with pytest.raises(AmaliaError, match=rf"{path}:4: missing field 'subject'"):
+        load_task(path, "pheb")
 
 
 @pytest.mark.parametrize(
-    "line, message",
+    "fmt, line, message",
     [
-        ("{not json", "not valid JSON"),
-        (json.dumps({"question": "q", "choices": ["a"], "answer": 0}), "'choices' must be a list of at least 2"),
-        (json.dumps({"question": "q", "choices": ["a", "b"], "answer": 2}), "'answer' must be an index"),
-        (json.dumps({"choices": ["a", "b"], "answer": 0}), "'question' must be a non-empty string"),
+        ("mcq", "{not json", "not valid JSON"),
+        ("mcq", "[1, 2]", "expected a JSON object, got list"),
+        ("mcq", json.dumps({"question": "q", "choices": ["a"], "answer": 0}), "'choices' must be a list"),
+        ("mcq", json.dumps({"question": "q", "choices": ["a", "b"], "answer": 2}), "'answer' must be an index 0..1"),
+        ("mcq", json.dumps({"question": "q", "choices": ["a", "b"], "answer": True}), "'answer' must be an index"),
+        ("mcq", json.dumps({"choices": ["a", "b"], "answer": 0}), "missing field 'question'"),
+        ("mcq", json.dumps({"question": 7, "choices": ["a", "b"], "answer": 0}), "'question' must be a non-empty"),
+        ("mcq", json.dumps({"id": "a", "question": "q", "choices": ["a", "b"], "answer": 0}), "duplicate id 'a'"),
+        ("binary", json.dumps({"question": "q", "choices": ["a", "b", "c"], "answer": 0}), "exactly 2 choices"),
+        ("binary", json.dumps({"event_a": "x", "answer": 0}), "missing field 'event_b'"),
+        ("cloze", json.dumps({"text": "palavra"}), "needs a context before its last word"),
+        ("judge", json.dumps({"reference": "r"}), "missing field 'prompt'"),
+        ("variety", json.dumps({"prompt": ""}), "'prompt' must be a non-empty string"),
     ],
 )
-def test_malformed_task_names_file_and_line(tmp_path, line, message):
+def test_malformed_task_names_file_and_line(tmp_path, fmt, line, message):
     path = tmp_path / "t.jsonl"
-    good = json.dumps({"question": "q", "choices": ["a", "b"], "answer": 1})
-    path.write_text(good + "\n" + line + "\n")
-    with pytest.raises(AmaliaError, match=f"{path}:2: .*{message}"):
-        load_mc(path)
+    good = {"mcq": {"id": "a", "question": "q", "choices": ["a", "b"], "answer": 1},
+            "binary": {"event_a": "x", "event_b": "y", "answer": "A"}, "cloze": {"text": "a b"},
+            "judge": {"prompt": "p"}, "variety": {"prompt": "p"}}[fmt]
+    path.write_text(json.dumps(good) + "\n\n" + line + "\n")
+    with pytest.raises(AmaliaError, match=f"{path}:3: .*{message}"):
+        load_task(path, fmt)
 
 
-def test_stderr():
+def test_empty_missing_and_unknown_format(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(AmaliaError, match="no items"):
+        load_task(tmp_path / "empty.jsonl", "mcq")
+    with pytest.raises(AmaliaError, match="task file not found"):
+        load_task(tmp_path / "nope.jsonl", "mcq")
+    with pytest.raises(AmaliaError, match="unknown task format 'exam'"):
+        load_task(tmp_path / "empty.jsonl", "exam")
+
+
+def test_stderr_and_groups():
     mean, se = mean_and_stderr([1.0, 0.0, 1.0, 0.0])
     assert mean == 0.5 and se == pytest.approx(0.288675, rel=1e-5)
+    rows = [{"acc": 1.0, "meta": {"subject": "M"}}, {"acc": 0.0, "meta": {"subject": "M"}},
+            {"acc": 1.0, "meta": {"subject": "H"}}]
+    groups = by_group(rows, "subject", ("acc",))
+    assert groups["M"]["acc"] == 0.5 and groups["M"]["n"] == 2 and groups["H"]["acc"] == 1.0

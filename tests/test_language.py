@@ -2,7 +2,7 @@ import pyarrow as pa
 
 from amalia_ray.core.config import LanguageConfig, VarietyConfig
 from amalia_ray.data.language import LanguageID, VarietyTag, detect_language
-from amalia_ray.data.variety import score_variety
+from amalia_ray.core.variety import score_variety
 
 # sentences written for these tests
 PT_PT = ("A equipa técnica esteve a analisar o ecrã do telemóvel durante o pequeno-almoço e, de facto, "

@@ -313,14 +313,20 @@ class TrainStageConfig(Strict):
 
 
 class ServeConfig(Strict):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="bind address; loopback unless the service must be reached from outside")
     port: int = Field(8000, ge=1, le=65535)
-    min_replicas: int = Field(1, ge=1)
+    min_replicas: int = Field(1, ge=0, description="per model; 0 lets an idle model scale to zero")
     max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: int = Field(16, ge=1, description="autoscaling: requests in flight per replica it "
+                                         "aims for before adding a replica")
     cpus_per_replica: int = Field(1, ge=1)
     gpus_per_replica: int = Field(0, ge=0)
     engine: EngineConfig = EngineConfig()
     startup_timeout_s: float = Field(900, gt=0)
+    api_key_env: str = Field("AMALIA_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                             description="environment variable holding the API key; when it is set, every request "
+                             "but /health needs 'Authorization: Bearer <key>' (the key itself never goes in a recipe)")
+    max_request_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies are refused with 413")
 
     @model_validator(mode="after")
     def _replicas(self) -> ServeConfig:
@@ -329,18 +335,53 @@ class ServeConfig(Strict):
         return self
 
 
+TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety"]
+
+
+class JudgeConfig(Strict):
+    model: str = Field(..., description="model id of the judge: one of the run's served checkpoints, or a model "
+                       "at base_url")
+    base_url: str | None = Field(None, description="OpenAI API base URL of the judge; default: the run's own server")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    chat: bool = True
+    rubric: str | None = Field(None, description="default rubric for items without their own")
+
+
 class EvalTaskConfig(Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     path: str
-    kind: Literal["mc_loglik"] = "mc_loglik"
+    format: TaskFormat = "mcq"
+    method: Literal["loglik", "generate"] | None = Field(
+        None, description="mcq / pheb / binary: score the choices by log-likelihood (the default) or generate and "
+        "extract the answer (a letter or \\boxed{}); the other formats always generate")
+    chat: bool = Field(False, description="generation through /v1/chat/completions (instruction-tuned models)")
+    max_tokens: int = Field(32, ge=1, description="generated tokens per item (generation, cloze, judge, variety)")
     limit: int | None = Field(None, ge=1, description="score only the first N items")
+
+    @model_validator(mode="after")
+    def _method(self) -> EvalTaskConfig:
+        if self.method == "loglik" and self.format not in ("mcq", "pheb", "binary"):
+            raise ValueError(f"task '{self.name}': method 'loglik' applies to mcq, pheb and binary tasks, "
+                             f"not '{self.format}'")
+        return self
+
+    @property
+    def scoring(self) -> str:
+        return self.method or ("loglik" if self.format in ("mcq", "pheb", "binary") else "generate")
 
 
 class EvalConfig(Strict):
     tasks: list[EvalTaskConfig] = Field(default_factory=list)
-    concurrency: int = Field(8, ge=1)
+    concurrency: int = Field(8, ge=1, description="requests in flight per task")
     request_timeout_s: float = Field(120, gt=0)
-    retries: int = Field(3, ge=0)
+    retries: int = Field(3, ge=0, description="retries of a request on a transient error (connection, 408/429/5xx)")
+    judge: JudgeConfig | None = None
+
+    @model_validator(mode="after")
+    def _judge(self) -> EvalConfig:
+        if any(t.format == "judge" for t in self.tasks) and self.judge is None:
+            raise ValueError("a 'judge' task needs eval.judge (the served model that grades the answers)")
+        return self
 
 
 class Recipe(Strict):

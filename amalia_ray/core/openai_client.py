@@ -15,13 +15,13 @@ TRANSIENT = {408, 429, 500, 502, 503, 504}
 
 class OpenAIClient:
     def __init__(self, base_url: str, model: str, *, concurrency: int = 8, timeout_s: float = 120, retries: int = 3,
-                 api_key: str | None = None):
+                 api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.retries = retries
         self._sem = asyncio.Semaphore(concurrency)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+        self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers, transport=transport)
 
     async def __aenter__(self):
         return self

@@ -7,7 +7,7 @@ import pyarrow as pa
 
 from amalia_ray.core.config import LanguageConfig, VarietyConfig
 from amalia_ray.data.steps import add_drop_reasons, already_dropped
-from amalia_ray.data.variety import score_variety
+from amalia_ray.core.variety import score_variety
 
 # fastText reads one line; the first few thousand characters decide the language as well as the whole document
 _MAX_CHARS = 4000

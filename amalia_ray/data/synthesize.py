@@ -27,8 +27,9 @@ class ExpandSeeds:
     """Ray Data callable class: one HTTP client per actor, requests of a batch in flight together."""
 
     def __init__(self, base_url: str, model: str, per_seed: int, temperature: float, max_tokens: int,
-                 reward: str | None, min_reward: float, concurrency: int, timeout_s: float):
-        self.args = (base_url, model, concurrency, timeout_s)
+                 reward: str | None, min_reward: float, concurrency: int, timeout_s: float,
+                 api_key: str | None = None):
+        self.args = (base_url, model, concurrency, timeout_s, api_key)
         self.per_seed, self.temperature, self.max_tokens = per_seed, temperature, max_tokens
         self.reward, self.min_reward = (get_reward(reward) if reward else None), min_reward
 
@@ -38,8 +39,9 @@ class ExpandSeeds:
     async def _expand(self, seeds: list[dict]) -> pa.Table:
         import json
 
-        base_url, model, concurrency, timeout_s = self.args
-        async with OpenAIClient(base_url, model, concurrency=concurrency, timeout_s=timeout_s) as client:
+        base_url, model, concurrency, timeout_s, api_key = self.args
+        async with OpenAIClient(base_url, model, concurrency=concurrency, timeout_s=timeout_s,
+                                api_key=api_key) as client:
             answers = await asyncio.gather(*(client.post("/chat/completions", {
                 "messages": as_messages(json.loads(seed["prompt"])), "n": self.per_seed,
                 "temperature": self.temperature, "max_tokens": self.max_tokens}) for seed in seeds))
@@ -59,7 +61,7 @@ class ExpandSeeds:
 
 def synthesize(seeds: Path, output: Path, *, base_url: str, model: str, per_seed: int = 4, temperature: float = 1.0,
                max_tokens: int = 256, reward: str | None = None, min_reward: float = 1.0, concurrency: int = 8,
-               actors: int = 2, batch_size: int = 16, timeout_s: float = 300) -> dict:
+               actors: int = 2, batch_size: int = 16, timeout_s: float = 300, api_key: str | None = None) -> dict:
     """seeds jsonl ({id?, prompt, answer?, …}) -> OUTPUT jsonl of {id, seed_id, messages, model, reward}; stats."""
     import json
 
@@ -80,7 +82,7 @@ def synthesize(seeds: Path, output: Path, *, base_url: str, model: str, per_seed
                      "prompt": json.dumps(prompt, ensure_ascii=False)})
     expanded = ray.data.from_items(rows).map_batches(
         ExpandSeeds, fn_constructor_args=(base_url, model, per_seed, temperature, max_tokens, reward, min_reward,
-                                          concurrency, timeout_s),
+                                          concurrency, timeout_s, api_key),
         batch_size=batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=0.5)
     table = pa.concat_tables([t for t in ray.get(expanded.to_arrow_refs())] or [SCHEMA.empty_table()])
     output.parent.mkdir(parents=True, exist_ok=True)

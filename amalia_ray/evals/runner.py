@@ -1,36 +1,87 @@
-"""Run evaluation tasks against an OpenAI-compatible endpoint and write one result JSON per task."""
+"""Score one task on one served model over HTTP and write its result JSON: the scores with their standard errors, n,
+and every item's prediction. Requests run concurrently (bounded) with retries on transient errors."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
-from amalia_ray.core.errors import NotImplementedYet
-from amalia_ray.core.storage import write_json
+import httpx
+
+from amalia_ray.core.config import EvalConfig, EvalTaskConfig
 from amalia_ray.core.openai_client import OpenAIClient
-from amalia_ray.evals.loglik import evaluate_mc
-from amalia_ray.evals.tasks import load_mc
+from amalia_ray.core.storage import write_json
+from amalia_ray.evals import generate, judge, loglik
+from amalia_ray.evals.metrics import by_group, summarize
+from amalia_ray.evals.tasks import CHOICE_FORMATS, load_task
 
-KINDS = {"mc_loglik"}
+METRICS = {
+    ("choice", "loglik"): ("acc", "acc_norm"),
+    ("choice", "generate"): ("acc",),
+    ("cloze", "generate"): ("exact_match",),
+    ("variety", "generate"): ("pt_pt", "pt_br", "unknown", "pt_pt_score"),
+    ("judge", "generate"): ("score",),
+}
 
 
-def run_task(*, base_url: str, model: str, task_name: str, task_path: Path, kind: str, output: Path | None,
-             limit: int | None = None, concurrency: int = 8, timeout_s: float = 120, retries: int = 3,
-             api_key: str | None = None) -> dict:
-    if kind not in KINDS:
-        raise NotImplementedYet(f"evaluation task kind '{kind}'", 5)
-    items = load_mc(task_path, limit)
+def metrics_of(task: EvalTaskConfig) -> tuple[str, ...]:
+    family = "choice" if task.format in CHOICE_FORMATS else task.format
+    return METRICS[(family, task.scoring)]
 
-    async def go():
-        async with OpenAIClient(base_url, model, concurrency=concurrency, timeout_s=timeout_s, retries=retries,
-                                api_key=api_key) as client:
-            return await evaluate_mc(client, items)
+
+def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClient | None, settings: EvalConfig):
+    gen = {"max_tokens": task.max_tokens, "chat": task.chat}
+    if task.format in CHOICE_FORMATS:
+        if task.scoring == "loglik":
+            return lambda item: loglik.score_item(client, item)
+        return lambda item: generate.score_mc_generation(client, item, **gen)
+    if task.format == "cloze":
+        return lambda item: generate.score_cloze(client, item, **gen)
+    if task.format == "variety":
+        return lambda item: generate.score_variety_of_generation(client, item, **gen)
+    j = settings.judge
+    return lambda item: judge.score_judged(client, judge_client, item, **gen, judge_chat=j.chat,
+                                           rubric=j.rubric or judge.DEFAULT_RUBRIC)
+
+
+def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str, settings: EvalConfig,
+             output: Path | None = None, api_key: str | None = None,
+             transport: httpx.AsyncBaseTransport | None = None) -> dict:
+    items = load_task(task_path, task.format, task.limit)
+    client_args = {"concurrency": settings.concurrency, "timeout_s": settings.request_timeout_s,
+                   "retries": settings.retries, "transport": transport}
+
+    async def go() -> list[dict]:
+        async with OpenAIClient(base_url, model, api_key=api_key, **client_args) as client:
+            judge_client = None
+            if task.format == "judge":
+                j = settings.judge
+                judge_key = os.environ.get(j.api_key_env) if j.api_key_env else api_key
+                judge_client = OpenAIClient(j.base_url or base_url, j.model, api_key=judge_key, **client_args)
+            try:
+                score = _scorer(task, client, judge_client, settings)
+                return await asyncio.gather(*(score(item) for item in items))
+            finally:
+                if judge_client:
+                    await judge_client.__aexit__()
 
     t0 = time.perf_counter()
-    result = asyncio.run(go())
-    result = {"task": task_name, "kind": kind, "model": model, "base_url": base_url, "task_path": str(task_path),
-              "wall_time_s": time.perf_counter() - t0, **result}
+    rows = asyncio.run(go())
+    metrics = metrics_of(task)
+    scores = summarize(rows, metrics)
+    if task.format in CHOICE_FORMATS:
+        scores["chance"] = sum(1 / len(it.choices) for it in items) / len(items)
+    if any("invalid" in r for r in rows):
+        scores["invalid"] = sum(bool(r.get("invalid")) for r in rows)
+    result = {"task": task.name, "format": task.format, "method": task.scoring, "model": model, "base_url": base_url,
+              "task_path": str(task_path), "wall_time_s": time.perf_counter() - t0, "scores": scores, "n": len(rows)}
+    if task.format == "pheb":
+        result["by_subject"] = by_group(rows, "subject", metrics)
+    if task.format == "judge":
+        result["judge"] = settings.judge.model
+    result["items"] = rows
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         write_json(output, result)

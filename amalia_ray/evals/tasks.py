@@ -1,12 +1,40 @@
-"""Task files: JSON lines, one item per line. Every problem is reported with file and line."""
+"""Task files and their formats. A task file is JSON lines (one item per line) or one JSON array of items; every
+problem is reported with the file and line it is on, before any request is sent.
+
+Formats (AMALIA's public benchmark shapes plus our own):
+- `mcq`: CulturaVivaPT / ALBA-MCQ style multiple choice — question, choices (a list, or a dict keyed A, B, …), answer
+  (an index, a letter, or the text of the right choice);
+- `pheb`: Portuguese national exams (PHEB JSON) — `year`, `phase`, `subject`, `question`, `choices`, `answer` index;
+  scores are also broken down by subject;
+- `binary`: SAUDADE-style binary ordering — `event_a`, `event_b` and which came first (`answer` 0/1 or A/B), or a
+  question with exactly two choices;
+- `cloze`: last-word prediction — `text` whose last word is the target, or `context` and `target`;
+- `judge`: open generation graded by an LLM judge — `prompt`, optional `reference` and `rubric`;
+- `variety`: prompts whose generations are scored pt-PT vs pt-BR — `prompt`.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+import string
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
+
+FORMATS = ("mcq", "pheb", "binary", "cloze", "judge", "variety")
+CHOICE_FORMATS = ("mcq", "pheb", "binary")
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+PUNCTUATION = string.punctuation + "«»“”‘’…—–"
+BINARY_QUESTION = "Qual destes dois acontecimentos aconteceu primeiro?"
+
+# the same field under the names public task files use
+QUESTION = ("question", "pergunta", "query")
+CHOICES = ("choices", "options", "opcoes", "opções", "alternativas")
+ANSWER = ("answer", "label", "gold", "resposta", "correct")
+PROMPT = ("prompt", "instruction", "question", "pergunta")
 
 
 @dataclass(frozen=True)
@@ -15,31 +43,196 @@ class MCItem:
     question: str
     choices: list[str]
     answer: int
+    meta: dict = field(default_factory=dict)
 
 
-def load_mc(path: Path, limit: int | None = None) -> list[MCItem]:
-    """Multiple choice: {"id"?, "question", "choices": [...], "answer": index}."""
+@dataclass(frozen=True)
+class ClozeItem:
+    id: str
+    context: str
+    target: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    id: str
+    prompt: str
+    reference: str | None = None
+    rubric: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+Item = MCItem | ClozeItem | PromptItem
+
+
+def lettered_options(choices: list[str]) -> str:
+    return "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(choices))
+
+
+class TaskError(AmaliaError):
+    pass
+
+
+def read_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """(location, record) for every item of a JSON-lines file or a JSON array, location = `file:line`."""
     if not path.is_file():
-        raise AmaliaError(f"task file not found: {path}")
-    items = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        raise TaskError(f"task file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if text.lstrip().startswith("["):
+        yield from _json_array(path, text)
+        return
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise AmaliaError(f"{where}: not valid JSON: {e.msg}") from None
-        if not isinstance(row, dict):
-            raise AmaliaError(f"{where}: expected a JSON object")
-        question, choices, answer = row.get("question"), row.get("choices"), row.get("answer")
-        if not isinstance(question, str) or not question.strip():
-            raise AmaliaError(f"{where}: field 'question' must be a non-empty string")
-        if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
-            raise AmaliaError(f"{where}: field 'choices' must be a list of at least 2 non-empty strings")
-        if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
-            raise AmaliaError(f"{where}: field 'answer' must be an index into choices (0..{len(choices) - 1})")
-        items.append(MCItem(str(row.get("id", n)), question, choices, answer))
+            raise TaskError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
+        yield where, _object(row, where)
+
+
+def _json_array(path: Path, text: str) -> Iterator[tuple[str, dict]]:
+    """Walks the array element by element so that each item keeps its line number."""
+    decoder = json.JSONDecoder()
+    line_of = lambda pos: text.count("\n", 0, pos) + 1  # noqa: E731
+    pos = text.index("[") + 1
+    while True:
+        pos = _skip_space(text, pos)
+        if pos < len(text) and text[pos] == "]":
+            return
+        where = f"{path}:{line_of(pos)}"
+        try:
+            row, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+        yield where, _object(row, where)
+        pos = _skip_space(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+        elif pos >= len(text) or text[pos] != "]":
+            raise TaskError(f"{path}:{line_of(pos)}: expected ',' or ']' between array items")
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _object(row, where: str) -> dict:
+    if not isinstance(row, dict):
+        raise TaskError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _field(row: dict, names: tuple[str, ...], where: str, required: bool = True):
+    for name in names:
+        if name in row:
+            return row[name]
+    if required:
+        raise TaskError(f"{where}: missing field '{names[0]}'" + (f" (or {', '.join(names[1:])})" if names[1:] else ""))
+    return None
+
+
+def _text(row: dict, names: tuple[str, ...], where: str, required: bool = True) -> str | None:
+    value = _field(row, names, where, required)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise TaskError(f"{where}: field '{names[0]}' must be a non-empty string")
+    return value
+
+
+def _choices(row: dict, where: str) -> list[str]:
+    value = _field(row, CHOICES, where)
+    if isinstance(value, dict):  # {"A": "...", "B": "..."}
+        value = [value[k] for k in sorted(value)]
+    if not isinstance(value, list) or len(value) < 2 or not all(isinstance(c, str) and c.strip() for c in value):
+        raise TaskError(f"{where}: field 'choices' must be a list (or A/B/… dict) of at least 2 non-empty strings")
+    return value
+
+
+def _answer(value, choices: list[str], where: str) -> int:
+    """An index, a letter (`B`, `(b)`, `B)`), or the right choice's text."""
+    n = len(choices)
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, int) and 0 <= value < n:
+        return value
+    elif isinstance(value, str):
+        letter = re.fullmatch(r"\s*\(?([A-Za-z])[).]?\s*", value)
+        if letter and LETTERS.index(letter.group(1).upper()) < n:
+            return LETTERS.index(letter.group(1).upper())
+        if value in choices:
+            return choices.index(value)
+        if value.strip().isdigit() and 0 <= int(value) < n:
+            return int(value)
+    raise TaskError(f"{where}: field 'answer' must be an index 0..{n - 1}, a letter A..{LETTERS[n - 1]} "
+                    f"or the text of one choice, got {value!r}")
+
+
+def _id(row: dict, where: str) -> str:
+    return str(row.get("id", where.rsplit(":", 1)[-1]))
+
+
+def _mc(row: dict, where: str, meta_fields: tuple[str, ...] = ()) -> MCItem:
+    choices = _choices(row, where)
+    meta = {k: row[k] for k in meta_fields if k in row}
+    return MCItem(_id(row, where), _text(row, QUESTION, where), choices,
+                  _answer(_field(row, ANSWER, where), choices, where), meta)
+
+
+def _pheb(row: dict, where: str) -> MCItem:
+    for name in ("year", "phase", "subject"):
+        if name not in row:
+            raise TaskError(f"{where}: missing field '{name}' (PHEB items carry year, phase and subject)")
+    return _mc(row, where, ("year", "phase", "subject"))
+
+
+def _binary(row: dict, where: str) -> MCItem:
+    if "event_a" in row or "event_b" in row:
+        choices = [_text(row, ("event_a",), where), _text(row, ("event_b",), where)]
+        question = _text(row, QUESTION, where, required=False) or BINARY_QUESTION
+        return MCItem(_id(row, where), question, choices, _answer(_field(row, ANSWER, where), choices, where))
+    item = _mc(row, where)
+    if len(item.choices) != 2:
+        raise TaskError(f"{where}: a binary item has exactly 2 choices, got {len(item.choices)}")
+    return item
+
+
+def _cloze(row: dict, where: str) -> ClozeItem:
+    if "text" in row:
+        text = _text(row, ("text",), where).rstrip()
+        if " " not in text:
+            raise TaskError(f"{where}: field 'text' needs a context before its last word")
+        context, target = text.rsplit(" ", 1)
+        return ClozeItem(_id(row, where), context, target.strip(PUNCTUATION) or target)
+    return ClozeItem(_id(row, where), _text(row, ("context",), where), _text(row, ("target",), where).strip())
+
+
+def _prompt(row: dict, where: str) -> PromptItem:
+    return PromptItem(_id(row, where), _text(row, PROMPT, where), _text(row, ("reference",), where, required=False),
+                      _text(row, ("rubric",), where, required=False))
+
+
+PARSERS = {"mcq": _mc, "pheb": _pheb, "binary": _binary, "cloze": _cloze, "judge": _prompt, "variety": _prompt}
+
+
+def load_task(path: Path, fmt: str, limit: int | None = None) -> list[Item]:
+    if fmt not in PARSERS:
+        raise TaskError(f"unknown task format '{fmt}': expected one of {', '.join(FORMATS)}")
+    items, seen = [], {}
+    for where, row in read_records(path):
+        item = PARSERS[fmt](row, where)
+        if item.id in seen:
+            raise TaskError(f"{where}: duplicate id '{item.id}' (first at {seen[item.id]})")
+        seen[item.id] = where
+        items.append(item)
     if not items:
-        raise AmaliaError(f"{path}: no items")
+        raise TaskError(f"{path}: no items")
     return items[:limit] if limit else items

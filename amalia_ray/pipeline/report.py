@@ -59,6 +59,70 @@ def plot_losses(run_dir: Path, train_stages: list[str]) -> Path | None:
     return out
 
 
+def _split(results: dict) -> tuple[list[str], list[str]]:
+    models = list(dict.fromkeys(k.split("/", 1)[0] for k in results))
+    tasks = list(dict.fromkeys(k.split("/", 1)[1] for k in results))
+    return models, tasks
+
+
+def _first(results: dict, models: list[str], task: str) -> dict:
+    return next(results[f"{m}/{task}"] for m in models if f"{m}/{task}" in results)
+
+
+def _headline(r: dict) -> tuple[str, float | None, float | None]:
+    """The task's headline metric, its value and standard error (NaN stderr, e.g. n = 1, reads as none)."""
+    metric = r.get("metric", "acc")
+    se = r.get(f"{metric}_stderr")
+    return metric, r.get(metric), se if se == se else None
+
+
+def evaluation_section(run_dir: Path, metrics: dict) -> list[str]:
+    """One row per task, one column per checkpoint (the run's stages, in order): its headline score ± stderr."""
+    results = metrics["results"]
+    models, tasks = _split(results)
+    rows = []
+    for task in tasks:
+        first = _first(results, models, task)
+        metric = _headline(first)[0]
+        cells = []
+        for m in models:
+            _, value, se = _headline(results.get(f"{m}/{task}", {}))
+            cells.append("" if value is None else f"{value:.3f}" + (f" ± {se:.3f}" if se is not None else ""))
+        rows.append([task, metric, *cells, first.get("chance"), first.get("n")])
+    parts = ["## Evaluation", "", f"Served at {metrics.get('base_url')} with Ray Serve + vLLM; scored over HTTP "
+             "(mean ± standard error).", "", _table(["task", "metric", *models, "chance", "n"], rows), ""]
+    png = plot_evaluation(run_dir, results)
+    if png:
+        parts += [f"![evaluation]({png.name})", ""]
+    return parts
+
+
+def plot_evaluation(run_dir: Path, results: dict) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models, tasks = _split(results)
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks) * max(1, len(models)) / 2), 4))
+    width = 0.8 / len(models)
+    for i, m in enumerate(models):
+        values = [_headline(results.get(f"{m}/{t}", {}))[1:] for t in tasks]
+        ax.bar([j + i * width for j in range(len(tasks))], [v or 0.0 for v, _ in values], width,
+               yerr=[se or 0.0 for _, se in values], capsize=3, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))],
+                  [f"{t}\n({_headline(_first(results, models, t))[0]})" for t in tasks])
+    ax.set_ylabel("score")
+    ax.set_title(f"Evaluation — {run_dir.name}")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    out = run_dir / "eval.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def write_report(run_dir: Path, manifest: Manifest) -> Path:
     stages = manifest.stages
     train_stages = [n for n, rec in stages.items() if (run_dir / n / "metrics.jsonl").exists()]
@@ -108,10 +172,7 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
 
     ev = stages.get("eval")
     if ev and ev.metrics.get("results"):
-        rows = [[key.split("/")[0], key.split("/")[1], r.get("acc"), r.get("acc_stderr"), r.get("acc_norm"),
-                 r.get("chance"), r.get("n")] for key, r in ev.metrics["results"].items()]
-        parts += ["## Evaluation", "", f"Served at {ev.metrics.get('base_url')} with Ray Serve + vLLM; scored over HTTP.",
-                  "", _table(["model", "task", "acc", "± stderr", "acc_norm", "chance", "n"], rows), ""]
+        parts += evaluation_section(run_dir, ev.metrics)
 
     out = run_dir / "report.md"
     out.write_text("\n".join(parts), encoding="utf-8")

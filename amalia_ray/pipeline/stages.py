@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from amalia_ray.cluster.local import cluster_has_gpu, ray_session
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data import stage as data_stage
-from amalia_ray.evals.runner import run_task
-from amalia_ray.evals.tasks import load_mc
+from amalia_ray.evals.runner import metrics_of, run_task
+from amalia_ray.evals.tasks import load_task
 from amalia_ray.serve import app as serve_app
 from amalia_ray.train.stage import run_train_stage
 
@@ -31,7 +31,7 @@ def preflight(p: Pipeline, needs_serving: bool) -> None:
         path = p.loaded.resolve(task.path)
         if not path.is_file():
             raise AmaliaError(f"eval.tasks[{i}].path: task file not found: {path}")
-        load_mc(path, task.limit)
+        load_task(path, task.format, task.limit)
     if needs_serving and r.eval.tasks:
         serve_app.require_vllm()
         eval_rec = p.manifest.stages.get("eval")
@@ -124,12 +124,11 @@ def _serve_and_evaluate(p: Pipeline, models: dict[str, Path]) -> dict:
     try:
         for model_id in models:
             for task in r.eval.tasks:
-                result_path = p.stage_dir("eval") / model_id / f"{task.name}.json"
-                res = run_task(base_url=base_url, model=model_id, task_name=task.name,
-                               task_path=p.loaded.resolve(task.path), kind=task.kind, output=result_path,
-                               limit=task.limit, concurrency=r.eval.concurrency, timeout_s=r.eval.request_timeout_s,
-                               retries=r.eval.retries)
-                out["results"][f"{model_id}/{task.name}"] = {**res["scores"], "n": res["n"]}
+                res = run_task(task, p.loaded.resolve(task.path), base_url=base_url, model=model_id,
+                               settings=r.eval, output=p.stage_dir("eval") / model_id / f"{task.name}.json",
+                               api_key=serve_app.api_key(r.serve))
+                out["results"][f"{model_id}/{task.name}"] = {**res["scores"], "n": res["n"],
+                                                             "metric": metrics_of(task)[0]}
     finally:
         serve_app.stop()
     return out

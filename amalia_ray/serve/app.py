@@ -3,16 +3,23 @@ checkpoints side by side (each a model id in /v1/models)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 from amalia_ray.core.config import ServeConfig
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.serve.ingress import build_app, key_digest
 
 APP_NAME = "amalia"
+BUILDER = "amalia_ray.serve.ingress:build_app"
 
 
 def require_vllm() -> None:
@@ -44,7 +51,8 @@ def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool)
     return {
         "model_loading_config": {"model_id": model_id, "model_source": str(checkpoint.resolve())},
         "deployment_config": {
-            "autoscaling_config": {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas}
+            "autoscaling_config": {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
+                                   "target_ongoing_requests": cfg.target_ongoing_requests}
         },
         "placement_group_config": {"bundles": [bundle]},
         "engine_kwargs": {
@@ -56,27 +64,47 @@ def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool)
     }
 
 
+def api_key(cfg: ServeConfig) -> str | None:
+    return os.environ.get(cfg.api_key_env) or None
+
+
+def app_args(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> dict:
+    """The application builder's args (see ingress.build_app): what `start` runs and the Serve config carries."""
+    key = api_key(cfg)
+    return {"llm_configs": [llm_config(mid, path, cfg, use_gpu) for mid, path in models.items()],
+            "api_key_sha256": key_digest(key) if key else None, "max_request_bytes": cfg.max_request_bytes}
+
+
+def serve_config(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> dict:
+    """A Serve config file for `serve deploy` / `serve run` (Ray's ServeDeploySchema): the same application."""
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": cfg.host, "port": cfg.port},
+        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": BUILDER,
+                          "args": app_args(models, cfg, use_gpu)}],
+    }
+
+
 def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> str:
     """Deploy and block until every model answers /v1/models; returns the base URL (…/v1)."""
     require_vllm()
     from ray import serve
-    from ray.serve.llm import build_openai_app
 
     check_port_free(cfg.host, cfg.port)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    app = build_openai_app({"llm_configs": [llm_config(mid, path, cfg, use_gpu) for mid, path in models.items()]})
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_app(app_args(models, cfg, use_gpu)), name=APP_NAME, route_prefix="/", blocking=False)
     base_url = f"http://{cfg.host}:{cfg.port}/v1"
-    wait_until_serving(base_url, set(models), cfg.startup_timeout_s)
+    wait_until_serving(base_url, set(models), cfg.startup_timeout_s, api_key(cfg))
     return base_url
 
 
-def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float) -> None:
+def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float, key: str | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(f"{base_url}/models", timeout=10)
+            r = httpx.get(f"{base_url}/models", timeout=10, headers=headers)
             if r.status_code == 200 and model_ids <= {m["id"] for m in r.json().get("data", [])}:
                 return
             last = f"HTTP {r.status_code}"
@@ -90,3 +118,49 @@ def stop() -> None:
     from ray import serve
 
     serve.shutdown()
+
+
+def delete() -> None:
+    """Remove the application from the cluster this process is connected to."""
+    from ray import serve
+
+    serve.delete(APP_NAME)
+
+
+# A foreground `amalia serve` on the embedded Ray records itself here, so `amalia serve --stop` can find it.
+def _state_file(host: str, port: int) -> Path:
+    root = Path(os.environ.get("AMALIA_STATE_DIR", Path.home() / ".amalia")) / "serve"
+    return root / f"{host}-{port}.json"
+
+
+@contextmanager
+def local_state(host: str, port: int, base_url: str, models: list[str]) -> Iterator[Path]:
+    path = _state_file(host, port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"pid": os.getpid(), "base_url": base_url, "models": models}))
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def stop_local(host: str, port: int, timeout_s: float = 120) -> str:
+    """SIGTERM the `amalia serve` serving host:port on this machine and wait until it has shut down."""
+    path = _state_file(host, port)
+    if not path.exists():
+        raise AmaliaError(f"no `amalia serve` on {host}:{port} on this machine (nothing at {path}); "
+                          "for a cluster deployment pass --address")
+    state = json.loads(path.read_text())
+    try:
+        os.kill(state["pid"], signal.SIGTERM)
+    except ProcessLookupError:
+        path.unlink(missing_ok=True)
+        return f"nothing: process {state['pid']} had already exited"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(state["pid"], 0)
+        except ProcessLookupError:
+            return f"{', '.join(state['models'])} at {state['base_url']} (process {state['pid']})"
+        time.sleep(0.5)
+    raise AmaliaError(f"process {state['pid']} serving {state['base_url']} did not exit within {timeout_s:.0f}s")

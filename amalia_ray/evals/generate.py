@@ -1,0 +1,79 @@
+"""Tasks scored on what the model generates (greedy, seeded): multiple choice with the answer extracted from the
+text (a letter, `\\boxed{…}`, or the choice itself), cloze / last-word exact match, and the pt-PT vs pt-BR variety of
+generations (P3B3-style) with the variety scorer the data stage curates with."""
+
+from __future__ import annotations
+
+import re
+
+from amalia_ray.core.openai_client import OpenAIClient
+from amalia_ray.core.variety import score_variety
+from amalia_ray.evals.tasks import LETTERS, PUNCTUATION, ClozeItem, MCItem, PromptItem, lettered_options
+
+MC_TEMPLATE = "Pergunta: {question}\n{options}\nResponda apenas com a letra da opção correta.\nResposta:"
+
+
+async def generate(client: OpenAIClient, prompt: str, *, max_tokens: int, chat: bool, seed: int = 0,
+                   temperature: float = 0.0) -> str:
+    """One completion: /v1/chat/completions for instruction-tuned models (the prompt as the user's turn), or
+    /v1/completions for base models."""
+    params = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    if chat:
+        r = await client.post("/chat/completions", {"messages": [{"role": "user", "content": prompt}], **params})
+        return r["choices"][0]["message"].get("content") or ""
+    r = await client.post("/completions", {"prompt": prompt, **params})
+    return r["choices"][0]["text"]
+
+
+def mc_prompt(item: MCItem) -> str:
+    return MC_TEMPLATE.format(question=item.question, options=lettered_options(item.choices))
+
+
+def extract_choice(text: str, choices: list[str]) -> int | None:
+    """The chosen option in a generation, most explicit form first; None when it names none (or several)."""
+    valid = LETTERS[:len(choices)]
+    patterns = (
+        r"\\boxed\{\s*\(?([A-Za-z])\)?\s*\}",  # \boxed{B}
+        r"(?i:resposta|answer|op[çc][ãa]o|alternativa)(?:\s+(?i:correta|certa|final))?\s*(?:[:=]|(?i:é|is))?\s*"
+        r"\(?([A-Z])\)?(?![\w])",  # Resposta: B / a resposta correta é (B)
+        r"^\s*\(?([A-Za-z])(?:\s*[).:\-]|\s*$)",  # B / (b) / B. at the start of a line (not the article "A")
+    )
+    for pattern in patterns:
+        for m in re.finditer(pattern, text, flags=re.MULTILINE):
+            letter = m.group(1).upper()
+            if letter in valid:
+                return valid.index(letter)
+    letters = {m for m in re.findall(r"(?<![\w])([A-Z])(?![\w])", text) if m in valid}
+    if len(letters) == 1:
+        return valid.index(letters.pop())
+    named = [i for i, c in enumerate(choices) if c.strip().lower() in text.lower()]
+    return named[0] if len(named) == 1 else None
+
+
+async def score_mc_generation(client: OpenAIClient, item: MCItem, *, max_tokens: int, chat: bool) -> dict:
+    text = await generate(client, mc_prompt(item), max_tokens=max_tokens, chat=chat)
+    pred = extract_choice(text, item.choices)
+    return {"id": item.id, "answer": item.answer, "pred": pred, "generation": text,
+            "acc": float(pred == item.answer), "invalid": pred is None, "meta": item.meta}
+
+
+def first_word(text: str) -> str:
+    words = text.strip().split()
+    return words[0].strip(PUNCTUATION) if words else ""
+
+
+async def score_cloze(client: OpenAIClient, item: ClozeItem, *, max_tokens: int, chat: bool) -> dict:
+    text = await generate(client, item.context, max_tokens=max_tokens, chat=chat)
+    pred = first_word(text)
+    return {"id": item.id, "target": item.target, "pred": pred, "generation": text,
+            "exact_match": float(pred == item.target.strip(PUNCTUATION)), "meta": item.meta}
+
+
+async def score_variety_of_generation(client: OpenAIClient, item: PromptItem, *, max_tokens: int,
+                                      chat: bool) -> dict:
+    text = await generate(client, item.prompt, max_tokens=max_tokens, chat=chat)
+    score = score_variety(text)
+    label = score.label()
+    return {"id": item.id, "generation": text, "label": label, "pt_pt_score": score.pt_pt,
+            "pt_cues": score.pt_cues, "br_cues": score.br_cues, "pt_pt": float(label == "pt-PT"),
+            "pt_br": float(label == "pt-BR"), "unknown": float(label == "unknown"), "meta": item.meta}

@@ -1,0 +1,66 @@
+"""Export our tasks as lm-eval task YAML (plus the items in one normalized JSON-lines file next to it), so the same
+items and prompts can be run with `lm_eval --tasks NAME --include_path DIR`. Log-likelihood choice tasks reproduce our
+scoring exactly (the parity test runs both); generation tasks carry the same prompt and a first-word / letter
+filter. Judge and variety tasks have no lm-eval counterpart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from amalia_ray.core.config import EvalTaskConfig
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.evals import generate, loglik
+from amalia_ray.evals.tasks import CHOICE_FORMATS, LETTERS, ClozeItem, MCItem, lettered_options, load_task
+
+
+def _jinja(template: str) -> str:
+    return template.replace("{question}", "{{question}}").replace("{options}", "{{options}}")
+
+
+def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path:
+    if task.format not in (*CHOICE_FORMATS, "cloze"):
+        raise AmaliaError(f"task '{task.name}': lm-eval has no counterpart for '{task.format}' tasks "
+                          "(LLM-judged and variety tasks run with `amalia eval` only)")
+    items = load_task(task_path, task.format, task.limit)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = out_dir / f"{task.name}.jsonl"
+    with data.open("w", encoding="utf-8") as f:
+        for it in items:
+            f.write(json.dumps(_row(it), ensure_ascii=False) + "\n")
+    spec: dict = {"task": task.name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
+                  "test_split": "test"}
+    if task.format == "cloze":
+        spec |= {"output_type": "generate_until", "doc_to_text": "{{context}}", "doc_to_target": "{{target}}",
+                 "generation_kwargs": {"until": ["\n"], "max_gen_toks": task.max_tokens, "temperature": 0.0},
+                 "filter_list": [{"name": "first_word", "filter": [
+                     {"function": "regex", "regex_pattern": r"^\s*([^\s.,;:!?]+)", "group_select": 0},
+                     {"function": "take_first"}]}],
+                 "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}
+    elif task.scoring == "loglik":
+        spec |= {"output_type": "multiple_choice", "doc_to_text": _jinja(loglik.TEMPLATE),
+                 "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}", "target_delimiter": loglik.DELIMITER,
+                 "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
+                                 for m in ("acc", "acc_norm")]}
+    else:
+        spec |= {"output_type": "generate_until", "doc_to_text": _jinja(generate.MC_TEMPLATE),
+                 "doc_to_target": "{{letter}}",
+                 "generation_kwargs": {"until": ["\n\n"], "max_gen_toks": task.max_tokens, "temperature": 0.0},
+                 "filter_list": [{"name": "letter", "filter": [
+                     {"function": "regex", "regex_pattern": r"\b([A-Z])\b", "group_select": 0},
+                     {"function": "take_first"}]}],
+                 "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}
+    spec["metadata"] = {"version": 1, "exported_by": "amalia-ray", "format": task.format, "source": str(task_path)}
+    path = out_dir / f"{task.name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return path
+
+
+def _row(item) -> dict:
+    if isinstance(item, ClozeItem):
+        return {"id": item.id, "context": item.context, "target": item.target}
+    assert isinstance(item, MCItem)
+    return {"id": item.id, "question": item.question, "choices": item.choices, "answer": item.answer,
+            "letter": LETTERS[item.answer], "options": lettered_options(item.choices)}

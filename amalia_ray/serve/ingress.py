@@ -1,0 +1,125 @@
+"""The Serve application: `ray.serve.llm`'s OpenAI ingress in front of one vLLM deployment per checkpoint, plus what a
+shared service needs — a `/health` endpoint that asks every model's engine, an optional Bearer API key, a request size
+limit, and a 404 that lists the served model ids.
+
+`build_app(args)` is a Serve application builder: the same args dict is what `amalia serve` runs and what the
+generated Serve config YAML (`serve deploy`) carries. The API key never appears in it, only its SHA-256."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+
+from fastapi import status
+from starlette.responses import JSONResponse
+
+OPEN_PATHS = ("/health", "/-/healthz", "/-/routes")
+
+
+def key_digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def _error(code: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=code,
+                        headers=headers)
+
+
+class RequestGuard:
+    """ASGI middleware run before anything else: Bearer API key (compared by digest, in constant time) and a cap on
+    the request body, declared or streamed (413), so an oversized upload never reaches the engine."""
+
+    def __init__(self, app, api_key_sha256: str | None, max_request_bytes: int):
+        self.app, self.key, self.max_bytes = app, api_key_sha256, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.key:
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(key_digest(token), self.key):
+                return await _error(401, "missing or wrong API key: send "
+                                    "'Authorization: Bearer <key>'", "authentication_error",
+                                    {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        declared = headers.get(b"content-length", b"").decode("latin-1")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge
+            return message
+
+        try:
+            return await self.app(scope, counted_receive, send)
+        except _TooLarge:
+            return await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send):
+        return await _error(413,
+                            f"request body over {self.max_bytes} bytes", "invalid_request_error")(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _ingress_class():
+    from ray.llm._internal.common.utils.lora_utils import get_base_model_id
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+    class AmaliaIngress(OpenAiIngress):
+        async def _get_model_id(self, model):
+            if model is not None and get_base_model_id(model) not in self._model_cards:
+                raise OpenAIHTTPException(
+                    status_code=status.HTTP_404_NOT_FOUND, type="NotFoundError",
+                    message=f"model '{model}' is not served here; served models: {sorted(self._model_cards)}")
+            return await super()._get_model_id(model)
+
+        async def health(self):
+            """200 when every model's engine answers its health check, 503 naming the ones that do not."""
+            ids = list(self._default_serve_handles)
+            checks = await asyncio.gather(*(self._default_serve_handles[m].check_health.remote() for m in ids),
+                                          return_exceptions=True)
+            models = {m: "ok" if not isinstance(c, BaseException) else f"unhealthy: {type(c).__name__}"
+                      for m, c in zip(ids, checks)}
+            healthy = all(v == "ok" for v in models.values())
+            return JSONResponse({"status": "ok" if healthy else "unhealthy", "models": models},
+                                status_code=200 if healthy else 503)
+
+    return AmaliaIngress
+
+
+def build_app(args: dict):
+    """Serve application builder. args: `llm_configs` (ray.serve.llm LLMConfig dicts), `api_key_sha256` (or null),
+    `max_request_bytes`."""
+    from ray import serve
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, init, make_fastapi_ingress
+    from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+
+    configs = [LLMConfig.model_validate(c) for c in args["llm_configs"]]
+    ids = [c.model_id for c in configs]
+    if not ids or len(set(ids)) != len(ids):
+        raise ValueError(f"serve needs at least one model and unique model ids, got {ids}")
+    fastapi_app = init()
+    fastapi_app.add_middleware(RequestGuard, api_key_sha256=args.get("api_key_sha256"),
+                               max_request_bytes=int(args.get("max_request_bytes", 8 << 20)))
+    ingress_cls = _ingress_class()
+    endpoints = {**DEFAULT_ENDPOINTS, "health": lambda a: a.get("/health")}
+    ingress = make_fastapi_ingress(ingress_cls, endpoint_map=endpoints, app=fastapi_app)
+    return serve.deployment(ingress, **ingress_cls.get_deployment_options(configs)).bind(
+        llm_deployments={c.model_id: build_llm_deployment(c) for c in configs},
+        model_cards={c.model_id: to_model_metadata(c.model_id, c) for c in configs},
+        lora_paths={},
+    )
+

@@ -1,0 +1,196 @@
+"""The harness against a scripted OpenAI-compatible server (httpx MockTransport): what each task kind sends, how it
+scores, retries, bounded concurrency, the result JSON, and the lm-eval export. Real serving is in test_e2e."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import yaml
+
+from amalia_ray.core.config import EvalConfig, EvalTaskConfig, JudgeConfig
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.evals.generate import extract_choice, first_word
+from amalia_ray.evals.judge import parse_score
+from amalia_ray.evals.lmeval_export import export_lm_eval
+from amalia_ray.evals.runner import run_task
+
+
+class FakeModel:
+    """Whitespace tokens; a token costs -0.5 nats if it is one of `liked` words, else -3. Generations follow the
+    prompt: a letter for lettered questions, the cloze target, a pt-PT or pt-BR sentence, a judge's grade."""
+
+    def __init__(self, liked=(), fail_first: int = 0, status: int = 503, delay: float = 0.0):
+        self.liked, self.fail_first, self.status, self.delay = set(liked), fail_first, status, delay
+        self.calls = 0
+        self.in_flight = self.max_in_flight = 0
+        self.requests: list[dict] = []
+
+    def logprob(self, token: str) -> float:
+        return -0.5 if token.strip(".,") in self.liked else -3.0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        if self.calls <= self.fail_first:
+            return httpx.Response(self.status, json={"error": {"message": "try again"}})
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay)
+            body = json.loads(request.content)
+            self.requests.append({"path": request.url.path, **body})
+            if request.url.path.endswith("/chat/completions"):
+                text = self.generate(body["messages"][-1]["content"])
+                return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": text}}]})
+            prompt = body["prompt"]
+            tokens = prompt.split()
+            if body.get("echo"):
+                lps = [None] + [self.logprob(t) for t in tokens[1:]] + [-1.0]
+                top = [None] + [{t: lp} for t, lp in zip(tokens[1:], lps[1:-1])] + [{"x": -1.0}]
+                return httpx.Response(200, json={"choices": [{"text": prompt + " x", "logprobs": {
+                    "token_logprobs": lps, "top_logprobs": top}}], "usage": {"prompt_tokens": len(tokens)}})
+            return httpx.Response(200, json={"choices": [{"text": self.generate(prompt)}],
+                                             "usage": {"prompt_tokens": len(tokens)}})
+        finally:
+            self.in_flight -= 1
+
+    def generate(self, prompt: str) -> str:
+        if "Atribui uma nota" in prompt:
+            return "Nota: 4" if "Debian" in prompt else "Não sei avaliar."
+        if "letra da opção" in prompt:
+            return " B. porque sim"
+        if "capital de Portugal" in prompt:
+            return " Lisboa, claro."
+        if "viagem" in prompt:
+            return "Apanho o autocarro e estou a ler no ecrã do telemóvel."
+        if "fim de semana" in prompt:
+            return "Peguei o ônibus e fiquei olhando a tela do celular."
+        return " hmm"
+
+
+def run(fake, tmp_path, fmt, rows, **task):
+    path = tmp_path / f"{fmt}.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows))
+    cfg = EvalTaskConfig(name=fmt, path=str(path), format=fmt, **task)
+    settings = EvalConfig(tasks=[cfg], concurrency=3, retries=2, **({"judge": JudgeConfig(model="juiz")}
+                                                                     if fmt == "judge" else {}))
+    out = tmp_path / "result.json"
+    result = run_task(cfg, path, base_url="http://fake/v1", model="m", settings=settings, output=out,
+                      transport=httpx.MockTransport(fake))
+    assert json.loads(out.read_text())["scores"] == pytest.approx(result["scores"], nan_ok=True)
+    return result
+
+
+MC = [{"id": "1", "question": "Qual é a capital de Portugal?", "choices": ["Madrid", "Lisboa", "Roma"], "answer": 1},
+      {"id": "2", "question": "Qual é a cor do céu?", "choices": ["verde", "azul"], "answer": 0}]
+
+
+def test_loglik_picks_the_likeliest_choice_and_normalizes_by_characters(tmp_path):
+    fake = FakeModel(liked={"Lisboa", "azul"})
+    result = run(fake, tmp_path, "mcq", MC)
+    first, second = result["items"]
+    assert first["pred"] == 1 and first["logprobs"] == [-3.0, -0.5, -3.0] and first["acc"] == 1.0
+    assert second["pred"] == 1 and second["acc"] == 0.0
+    assert result["scores"]["acc"] == 0.5 and result["scores"]["acc_stderr"] == pytest.approx(0.5)
+    assert result["scores"]["chance"] == pytest.approx((1 / 3 + 1 / 2) / 2)
+    assert [r["pred_norm"] for r in result["items"]] == [1, 1]
+    # one request for the context's length, one per choice, all at temperature 0
+    assert len(fake.requests) == 2 + 3 + 2 and all(r["temperature"] == 0 for r in fake.requests)
+
+
+def test_acc_norm_can_differ_from_acc(tmp_path):
+    rows = [{"question": "q", "choices": ["um dois tres quatro", "sim"], "answer": 0}]
+    result = run(FakeModel(liked={"um", "dois", "tres"}), tmp_path, "mcq", rows)
+    item = result["items"][0]
+    assert item["logprobs"] == [-4.5, -3.0] and item["pred"] == 1
+    assert item["pred_norm"] == 0  # -4.5 / 19 characters beats -3.0 / 3
+
+
+def test_pheb_is_scored_per_subject(tmp_path):
+    rows = [{**MC[0], "year": 2020, "phase": 1, "subject": "Geografia"},
+            {**MC[1], "year": 2021, "phase": 2, "subject": "Ciências"}]
+    result = run(FakeModel(liked={"Lisboa", "azul"}), tmp_path, "pheb", rows)
+    assert result["by_subject"]["Geografia"]["acc"] == 1.0 and result["by_subject"]["Ciências"]["acc"] == 0.0
+
+
+def test_multiple_choice_by_generation(tmp_path):
+    fake = FakeModel()
+    result = run(fake, tmp_path, "mcq", MC, method="generate", chat=True)
+    assert [r["pred"] for r in result["items"]] == [1, 1] and result["scores"]["acc"] == 0.5
+    assert result["scores"]["invalid"] == 0 and fake.requests[0]["path"].endswith("/chat/completions")
+    assert "A. Madrid\nB. Lisboa\nC. Roma" in fake.requests[0]["messages"][0]["content"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("\\boxed{C}", 2), ("A resposta correta é (B).", 1), ("b) Lisboa", 1), ("Resposta: A", 0),
+    ("Penso que é Lisboa.", 1), ("Não sei.", None), ("A ou B?", None), ("\\boxed{E}", None),
+])
+def test_answer_extraction(text, expected):
+    assert extract_choice(text, ["Madrid", "Lisboa", "Roma"]) == expected
+
+
+def test_cloze_exact_match_on_the_first_generated_word(tmp_path):
+    rows = [{"text": "A capital de Portugal é Lisboa."}, {"context": "O céu é", "target": "azul"}]
+    result = run(FakeModel(), tmp_path, "cloze", rows)
+    assert [r["pred"] for r in result["items"]] == ["Lisboa", "hmm"]
+    assert result["scores"]["exact_match"] == 0.5 and first_word("  «Olá», disse") == "Olá"
+
+
+def test_variety_rate_of_generations(tmp_path):
+    rows = [{"prompt": "Descreve a tua viagem."}, {"prompt": "O que fizeste no fim de semana?"}, {"prompt": "Olá"}]
+    result = run(FakeModel(), tmp_path, "variety", rows, max_tokens=48)
+    assert [r["label"] for r in result["items"]] == ["pt-PT", "pt-BR", "unknown"]
+    s = result["scores"]
+    assert s["pt_pt"] == s["pt_br"] == s["unknown"] == pytest.approx(1 / 3)
+
+
+def test_llm_judge_scores_and_counts_unreadable_verdicts(tmp_path):
+    fake = FakeModel()
+    rows = [{"prompt": "O que é o Debian?", "reference": "Uma distribuição."}, {"prompt": "Olá"}]
+    result = run(fake, tmp_path, "judge", rows)
+    assert [r["score"] for r in result["items"]] == [4, None]
+    assert result["scores"]["score"] == 4.0 and result["scores"]["invalid"] == 1 and result["judge"] == "juiz"
+    judge_requests = [r for r in fake.requests if r.get("model") == "juiz"]
+    assert len(judge_requests) == 2 and "Resposta de referência: Uma distribuição." in \
+        judge_requests[0]["messages"][0]["content"]
+
+
+@pytest.mark.parametrize("text, score", [("Nota: 5", 5), ("nota = 2.", 2), ("Dou-lhe 3.", 3), ("Nota: 7", None),
+                                         ("entre 2 e 4", None), ("3,5 de 5", None)])
+def test_judge_score_parsing(text, score):
+    assert parse_score(text) == score
+
+
+def test_transient_errors_are_retried_and_others_are_not(tmp_path):
+    fake = FakeModel(liked={"Lisboa"}, fail_first=2)
+    assert run(fake, tmp_path, "mcq", MC[:1])["scores"]["acc"] == 1.0
+    with pytest.raises(AmaliaError, match="failed for model 'm': HTTP 400"):
+        run(FakeModel(fail_first=99, status=400), tmp_path, "mcq", MC[:1])
+    broken = FakeModel(fail_first=99, status=503)
+    with pytest.raises(AmaliaError, match="HTTP 503"):
+        run(broken, tmp_path, "mcq", MC[:1])
+    assert broken.calls == 3  # the first request and 2 retries, then the task fails
+
+
+def test_requests_in_flight_are_bounded(tmp_path):
+    fake = FakeModel(delay=0.02)
+    rows = [{"id": str(i), "question": f"q{i}", "choices": ["a", "b", "c"], "answer": 0} for i in range(10)]
+    result = run(fake, tmp_path, "mcq", rows)
+    assert result["n"] == 10 and fake.max_in_flight == 3
+
+
+def test_lm_eval_export(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in MC))
+    spec = yaml.safe_load(export_lm_eval(EvalTaskConfig(name="t", path=str(path)), path, tmp_path / "out").read_text())
+    assert spec["output_type"] == "multiple_choice" and spec["doc_to_text"] == "Pergunta: {{question}}\nResposta:"
+    assert spec["target_delimiter"] == " " and [m["metric"] for m in spec["metric_list"]] == ["acc", "acc_norm"]
+    rows = [json.loads(ln) for ln in open(spec["dataset_kwargs"]["data_files"]["test"])]
+    assert rows[0]["choices"] == MC[0]["choices"] and rows[0]["answer"] == 1 and rows[0]["letter"] == "B"
+    gen = yaml.safe_load(export_lm_eval(EvalTaskConfig(name="g", path=str(path), method="generate"), path,
+                                        tmp_path / "out").read_text())
+    assert gen["output_type"] == "generate_until" and gen["doc_to_target"] == "{{letter}}"
+    with pytest.raises(AmaliaError, match="no counterpart for 'variety'"):
+        export_lm_eval(EvalTaskConfig(name="v", path=str(path), format="variety"), path, tmp_path / "out")

@@ -1,0 +1,91 @@
+"""The Serve application without starting Ray: the generated Serve config validates against Ray's own schema and
+LLMConfig, the API key is kept only as a digest, and the request guard (API key, body size) answers as documented."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from amalia_ray.core.config import ServeConfig
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.serve import app as serve_app
+from amalia_ray.serve.ingress import RequestGuard, key_digest
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    return tmp_path / "ckpt"
+
+
+def test_serve_config_is_a_valid_serve_deploy_file(checkpoint, monkeypatch):
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    cfg = ServeConfig(port=8111, min_replicas=1, max_replicas=3, target_ongoing_requests=4, api_key_env="MY_KEY")
+    config = serve_app.serve_config({"base": checkpoint, "sft": checkpoint}, cfg, use_gpu=False)
+    text = yaml.safe_dump(config)
+    assert "s3cret" not in text, "the key itself never goes in the config"
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(text))
+    (application,) = schema.applications
+    assert application.import_path == "amalia_ray.serve.ingress:build_app" and application.route_prefix == "/"
+    assert schema.http_options.host == "127.0.0.1" and schema.http_options.port == 8111
+    args = application.args
+    assert args["api_key_sha256"] == key_digest("s3cret")
+    llm = [LLMConfig.model_validate(c) for c in args["llm_configs"]]
+    assert [c.model_id for c in llm] == ["base", "sft"]
+    assert llm[0].deployment_config["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3,
+                                                              "target_ongoing_requests": 4}
+
+
+def test_no_key_set_means_an_open_endpoint_and_a_bad_checkpoint_is_named(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.delenv("AMALIA_API_KEY", raising=False)
+    assert serve_app.app_args({"m": checkpoint}, ServeConfig(), False)["api_key_sha256"] is None
+    with pytest.raises(AmaliaError, match=f"not a HF checkpoint \\(no config.json\\): {tmp_path}"):
+        serve_app.app_args({"m": tmp_path}, ServeConfig(), False)
+
+
+def guarded_client(key: str | None, max_bytes: int = 1024) -> TestClient:
+    async def echo(request):
+        return JSONResponse({"bytes": len(await request.body())})
+
+    app = Starlette(routes=[Route("/v1/completions", echo, methods=["POST"]), Route("/health", echo)])
+    app.add_middleware(RequestGuard, api_key_sha256=key_digest(key) if key else None, max_request_bytes=max_bytes)
+    return TestClient(app)
+
+
+def test_api_key_is_enforced_except_on_health():
+    client = guarded_client("s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = client.post("/v1/completions", json={}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert client.post("/v1/completions", json={}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/health").status_code == 200
+    assert guarded_client(None).post("/v1/completions", json={}).status_code == 200
+
+
+def test_oversized_bodies_are_refused_declared_or_streamed():
+    client = guarded_client(None, max_bytes=1024)
+    assert client.post("/v1/completions", content=b"x" * 1024).json() == {"bytes": 1024}
+    r = client.post("/v1/completions", content=b"x" * 1025)
+    assert r.status_code == 413 and "over 1024 bytes" in r.json()["error"]["message"]
+    chunks = (b"x" * 600 for _ in range(3))  # no Content-Length: counted as it streams
+    assert client.post("/v1/completions", content=chunks).status_code == 413
+
+
+def test_stop_finds_no_server_and_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMALIA_STATE_DIR", str(tmp_path))
+    with pytest.raises(AmaliaError, match=f"no `amalia serve` on 127.0.0.1:8000 on this machine .*{tmp_path}"):
+        serve_app.stop_local("127.0.0.1", 8000)
+    with serve_app.local_state("127.0.0.1", 8000, "http://127.0.0.1:8000/v1", ["m"]) as state:
+        assert json.loads(state.read_text())["models"] == ["m"]
+    assert not state.exists()
