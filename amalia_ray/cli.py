@@ -308,13 +308,15 @@ def serve(
         if on_cluster:
             console.print(f"[green]deployed[/] {', '.join(names)} at {url} (stop: amalia serve --stop)")
             return
-        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
         with serve_app.local_state(host, port, url, names):
             console.print(f"[green]serving[/] {', '.join(names)} at {url} (Ctrl-C or `amalia serve --stop --port "
                           f"{port}` to stop)")
             try:
                 while True:
                     time.sleep(3600)
+            except _StopServing:
+                console.print("stop requested (SIGTERM): shutting down")
             finally:
                 serve_app.stop()
 
@@ -340,8 +342,12 @@ def _options_error(e) -> str:
                      for err in e.errors())
 
 
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
+class _StopServing(Exception):
+    pass
+
+
+def _stop_on_sigterm(*_) -> None:
+    raise _StopServing
 
 
 @app.command("eval")

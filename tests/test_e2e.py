@@ -237,8 +237,9 @@ def served(demo_run, tmp_path_factory):
     env.update(AMALIA_API_KEY=API_KEY, AMALIA_STATE_DIR=str(state), RAY_AUTH_MODE="disabled")
     ckpt = str(pipeline.checkpoint_of("pretrain"))
     cli = [sys.executable, "-m", "amalia_ray.cli"]
+    log = state / "serve.log"  # a file, not a pipe: an unread pipe fills up and blocks the server
     proc = subprocess.Popen([*cli, "serve", ckpt, ckpt, "--name", "pre", "--name", "pre-copy", "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and proc.poll() is None:
@@ -248,12 +249,12 @@ def served(demo_run, tmp_path_factory):
         except httpx.HTTPError:
             pass
         time.sleep(3)
-    assert proc.poll() is None, proc.stdout.read()
+    assert proc.poll() is None, log.read_text()[-3000:]
     yield {"base": base, "url": f"{base}/v1", "key": API_KEY, "checkpoint": ckpt}
     stop = subprocess.run([*cli, "serve", "--stop", "--port", str(port)], env=env, capture_output=True, text=True,
                           timeout=180)
-    assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr
-    assert proc.wait(timeout=60) is not None and not list(state.rglob("*.json"))
+    assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr + log.read_text()[-3000:]
+    assert proc.wait(timeout=60) == 0 and not list(state.rglob("*.json"))
 
 
 def test_serving_guards_bad_requests_and_keeps_serving(served):
@@ -309,7 +310,7 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
 
 def test_eval_command_line_contract(served, tmp_path):
     """`amalia eval --base-url --model --task --format --output`: a result JSON with scores and per-item
-    predictions, for a PHEB exam file and a variety task."""
+    predictions, for a PHEB exam file, a variety task and an LLM-judged task."""
     env = {**os.environ, "AMALIA_API_KEY": served["key"]}
     tasks = Path(__file__).parent.parent / "evals" / "tasks"
     for fmt, name, metric in [("pheb", "pheb_sample.json", "acc"), ("variety", "variety_sample.jsonl", "pt_pt")]:
@@ -322,6 +323,16 @@ def test_eval_command_line_contract(served, tmp_path):
         assert result["model"] == "pre-copy" and result["format"] == fmt and len(result["items"]) == result["n"] >= 8
         assert 0.0 <= result["scores"][metric] <= 1.0 and f"{metric}_stderr" in result["scores"]
     assert set(json.loads((tmp_path / "pheb.json").read_text())["by_subject"]) >= {"Matemática", "História"}
+    # ALBA-style: the served model answers, a served judge (here the same tiny model under its other id) grades
+    proc = subprocess.run([sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"], "--model",
+                           "pre", "--task", str(tasks / "judge_sample.jsonl"), "--format", "judge", "--judge-model",
+                           "pre-copy", "--output", str(tmp_path / "judge.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    judged = json.loads((tmp_path / "judge.json").read_text())
+    assert judged["judge"] == "pre-copy" and judged["n"] == 6 and all(it["judge_reply"] for it in judged["items"])
+    valid = [it["score"] for it in judged["items"] if it["score"] is not None]
+    assert judged["scores"]["invalid"] == 6 - len(valid) and all(1 <= v <= 5 for v in valid)
 
 
 def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ class FakeModel:
     def __init__(self, liked=(), fail_first: int = 0, status: int = 503, delay: float = 0.0):
         self.liked, self.fail_first, self.status, self.delay = set(liked), fail_first, status, delay
         self.calls = 0
+        self.attempts: Counter = Counter()  # per distinct request body
         self.in_flight = self.max_in_flight = 0
         self.requests: list[dict] = []
 
@@ -33,6 +35,7 @@ class FakeModel:
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         self.calls += 1
+        self.attempts[request.content] += 1
         if self.calls <= self.fail_first:
             return httpx.Response(self.status, json={"error": {"message": "try again"}})
         self.in_flight += 1
@@ -44,15 +47,18 @@ class FakeModel:
             if request.url.path.endswith("/chat/completions"):
                 text = self.generate(body["messages"][-1]["content"])
                 return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": text}}]})
-            prompt = body["prompt"]
-            tokens = prompt.split()
-            if body.get("echo"):
-                lps = [None] + [self.logprob(t) for t in tokens[1:]] + [-1.0]
-                top = [None] + [{t: lp} for t, lp in zip(tokens[1:], lps[1:-1])] + [{"x": -1.0}]
-                return httpx.Response(200, json={"choices": [{"text": prompt + " x", "logprobs": {
-                    "token_logprobs": lps, "top_logprobs": top}}], "usage": {"prompt_tokens": len(tokens)}})
-            return httpx.Response(200, json={"choices": [{"text": self.generate(prompt)}],
-                                             "usage": {"prompt_tokens": len(tokens)}})
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+            if body.get("echo"):  # every prompt token's log-probability, then the one generated token's
+                choices = []
+                for i, prompt in enumerate(reversed(prompts)):  # in any order: `index` says which prompt
+                    tokens = prompt.split()
+                    lps = [None] + [self.logprob(t) for t in tokens[1:]] + [-1.0]
+                    top = [None] + [{t: lp, "·": -0.5} for t, lp in zip(tokens[1:], lps[1:-1])] + [{"x": -1.0}]
+                    choices.append({"index": len(prompts) - 1 - i, "text": prompt + " x",
+                                    "logprobs": {"token_logprobs": lps, "top_logprobs": top}})
+                return httpx.Response(200, json={"choices": choices})
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": self.generate(prompts[0])}],
+                                             "usage": {"prompt_tokens": len(prompts[0].split())}})
         finally:
             self.in_flight -= 1
 
@@ -96,8 +102,11 @@ def test_loglik_picks_the_likeliest_choice_and_normalizes_by_characters(tmp_path
     assert result["scores"]["acc"] == 0.5 and result["scores"]["acc_stderr"] == pytest.approx(0.5)
     assert result["scores"]["chance"] == pytest.approx((1 / 3 + 1 / 2) / 2)
     assert [r["pred_norm"] for r in result["items"]] == [1, 1]
-    # one request for the context's length, one per choice, all at temperature 0
-    assert len(fake.requests) == 2 + 3 + 2 and all(r["temperature"] == 0 for r in fake.requests)
+    # per item: every context + choice in one request (echo), the context alone in another (its token count)
+    assert len(fake.requests) == 4 and all(r["temperature"] == 0 and r["max_tokens"] == 1 for r in fake.requests)
+    batched = [r["prompt"] for r in fake.requests if r.get("echo")]
+    assert ["Pergunta: Qual é a capital de Portugal?\nResposta: Lisboa" in p for p in batched] == [True, False]
+    assert first["greedy"] == [False, True, False]
 
 
 def test_acc_norm_can_differ_from_acc(tmp_path):
@@ -171,7 +180,7 @@ def test_transient_errors_are_retried_and_others_are_not(tmp_path):
     broken = FakeModel(fail_first=99, status=503)
     with pytest.raises(AmaliaError, match="HTTP 503"):
         run(broken, tmp_path, "mcq", MC[:1])
-    assert broken.calls == 3  # the first request and 2 retries, then the task fails
+    assert max(broken.attempts.values()) == 3  # the first try and 2 retries, then the task fails
 
 
 def test_requests_in_flight_are_bounded(tmp_path):

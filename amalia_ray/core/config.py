@@ -327,6 +327,8 @@ class ServeConfig(Strict):
                              description="environment variable holding the API key; when it is set, every request "
                              "but /health needs 'Authorization: Bearer <key>' (the key itself never goes in a recipe)")
     max_request_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies are refused with 413")
+    access_log: bool = Field(False, description="Serve's per-request access log lines in every replica (costs CPU on "
+                             "small machines)")
 
     @model_validator(mode="after")
     def _replicas(self) -> ServeConfig:

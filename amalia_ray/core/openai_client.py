@@ -4,6 +4,7 @@ generation reach served models only through this, over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
 import httpx
@@ -11,6 +12,7 @@ import httpx
 from amalia_ray.core.errors import AmaliaError
 
 TRANSIENT = {408, 429, 500, 502, 503, 504}
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns everything else
 
 
 class OpenAIClient:

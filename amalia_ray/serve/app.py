@@ -75,13 +75,17 @@ def app_args(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> dict:
             "api_key_sha256": key_digest(key) if key else None, "max_request_bytes": cfg.max_request_bytes}
 
 
+def logging_config(cfg: ServeConfig) -> dict:
+    return {"enable_access_log": cfg.access_log}
+
+
 def serve_config(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> dict:
     """A Serve config file for `serve deploy` / `serve run` (Ray's ServeDeploySchema): the same application."""
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": cfg.host, "port": cfg.port},
         "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": BUILDER,
-                          "args": app_args(models, cfg, use_gpu)}],
+                          "args": app_args(models, cfg, use_gpu), "logging_config": logging_config(cfg)}],
     }
 
 
@@ -92,7 +96,8 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> str:
 
     check_port_free(cfg.host, cfg.port)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build_app(app_args(models, cfg, use_gpu)), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_app(app_args(models, cfg, use_gpu)), name=APP_NAME, route_prefix="/", blocking=False,
+              logging_config=logging_config(cfg))
     base_url = f"http://{cfg.host}:{cfg.port}/v1"
     wait_until_serving(base_url, set(models), cfg.startup_timeout_s, api_key(cfg))
     return base_url
