@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -65,6 +66,7 @@ def main_options(
                                                 "embedded local Ray)")] = None,
 ) -> None:
     STATE["debug"] = debug
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per HTTP request
     if address:
         os.environ["RAY_ADDRESS"] = address
 

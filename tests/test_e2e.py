@@ -234,7 +234,7 @@ def served(demo_run, tmp_path_factory):
     pipeline, _ = demo_run
     port, state = free_port(), tmp_path_factory.mktemp("serve-state")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(AMALIA_API_KEY=API_KEY, AMALIA_STATE_DIR=str(state), RAY_AUTH_MODE="disabled")
+    env.update(AMALIA_API_KEY=API_KEY, AMALIA_STATE_DIR=str(state), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     ckpt = str(pipeline.checkpoint_of("pretrain"))
     cli = [sys.executable, "-m", "amalia_ray.cli"]
     log = state / "serve.log"  # a file, not a pipe: an unread pipe fills up and blocks the server

@@ -163,9 +163,21 @@ def stop_local(host: str, port: int, timeout_s: float = 120) -> str:
         return f"nothing: process {state['pid']} had already exited"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(state["pid"], 0)
-        except ProcessLookupError:
+        # the server removes its state file once serving has stopped (Ray itself shuts down after that)
+        if not path.exists() or not _alive(state["pid"]):
+            path.unlink(missing_ok=True)
             return f"{', '.join(state['models'])} at {state['base_url']} (process {state['pid']})"
         time.sleep(0.5)
-    raise AmaliaError(f"process {state['pid']} serving {state['base_url']} did not exit within {timeout_s:.0f}s")
+    raise AmaliaError(f"process {state['pid']} serving {state['base_url']} did not stop within {timeout_s:.0f}s")
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent to reap it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
