@@ -432,6 +432,25 @@ def status(
     console.print(table)
 
 
+def _planned(name: str, issue: int, what: str) -> None:
+    """A command that is designed but not built yet: it exists, says so, and names the issue."""
+
+    @guarded
+    def command(ctx: typer.Context) -> None:
+        from amalia_ray.core.errors import NotImplementedYet
+
+        raise NotImplementedYet(f"amalia {name}", issue)
+
+    command.__doc__ = f"{what} (not implemented yet: issue #{issue})"
+    app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
+
+
+_planned("submit", 6, "Submit a recipe as a Ray job to a cluster")
+_planned("plan", 6, "Estimate memory, step time, GPU-hours, cost and energy per stage of a recipe")
+_planned("sweep", 7, "Ray Tune sweep of a stage's hyperparameters on its proxy")
+_planned("promote", 7, "Write the winning sweep values into a full-scale recipe")
+
+
 def main() -> None:
     app()
 

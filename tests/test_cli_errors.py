@@ -83,6 +83,14 @@ def test_bad_serve_and_eval_options_are_one_line(args, message, tmp_path, monkey
     assert lines[0].startswith(message), lines[0]
 
 
+@pytest.mark.parametrize("args, issue", [(["submit", "recipes/demo.yaml", "--address", "x"], 6),
+                                         (["plan", "r.yaml"], 6), (["sweep", "r.yaml", "--stage", "sft"], 7),
+                                         (["promote", "sweeps/x"], 7)])
+def test_planned_commands_say_they_are_not_implemented_yet(args, issue):
+    code, lines = invoke(*args)
+    assert code == 3 and lines == [f"error: amalia {args[0]} is not implemented yet (tracked in issue #{issue})"]
+
+
 def test_debug_shows_traceback():
     result = runner.invoke(app, ["--debug", "validate", "nope.yaml"])
     assert result.exit_code == 1 and result.exception is not None
