@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from amalia_ray.cli import app
-from tests.conftest import DEMO_RECIPE, free_port, write_recipe
+from tests.conftest import DEMO_RECIPE, ROOT, free_port, write_recipe
 
 runner = CliRunner()
 
@@ -42,6 +42,15 @@ def test_corpus_path_missing(tmp_path):
     assert code == 1 and len(lines) == 1
     assert "corpus path not found: data.sources[0].paths[0] = '/nonexistent/corpus/*.txt'" in lines[0]
     assert not (tmp_path / "runs").exists(), "nothing may start before the preflight passes"
+
+
+def test_judge_must_be_a_served_checkpoint(tmp_path):
+    judge_task = {"name": "judged", "path": str(ROOT / "evals" / "tasks" / "judge_sample.jsonl"), "format": "judge"}
+    recipe = write_recipe(tmp_path, **{"eval.tasks": [judge_task], "eval.judge": {"model": "gpt-x"}})
+    code, lines = invoke("run", str(recipe))
+    assert code == 1 and len(lines) == 1
+    assert "eval.judge.model 'gpt-x' is not one of the run's served checkpoints ['demo-pretrain']" in lines[0]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_port_in_use(tmp_path):

@@ -32,6 +32,11 @@ def preflight(p: Pipeline, needs_serving: bool) -> None:
         if not path.is_file():
             raise AmaliaError(f"eval.tasks[{i}].path: task file not found: {path}")
         load_task(path, task.format, task.limit)
+    judge = r.eval.judge
+    served = [p.model_id(s.name) for s in r.train]
+    if judge and judge.base_url is None and judge.model not in served:
+        raise AmaliaError(f"eval.judge.model '{judge.model}' is not one of the run's served checkpoints {served}; "
+                          "name one of them, or set eval.judge.base_url to reach another server")
     if needs_serving and r.eval.tasks:
         serve_app.require_vllm()
         eval_rec = p.manifest.stages.get("eval")
