@@ -432,6 +432,53 @@ def status(
     console.print(table)
 
 
+@app.command()
+@guarded
+def plan(
+    recipe: RecipeArg = DEFAULT_RECIPE,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+) -> None:
+    """Estimate per training stage: memory per GPU under FSDP2, step time at the recipe's MFU, GPU-hours, cost and
+    energy. Exits 1 naming what to change when a stage cannot fit."""
+    import dataclasses
+
+    from rich.table import Table
+
+    from amalia_ray.cluster.plan import parameter_count
+    from amalia_ray.cluster.plan import plan as make_plan
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.core.recipe import load_recipe
+
+    r = load_recipe(recipe).recipe
+    plans = make_plan(r)
+    if as_json:
+        console.print_json(json.dumps([dataclasses.asdict(p) | {"memory_total_gb": p.total_memory_gb}
+                                       for p in plans]))
+    else:
+        params = parameter_count(r.model, r.tokenizer.vocab_size)[0]
+        hw = r.plan
+        table = Table(title=f"{recipe}: {params / 1e9:.2f} B parameters on {hw.gpu} "
+                            f"({hw.peak_tflops:.0f} TFLOP/s peak, MFU {hw.mfu:.0%}, ${hw.usd_per_gpu_hour}/GPU-h, "
+                            f"{hw.watts_per_gpu:.0f} W/GPU)")
+        for col in ("stage", "GPUs", "seq", "tokens/step", "memory/GPU (GB)", "step (s)", "GPU-hours", "cost ($)",
+                    "energy (kWh)", "tokens/J", "implied MFU"):
+            table.add_column(col, justify="right")
+        for p in plans:
+            table.add_row(p.stage, str(p.gpus), str(p.seq_len), f"{p.tokens_per_step:,}",
+                          f"{p.total_memory_gb:.1f}" + ("" if p.fits else " ✗"), _figure(p.step_time_s),
+                          _figure(p.gpu_hours), _figure(p.cost_usd), _figure(p.energy_kwh),
+                          _figure(p.tokens_per_joule), f"{p.implied_mfu:.1%}" if p.implied_mfu else "")
+        console.print(table)
+        for p in plans:
+            console.print(f"{p.stage}: " + ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb.items()) + " GB")
+    if misfits := [p for p in plans if not p.fits]:
+        raise AmaliaError("; ".join(f"stage '{p.stage}' cannot fit: {p.advice}" for p in misfits))
+
+
+def _figure(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def _planned(name: str, issue: int, what: str) -> None:
     """A command that is designed but not built yet: it exists, says so, and names the issue."""
 
@@ -446,7 +493,6 @@ def _planned(name: str, issue: int, what: str) -> None:
 
 
 _planned("submit", 6, "Submit a recipe as a Ray job to a cluster")
-_planned("plan", 6, "Estimate memory, step time, GPU-hours, cost and energy per stage of a recipe")
 _planned("sweep", 7, "Ray Tune sweep of a stage's hyperparameters on its proxy")
 _planned("promote", 7, "Write the winning sweep values into a full-scale recipe")
 

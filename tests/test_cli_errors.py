@@ -93,7 +93,7 @@ def test_bad_serve_and_eval_options_are_one_line(args, message, tmp_path, monkey
 
 
 @pytest.mark.parametrize("args, issue", [(["submit", "recipes/demo.yaml", "--address", "x"], 6),
-                                         (["plan", "r.yaml"], 6), (["sweep", "r.yaml", "--stage", "sft"], 7),
+                                         (["sweep", "r.yaml", "--stage", "sft"], 7),
                                          (["promote", "sweeps/x"], 7)])
 def test_planned_commands_say_they_are_not_implemented_yet(args, issue):
     code, lines = invoke(*args)

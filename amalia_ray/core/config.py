@@ -386,6 +386,20 @@ class EvalConfig(Strict):
         return self
 
 
+class PlanConfig(Strict):
+    """Hardware and price assumptions for `amalia plan` (estimates only; nothing runs)."""
+    gpu: str = "H100-SXM-80GB"
+    gpu_memory_gb: float = Field(80, gt=0)
+    peak_tflops: float = Field(989, gt=0, description="dense bf16 peak of one GPU")
+    mfu: float = Field(0.40, gt=0, le=1, description="model FLOPs utilization the step time is estimated with")
+    usd_per_gpu_hour: float = Field(2.5, ge=0)
+    watts_per_gpu: float = Field(700, gt=0, description="per GPU, including its share of the node, for energy")
+    headroom_gb: float = Field(6, ge=0, description="per GPU for the CUDA context, NCCL buffers and fragmentation")
+    reported_gpu_hours: dict[str, float] = Field(
+        default_factory=dict, description="train stage name -> GPU-hours a past run reported: the plan states the "
+        "MFU those imply for the stage's batch shape")
+
+
 class Recipe(Strict):
     run: RunConfig = RunConfig()
     resources: ResourcesConfig = ResourcesConfig()
@@ -396,6 +410,7 @@ class Recipe(Strict):
     train: Annotated[list[TrainStageConfig], Field(min_length=1)]
     serve: ServeConfig = ServeConfig()
     eval: EvalConfig = EvalConfig()
+    plan: PlanConfig = PlanConfig()
 
     @model_validator(mode="after")
     def _stages(self) -> Recipe:
@@ -405,6 +420,9 @@ class Recipe(Strict):
         reserved = {"data", "tokenizer", "pack", "serve", "eval", "report"}
         if clash := reserved.intersection(names):
             raise ValueError(f"train stage names {sorted(clash)} clash with pipeline stages {sorted(reserved)}")
+        if unknown := set(self.plan.reported_gpu_hours) - set(names):
+            raise ValueError(f"plan.reported_gpu_hours names unknown train stage(s) {sorted(unknown)}; "
+                             f"stages: {names}")
         sources = {s.name for s in self.data.sources}
         for stage in self.train:
             for phase in (stage.curriculum.phases if stage.curriculum else []):

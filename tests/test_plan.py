@@ -1,0 +1,81 @@
+"""`amalia plan`: parameter counts match transformers, the AMALIA-scale recipe validates and fits, a stage that
+cannot fit is refused with what to change, and the seeds' GPU-hours give an implied MFU."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from amalia_ray.cli import app
+from amalia_ray.cluster.plan import parameter_count, plan, plan_stage
+from amalia_ray.core.errors import RecipeError
+from amalia_ray.core.recipe import load_recipe
+from tests.conftest import DEMO_RECIPE, ROOT
+
+AMALIA_9B = ROOT / "recipes" / "amalia-9b.yaml"
+
+
+@pytest.mark.parametrize("path", [AMALIA_9B, DEMO_RECIPE])
+def test_parameter_count_matches_transformers(path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    r = load_recipe(path).recipe
+    m = r.model
+    cfg = LlamaConfig(vocab_size=r.tokenizer.vocab_size, hidden_size=m.hidden_size,
+                      intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
+                      num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+                      tie_word_embeddings=m.tie_word_embeddings)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert parameter_count(m, r.tokenizer.vocab_size) == (sum(p.numel() for p in model.parameters()), block)
+
+
+def test_amalia_9b_recipe_fits_and_states_the_mfu_the_seeds_imply():
+    r = load_recipe(AMALIA_9B).recipe
+    assert parameter_count(r.model, r.tokenizer.vocab_size)[0] == pytest.approx(9.15e9, rel=0.01)
+    stages = {p.stage: p for p in plan(r)}
+    assert all(p.fits for p in stages.values())
+    sft = stages["sft"]
+    assert r.train[1].steps == 14_000 and sft.gpus == 64
+    # at the recipe's MFU the plan's GPU-hours; the seeds' 4,864 H100-hours for the same work imply a lower MFU
+    assert sft.implied_mfu == pytest.approx(r.plan.mfu * sft.gpu_hours / 4864)
+    assert stages["dpo"].implied_mfu == pytest.approx(r.plan.mfu * stages["dpo"].gpu_hours / 768)
+    assert stages["pretrain"].implied_mfu is None
+    assert sft.energy_kwh == pytest.approx(sft.gpu_hours * 0.7) and sft.cost_usd == pytest.approx(sft.gpu_hours * 2.5)
+
+
+def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():
+    r = load_recipe(AMALIA_9B).recipe
+    stage = r.train[1]
+    base = plan_stage(stage, r)
+    double = plan_stage(stage.model_copy(update={"num_workers": 128}), r)
+    key = "params+grads+adam (sharded)"
+    assert double.memory_gb[key] == pytest.approx(base.memory_gb[key] / 2)
+    no_ac = plan_stage(stage.model_copy(update={"activation_checkpointing": False}), r)
+    assert no_ac.memory_gb["activations"] > 10 * base.memory_gb["activations"]
+    assert no_ac.step_time_s == pytest.approx(base.step_time_s * 6 / 8, rel=0.05)  # no forward recompute
+
+
+def test_a_stage_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
+    data = yaml.safe_load(AMALIA_9B.read_text())
+    data["train"][0]["activation_checkpointing"] = False
+    for task in data["eval"]["tasks"]:
+        task["path"] = str((AMALIA_9B.parent / task["path"]).resolve())
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["plan", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 1
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: stage 'pretrain' cannot fit: needs") and "set activation_checkpointing: true" in line
+
+
+def test_reported_hours_must_name_a_stage(tmp_path):
+    data = yaml.safe_load(AMALIA_9B.read_text())
+    data["plan"]["reported_gpu_hours"] = {"rlhf": 100}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError, match=r"reported_gpu_hours names unknown train stage\(s\) \['rlhf'\]"):
+        load_recipe(path)
