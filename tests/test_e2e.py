@@ -483,3 +483,26 @@ def _capture(errors: list, fn) -> None:
         fn()
     except BaseException as e:  # noqa: BLE001 - handed to the test thread
         errors.append(e)
+
+
+def test_a_recipe_submitted_as_a_ray_job(ray_cluster, tmp_path):
+    """`amalia submit RECIPE --address http://HEAD:8265 --follow` runs the pipeline as a Ray job on the cluster
+    (here this session's: its dashboard is the job server), with this project as the job's working directory;
+    `amalia status JOB` and `amalia logs JOB` read it back."""
+    from ray._private.worker import get_dashboard_url
+
+    address = f"http://{get_dashboard_url()}"
+    recipe = write_recipe(tmp_path, **{"run.name": "job"})
+    cli = [sys.executable, "-m", "amalia_ray.cli"]
+    proc = subprocess.run([*cli, "submit", str(recipe), "--address", address, "--until", "data", "--follow",
+                           "--python", sys.executable, "--working-dir", str(Path(__file__).parent.parent)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job_id = proc.stdout.split()[0]
+    assert job_id.startswith("raysubmit_") and f"job {job_id}: SUCCEEDED" in proc.stdout
+    stages = json.loads((tmp_path / "runs" / "job" / "manifest.json").read_text())["stages"]
+    assert list(stages) == ["data"] and stages["data"]["status"] == "completed"
+    status = subprocess.run([*cli, "status", job_id, "--address", address], capture_output=True, text=True)
+    assert status.returncode == 0 and json.loads(status.stdout)["status"] == "SUCCEEDED"
+    logs = subprocess.run([*cli, "logs", job_id, "--address", address], capture_output=True, text=True)
+    assert logs.returncode == 0 and "report: " in logs.stdout

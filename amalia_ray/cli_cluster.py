@@ -1,0 +1,126 @@
+"""Cluster commands: `amalia plan`, `amalia submit`, `amalia logs`, `amalia stop`, and the planned ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from amalia_ray.cli import DEFAULT_RECIPE, AddressOpt, RecipeArg, app, console, guarded
+
+@app.command()
+@guarded
+def submit(
+    recipe: RecipeArg,
+    address: AddressOpt = None,
+    until: Annotated[str | None, typer.Option(help="last stage to run (default: all)")] = None,
+    follow: Annotated[bool, typer.Option("--follow", help="stream the job's log until it ends")] = False,
+    env: Annotated[list[str] | None, typer.Option("--env", help="KEY=VALUE for the job's environment")] = None,
+    pip: Annotated[list[str] | None, typer.Option("--pip", help="pip requirement installed for the job")] = None,
+    uv: Annotated[list[str] | None, typer.Option("--uv", help="uv requirement installed for the job")] = None,
+    working_dir: Annotated[Path, typer.Option(help="uploaded as the job's working directory")] = Path("."),
+    python: Annotated[str, typer.Option(help="the cluster's Python for the entrypoint")] = "python",
+) -> None:
+    """Submit a recipe to a Ray cluster as a job (`python -m jobs.pipeline RECIPE`); prints the job id."""
+    from amalia_ray.cluster import jobs
+    from amalia_ray.core.errors import AmaliaError
+
+    pairs = [e.split("=", 1) for e in env or []]
+    if bad := [e for e, kv in zip(env or [], pairs) if len(kv) != 2 or not kv[0]]:
+        raise AmaliaError(f"--env needs KEY=VALUE, got {bad}")
+    job_id = jobs.submit(recipe, address=address, until=until, env=dict(pairs), pip=pip, uv=uv,
+                         working_dir=working_dir, python=python)
+    console.print(job_id)
+    if follow:
+        final = jobs.follow(job_id, address, lambda text: console.out(text, end=""))
+        console.print(f"job {job_id}: {final}")
+        if final != "SUCCEEDED":
+            raise typer.Exit(1)
+
+
+@app.command()
+@guarded
+def logs(job_id: str, address: AddressOpt = None,
+         follow: Annotated[bool, typer.Option("--follow", help="stream until the job ends")] = False) -> None:
+    """Print a submitted job's log."""
+    from amalia_ray.cluster import jobs
+
+    if follow:
+        console.print(f"job {job_id}: {jobs.follow(job_id, address, lambda t: console.out(t, end=''))}")
+    else:
+        console.out(jobs.logs(job_id, address), end="")
+
+
+@app.command("stop")
+@guarded
+def stop_job(job_id: str, address: AddressOpt = None) -> None:
+    """Stop a submitted job."""
+    from amalia_ray.cluster import jobs
+
+    console.print(f"job {job_id}: " + ("stop requested" if jobs.stop(job_id, address) else "already finished"))
+
+
+@app.command()
+@guarded
+def plan(
+    recipe: RecipeArg = DEFAULT_RECIPE,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+) -> None:
+    """Estimate per training stage: memory per GPU under FSDP2, step time at the recipe's MFU, GPU-hours, cost and
+    energy. Exits 1 naming what to change when a stage cannot fit."""
+    import dataclasses
+
+    from rich.table import Table
+
+    from amalia_ray.cluster.plan import parameter_count
+    from amalia_ray.cluster.plan import plan as make_plan
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.core.recipe import load_recipe
+
+    r = load_recipe(recipe).recipe
+    plans = make_plan(r)
+    if as_json:
+        console.print_json(json.dumps([dataclasses.asdict(p) | {"memory_total_gb": p.total_memory_gb}
+                                       for p in plans]))
+    else:
+        params = parameter_count(r.model, r.tokenizer.vocab_size)[0]
+        hw = r.plan
+        table = Table(title=f"{recipe}: {params / 1e9:.2f} B parameters on {hw.gpu} "
+                            f"({hw.peak_tflops:.0f} TFLOP/s peak, MFU {hw.mfu:.0%}, ${hw.usd_per_gpu_hour}/GPU-h, "
+                            f"{hw.watts_per_gpu:.0f} W/GPU)")
+        for col in ("stage", "GPUs", "seq", "tokens/step", "memory/GPU (GB)", "step (s)", "GPU-hours", "cost ($)",
+                    "energy (kWh)", "tokens/J", "implied MFU"):
+            table.add_column(col, justify="right")
+        for p in plans:
+            table.add_row(p.stage, str(p.gpus), str(p.seq_len), f"{p.tokens_per_step:,}",
+                          f"{p.total_memory_gb:.1f}" + ("" if p.fits else " ✗"), _figure(p.step_time_s),
+                          _figure(p.gpu_hours), _figure(p.cost_usd), _figure(p.energy_kwh),
+                          _figure(p.tokens_per_joule), f"{p.implied_mfu:.1%}" if p.implied_mfu else "")
+        console.print(table)
+        for p in plans:
+            console.print(f"{p.stage}: " + ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb.items()) + " GB")
+    if misfits := [p for p in plans if not p.fits]:
+        raise AmaliaError("; ".join(f"stage '{p.stage}' cannot fit: {p.advice}" for p in misfits))
+
+
+def _figure(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _planned(name: str, issue: int, what: str) -> None:
+    """A command that is designed but not built yet: it exists, says so, and names the issue."""
+
+    @guarded
+    def command(ctx: typer.Context) -> None:
+        from amalia_ray.core.errors import NotImplementedYet
+
+        raise NotImplementedYet(f"amalia {name}", issue)
+
+    command.__doc__ = f"{what} (not implemented yet: issue #{issue})"
+    app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
+
+
+_planned("sweep", 7, "Ray Tune sweep of a stage's hyperparameters on its proxy")
+_planned("promote", 7, "Write the winning sweep values into a full-scale recipe")

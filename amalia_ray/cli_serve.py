@@ -1,0 +1,172 @@
+"""`amalia serve`, `amalia eval`, `amalia export-lm-eval`: serving checkpoints and scoring them over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from amalia_ray.cli import app, console, guarded
+
+@app.command()
+@guarded
+def serve(
+    checkpoints: Annotated[list[Path] | None, typer.Argument(help="HF checkpoint folders to serve side by side "
+                                                           "(on a cluster: paths every node can read)")] = None,
+    name: Annotated[list[str] | None, typer.Option("--name", help="model id per checkpoint (default: folder)")] = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    min_replicas: int = 1,
+    max_replicas: int = 1,
+    target_ongoing_requests: int = 16,
+    api_key_env: Annotated[str, typer.Option(help="env var holding the API key: when set, requests need "
+                                             "'Authorization: Bearer <key>'")] = "AMALIA_API_KEY",
+    config_out: Annotated[Path | None, typer.Option("--config-out", help="write a Serve config YAML for "
+                                                    "`serve deploy` and exit")] = None,
+    stop: Annotated[bool, typer.Option("--stop", help="stop the deployment serving on --port (on a cluster: "
+                                       "delete the application)")] = False,
+) -> None:
+    """Serve checkpoints over the OpenAI API with Ray Serve + vLLM. On the embedded local Ray it runs until
+    interrupted or `amalia serve --stop`; with --address / RAY_ADDRESS it deploys to the cluster and returns."""
+    import signal
+    import time
+
+    import yaml
+
+    from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+    from amalia_ray.core.config import ServeConfig
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.serve import app as serve_app
+
+    on_cluster = bool(os.environ.get("RAY_ADDRESS"))
+    if stop:
+        if on_cluster:
+            with ray_session():
+                serve_app.delete()
+            console.print(f"[green]deleted[/] Serve application '{serve_app.APP_NAME}' on {os.environ['RAY_ADDRESS']}")
+        else:
+            console.print(f"[green]stopped[/] {serve_app.stop_local(host, port)}")
+        return
+    if not checkpoints:
+        raise AmaliaError("name at least one checkpoint folder to serve (or --stop)")
+    names = name or [c.resolve().name if c.name != "hf" else c.resolve().parent.name for c in checkpoints]
+    if len(names) != len(checkpoints):
+        raise AmaliaError(f"{len(names)} --name values for {len(checkpoints)} checkpoints")
+    cfg = ServeConfig(host=host, port=port, min_replicas=min_replicas, max_replicas=max_replicas,
+                      target_ongoing_requests=target_ongoing_requests, api_key_env=api_key_env)
+    models = dict(zip(names, checkpoints))
+    if config_out:
+        config_out.write_text(yaml.safe_dump(serve_app.serve_config(models, cfg, use_gpu=False), sort_keys=False))
+        console.print(f"wrote {config_out}: `serve deploy {config_out}` on a cluster with this package installed "
+                      "(set a GPU in placement_group_config.bundles for GPU replicas)")
+        return
+    serve_app.require_vllm()
+    serve_app.check_port_free(host, port)
+    if not serve_app.api_key(cfg):
+        console.print(f"[yellow]no API key[/]: {api_key_env} is not set, so the endpoint is open to anyone who can "
+                      f"reach {host}:{port}")
+    with ray_session():
+        url = serve_app.start(models, cfg, cluster_has_gpu())
+        if on_cluster:
+            console.print(f"[green]deployed[/] {', '.join(names)} at {url} (stop: amalia serve --stop)")
+            return
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        with serve_app.local_state(host, port, url, names):
+            console.print(f"[green]serving[/] {', '.join(names)} at {url} (Ctrl-C or `amalia serve --stop --port "
+                          f"{port}` to stop)")
+            try:
+                while True:
+                    time.sleep(3600)
+            except _StopServing:
+                console.print("stop requested (SIGTERM): shutting down")
+            finally:
+                serve_app.stop()
+
+
+def _task_config(task: Path, format: str, method: str | None, name: str | None = None, **fields):
+    """An EvalTaskConfig from command-line options; a bad option is reported by its flag."""
+    import re
+
+    from pydantic import ValidationError
+
+    from amalia_ray.core.config import EvalTaskConfig
+    from amalia_ray.core.errors import AmaliaError
+
+    try:
+        return EvalTaskConfig(name=name or re.sub(r"[^A-Za-z0-9._-]", "-", task.stem).lstrip("-._") or "task",
+                              path=str(task), format=format, method=method, **fields)
+    except ValidationError as e:
+        raise AmaliaError(_options_error(e)) from None
+
+
+def _options_error(e) -> str:
+    return "; ".join(f"--{str(err['loc'][-1]).replace('_', '-') if err['loc'] else 'options'}: {err['msg']}"
+                     for err in e.errors())
+
+
+class _StopServing(Exception):
+    pass
+
+
+def _stop_on_sigterm(*_) -> None:
+    raise _StopServing
+
+
+@app.command("eval")
+@guarded
+def eval_(
+    base_url: Annotated[str, typer.Option("--base-url", help="OpenAI API base URL, e.g. http://127.0.0.1:8000/v1")],
+    model: Annotated[str, typer.Option("--model", help="served model id")],
+    task: Annotated[Path, typer.Option("--task", help="task file (JSON lines or a JSON array)")],
+    format: Annotated[str, typer.Option("--format", help="mcq|pheb|binary|cloze|judge|variety")] = "mcq",
+    output: Annotated[Path | None, typer.Option("--output", help="result JSON")] = None,
+    method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
+    chat: Annotated[bool, typer.Option(help="generate through /v1/chat/completions")] = False,
+    max_tokens: int = 32,
+    limit: int | None = None,
+    concurrency: int = 8,
+    retries: int = 3,
+    timeout: float = 120,
+    api_key_env: Annotated[str, typer.Option(help="env var holding the server's API key")] = "AMALIA_API_KEY",
+    judge_model: Annotated[str | None, typer.Option(help="judge tasks: the served model that grades")] = None,
+    judge_base_url: Annotated[str | None, typer.Option(help="judge's base URL (default: --base-url)")] = None,
+) -> None:
+    """Score a served model on one task over HTTP and write the result JSON (scores, n, per-item predictions)."""
+    from pydantic import ValidationError
+
+    from amalia_ray.core.config import EvalConfig, JudgeConfig
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.evals.runner import run_task
+
+    if format == "judge" and not judge_model:
+        raise AmaliaError("--format judge needs --judge-model (the served model that grades the answers)")
+    try:
+        task_cfg = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit)
+        judge = JudgeConfig(model=judge_model, base_url=judge_base_url) if judge_model else None
+        settings = EvalConfig(tasks=[task_cfg], concurrency=concurrency, retries=retries, request_timeout_s=timeout,
+                              judge=judge)
+    except ValidationError as e:
+        raise AmaliaError(_options_error(e)) from None
+    result = run_task(task_cfg, task, base_url=base_url, model=model, settings=settings, output=output,
+                      api_key=os.environ.get(api_key_env) or None)
+    console.print_json(json.dumps({"task": result["task"], "format": result["format"], "method": result["method"],
+                                   "model": model, "n": result["n"], **result["scores"]}))
+
+
+@app.command("export-lm-eval")
+@guarded
+def export_lm_eval(
+    task: Annotated[Path, typer.Argument(help="task file (JSON lines or a JSON array)")],
+    output: Annotated[Path, typer.Option("--output", help="folder for the task YAML and its items")],
+    format: Annotated[str, typer.Option("--format", help="mcq|pheb|binary|cloze")] = "mcq",
+    method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
+    name: Annotated[str | None, typer.Option(help="lm-eval task name (default: the file's stem)")] = None,
+) -> None:
+    """Write one of our tasks as an lm-eval task YAML: `lm_eval --include_path OUTPUT --tasks NAME`."""
+    from amalia_ray.evals.lmeval_export import export_lm_eval as export
+
+    cfg = _task_config(task, format, method, name=name)
+    console.print(f"wrote {export(cfg, task, output)}")
