@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+import time
 from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
 
 # never uploaded with the working directory: environments, run outputs, caches
-EXCLUDES = [".venv", "venv", "runs", ".git", "__pycache__", "*.pyc", ".pytest_cache", "*.safetensors", "*.distcp"]
+EXCLUDES = [".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "*.safetensors", "*.distcp"]
 
 
 def job_address(address: str | None) -> str:
@@ -47,7 +48,7 @@ def entrypoint(recipe: Path, working_dir: Path, until: str | None, python: str) 
 
 def submit(recipe: Path, *, address: str | None, until: str | None = None, env: dict[str, str] | None = None,
            pip: list[str] | None = None, uv: list[str] | None = None, working_dir: Path = Path("."),
-           python: str = "python") -> str:
+           python: str = "python", agent_wait_s: float = 120) -> str:
     if not recipe.is_file():
         raise AmaliaError(f"recipe file not found: {recipe}")
     if pip and uv:
@@ -58,8 +59,17 @@ def submit(recipe: Path, *, address: str | None, until: str | None = None, env: 
         runtime_env["pip"] = pip
     if uv:
         runtime_env["uv"] = uv
-    return _client(address).submit_job(entrypoint=entrypoint(recipe, working_dir, until, python),
-                                       runtime_env=runtime_env, metadata={"recipe": recipe.name, "by": "amalia"})
+    client = _client(address)
+    deadline = time.monotonic() + agent_wait_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint(recipe, working_dir, until, python),
+                                     runtime_env=runtime_env, metadata={"recipe": recipe.name, "by": "amalia"})
+        except RuntimeError as e:
+            # a cluster that has just started has no job agent yet: the job server asks to try again later
+            if "try again later" not in str(e) or time.monotonic() > deadline:
+                raise AmaliaError(f"job submission to {job_address(address)} failed: {e}") from None
+            time.sleep(2)
 
 
 def status(job_id: str, address: str | None) -> dict:
