@@ -457,9 +457,12 @@ def _run_and_kill_a_worker(pipeline: Pipeline) -> tuple[threading.Thread, list, 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not _registered_checkpoint(pipeline.run_dir):
         time.sleep(0.2)
+    from ray._private.worker import get_dashboard_url
     from ray.util.state import list_actors
 
-    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    # this session's cluster by address: `amalia serve` in a subprocess (the `served` fixture) runs a second one
+    workers = list_actors(address=f"http://{get_dashboard_url()}",
+                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     assert workers, "no training worker found to kill"
     killed_at = read_jsonl(pipeline.run_dir / "pretrain" / "metrics.jsonl")[-1]["step"]
     os.kill(workers[0].pid, signal.SIGKILL)
