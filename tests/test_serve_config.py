@@ -8,6 +8,7 @@ import json
 import pytest
 import yaml
 from starlette.applications import Starlette
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
@@ -57,7 +58,14 @@ def guarded_client(key: str | None, max_bytes: int = 1024) -> TestClient:
     async def echo(request):
         return JSONResponse({"bytes": len(await request.body())})
 
+    async def errors_to_500(request, call_next):  # what the ray.serve.llm ingress does with an exception
+        try:
+            return await call_next(request)
+        except Exception as e:  # noqa: BLE001
+            return JSONResponse({"error": repr(e)}, status_code=500)
+
     app = Starlette(routes=[Route("/v1/completions", echo, methods=["POST"]), Route("/health", echo)])
+    app.add_middleware(BaseHTTPMiddleware, dispatch=errors_to_500)
     app.add_middleware(RequestGuard, api_key_sha256=key_digest(key) if key else None, max_request_bytes=max_bytes)
     return TestClient(app)
 

@@ -47,28 +47,32 @@ class RequestGuard:
         declared = headers.get(b"content-length", b"").decode("latin-1")
         if declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(scope, receive, send)
-        seen = 0
-
-        async def counted_receive():
-            nonlocal seen
+        # read the body here, under the cap, and hand the app the whole of it: an error raised mid-stream inside
+        # the app would be turned into a 500 by the ingress's own exception handling
+        body = bytearray()
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client went away
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            return await self.app(scope, counted_receive, send)
-        except _TooLarge:
-            return await self._too_large(scope, receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send):
         return await _error(413,
                             f"request body over {self.max_bytes} bytes", "invalid_request_error")(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def _ingress_class():
