@@ -22,6 +22,8 @@ def submit(
     uv: Annotated[list[str] | None, typer.Option("--uv", help="uv requirement installed for the job")] = None,
     working_dir: Annotated[Path, typer.Option(help="uploaded as the job's working directory")] = Path("."),
     python: Annotated[str, typer.Option(help="the cluster's Python for the entrypoint")] = "python",
+    upload: Annotated[bool, typer.Option(help="upload the working directory (--no-upload: the cluster's image "
+                                         "already has the project installed)")] = True,
 ) -> None:
     """Submit a recipe to a Ray cluster as a job (`python -m jobs.pipeline RECIPE`); prints the job id."""
     from amalia_ray.cluster import jobs
@@ -31,7 +33,7 @@ def submit(
     if bad := [e for e, kv in zip(env or [], pairs) if len(kv) != 2 or not kv[0]]:
         raise AmaliaError(f"--env needs KEY=VALUE, got {bad}")
     job_id = jobs.submit(recipe, address=address, until=until, env=dict(pairs), pip=pip, uv=uv,
-                         working_dir=working_dir, python=python)
+                         working_dir=working_dir, python=python, upload=upload)
     console.print(job_id)
     if follow:
         final = jobs.follow(job_id, address, lambda text: console.out(text, end=""))

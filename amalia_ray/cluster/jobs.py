@@ -48,13 +48,14 @@ def entrypoint(recipe: Path, working_dir: Path, until: str | None, python: str) 
 
 def submit(recipe: Path, *, address: str | None, until: str | None = None, env: dict[str, str] | None = None,
            pip: list[str] | None = None, uv: list[str] | None = None, working_dir: Path = Path("."),
-           python: str = "python", agent_wait_s: float = 120) -> str:
+           python: str = "python", upload: bool = True, agent_wait_s: float = 120) -> str:
     if not recipe.is_file():
         raise AmaliaError(f"recipe file not found: {recipe}")
     if pip and uv:
         raise AmaliaError("give --pip or --uv, not both")
-    runtime_env: dict = {"working_dir": str(working_dir), "excludes": EXCLUDES,
-                         "env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}}
+    runtime_env: dict = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}}
+    if upload:  # else the cluster's image or environment has the project installed (e.g. deploy/Dockerfile)
+        runtime_env |= {"working_dir": str(working_dir), "excludes": EXCLUDES}
     if pip:
         runtime_env["pip"] = pip
     if uv:
