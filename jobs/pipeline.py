@@ -3,32 +3,48 @@
     ray job submit --address http://HEAD:8265 --working-dir . -- python -m jobs.pipeline recipes/demo.yaml
 
 Inside a Ray job RAY_ADDRESS points at the cluster, so the pipeline attaches to it instead of starting Ray.
+The per-stage jobs (jobs.data, jobs.train, jobs.eval) run one part of the same run folder, for teams that give each
+stage its own job (and its own cluster shape); jobs.serve deploys the run's checkpoints and leaves them serving.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.recipe import load_recipe
+from amalia_ray.core.recipe import LoadedRecipe, load_recipe
 from amalia_ray.pipeline.runner import Pipeline
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.pipeline", description=__doc__.splitlines()[0])
+def run_job(prog: str, description: str, argv: list[str] | None,
+            select: Callable[[LoadedRecipe, argparse.Namespace], list[str] | None] | None = None,
+            add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    """Parse `RECIPE [--run-name] [--force]` (plus the job's own options), run the selected stages (all when
+    `select` is None or returns None), print where the report is; 1 with the message on a recipe or input error."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("recipe")
-    parser.add_argument("--until", help="last stage to run (default: all)")
     parser.add_argument("--run-name")
     parser.add_argument("--force", action="store_true", help="rerun stages even when unchanged")
+    if add_arguments:
+        add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        report = Pipeline(load_recipe(args.recipe), run_name=args.run_name, force=args.force).run(until=args.until)
+        loaded = load_recipe(args.recipe)
+        pipeline = Pipeline(loaded, run_name=args.run_name, force=args.force)
+        only = select(loaded, args) if select else None
+        report = pipeline.run(until=getattr(args, "until", None), only=only)
     except AmaliaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"report: {report}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job("python -m jobs.pipeline", __doc__.splitlines()[0], argv, add_arguments=lambda p: p.add_argument(
+        "--until", help="last stage to run (default: all)"))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,17 @@ def test_every_stage_completes_and_is_recorded(demo_run):
     assert data["documents_kept"] > 500 and data["documents_in"] > data["documents_kept"]
     kept = list((pipeline.run_dir / "data" / "kept").glob("*.parquet"))
     assert kept, "curated corpus is written as Parquet"
+    # accounting: what each stage held × its wall time, the tokens it processed, energy
+    cost = {name: rec["cost"] for name, rec in stages.items()}
+    assert all(c["device_hours"]["CPU"] > 0 and c["energy_kwh"] > 0 for c in cost.values())
+    assert cost["pretrain"]["held"] == {"CPU": 2}, "2 workers × 1 CPU, no GPU on this machine"
+    assert cost["pretrain"]["device_hours"]["CPU"] == pytest.approx(2 * stages["pretrain"]["wall_time_s"] / 3600)
+    assert cost["pretrain"]["tokens"] == STEPS * 8 * 256 and cost["pretrain"]["tokens_per_joule"] > 0
+    assert cost["pack"]["tokens"] % 256 == 0 and cost["pack"]["tokens"] > 0
+    assert cost["eval"]["tokens"] > 0, "prompt + completion tokens, as the server counted them"
+    assert cost["data"]["held"]["CPU"] <= (os.cpu_count() or 1), "logical CPUs above the core count are not billed"
+    pretrain = stages["pretrain"]["metrics"]
+    assert pretrain["placement"] == "PACK" and pretrain["worker_nodes"] == 1 and pretrain["mean_world_size"] == 2
 
 
 def test_loss_falls_and_checkpoints_are_dcp(demo_run):
@@ -105,6 +116,7 @@ def test_eval_over_http_scores_every_item(demo_run):
     text = report.read_text()
     assert "## Evaluation" in text and "| saudade-sample | acc |" in text and "![loss curve](loss.png)" in text
     assert "![evaluation](eval.png)" in text and "| variety-sample | pt_pt |" in text
+    assert "## Cost" in text and "| **total** |" in text and "2 on 1 node(s), PACK" in text
     assert (pipeline.run_dir / "loss.png").stat().st_size > 10_000
     assert (pipeline.run_dir / "eval.png").stat().st_size > 5_000
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import load_recipe
 from amalia_ray.core.storage import hash_path
 from amalia_ray.pipeline.runner import Pipeline, StageSpec
@@ -71,3 +72,31 @@ def test_force_reruns(pipeline, tmp_path):
     forced = Pipeline(pipeline.loaded, force=True)
     forced.execute(make_spec(forced, source, calls))
     assert len(calls) == 2
+
+
+def test_a_stage_whose_inputs_are_missing_says_which(pipeline, tmp_path):
+    calls = []
+    with pytest.raises(AmaliaError, match=r"stage 'thing' is missing its input\(s\) source \(.*nowhere.txt\)"):
+        pipeline.execute(make_spec(pipeline, tmp_path / "nowhere.txt", calls))
+    assert not calls and "thing" not in pipeline.manifest.stages
+
+
+@pytest.mark.parametrize("job, args, message", [
+    ("train", ["--stage", "nope"], "unknown stage 'nope'; stages of this recipe: data, tokenizer, pack, pretrain"),
+    ("pipeline", ["--until", "evaluate"], "unknown stage 'evaluate'"),
+])
+def test_stage_jobs_reject_unknown_stages_before_any_work(tmp_path, capsys, job, args, message):
+    import importlib
+
+    recipe = write_recipe(tmp_path)
+    assert importlib.import_module(f"jobs.{job}").main([str(recipe), *args]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_serve_job_needs_a_cluster(tmp_path, capsys, monkeypatch):
+    from jobs import serve
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert serve.main([str(write_recipe(tmp_path))]) == 1
+    assert "deploys onto a cluster" in capsys.readouterr().err

@@ -25,7 +25,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
     import ray
 
     if ray.is_initialized():
-        yield {"mode": "attached", "resources": ray.cluster_resources()}
+        yield {"mode": "attached", "resources": ray.cluster_resources(), "billable_cpus": billable_cpus()}
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -40,9 +40,21 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
     resources = ray.cluster_resources()
     stage_line("ray", f"{mode}: {resources.get('CPU', 0):.0f} CPU, {resources.get('GPU', 0):.0f} GPU")
     try:
-        yield {"mode": mode, "resources": resources}
+        yield {"mode": mode, "resources": resources, "billable_cpus": billable_cpus()}
     finally:
         ray.shutdown()
+
+
+def billable_cpus() -> float:
+    """CPUs the cluster really has: its logical CPUs, capped at this machine's cores when every node runs here (the
+    embedded cluster, or several raylets on one machine, advertise more logical CPUs than there are cores)."""
+    import ray
+
+    logical = ray.cluster_resources().get("CPU", 0.0)
+    here = ray.util.get_node_ip_address()
+    if all(n["NodeManagerAddress"] == here for n in ray.nodes() if n["Alive"]):
+        return min(logical, float(os.cpu_count() or 1))
+    return logical
 
 
 def cluster_has_gpu() -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 class Strict(BaseModel):
     """Every recipe section rejects unknown fields so a typo never silently falls back to a default."""
@@ -248,6 +248,10 @@ class TrainStageConfig(Strict):
                                                "starts with what the cluster has (at least min) and carries on "
                                                "with fewer workers when a node goes away (needs max_failures)")
     cpus_per_worker: int = Field(1, ge=1)
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how the stage's workers land on nodes (a Ray placement strategy): PACK = as few nodes as "
+        "fit, so the gradient all-reduce stays inside a node; SPREAD = one per node where possible, so losing a node "
+        "costs fewer workers")
     checkpoint_every: int = Field(50, ge=1)
     checkpoints_to_keep: int = Field(2, ge=1)
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
@@ -400,6 +404,24 @@ class PlanConfig(Strict):
         "MFU those imply for the stage's batch shape")
 
 
+class AccountingConfig(Strict):
+    """What a stage cost on the hardware it ran on: device-hours are what the stage held (CPUs, GPUs, by Ray resource
+    name) times how long it ran; energy and money follow from these per-device figures."""
+    watts: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 10.0, "GPU": 700.0},
+        description="watts per device by Ray resource name, including its share of the node (one CPU = one core)")
+    usd_per_hour: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.04, "GPU": 2.5}, description="price of one device-hour by resource name")
+    pue: float = Field(1.0, ge=1, description="data-centre power usage effectiveness the device energy is scaled by")
+
+    @field_validator("watts", "usd_per_hour")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float], info) -> dict[str, float]:
+        if bad := {k: x for k, x in v.items() if x < 0}:
+            raise ValueError(f"{info.field_name}: negative values {bad}")
+        return v
+
+
 class Recipe(Strict):
     run: RunConfig = RunConfig()
     resources: ResourcesConfig = ResourcesConfig()
@@ -411,6 +433,7 @@ class Recipe(Strict):
     serve: ServeConfig = ServeConfig()
     eval: EvalConfig = EvalConfig()
     plan: PlanConfig = PlanConfig()
+    accounting: AccountingConfig = AccountingConfig()
 
     @model_validator(mode="after")
     def _stages(self) -> Recipe:

@@ -29,6 +29,8 @@ class StageRecord(BaseModel):
     output_hashes: dict[str, str] = Field(default_factory=dict)
     metrics: dict = Field(default_factory=dict)
     resources: dict = Field(default_factory=dict)
+    cost: dict = Field(default_factory=dict, description="this attempt's device-hours, tokens, energy, money")
+    earlier_attempts_cost: dict = Field(default_factory=dict, description="failed attempts at this fingerprint")
     code_version: str | None = None
     started_at: str | None = None
     finished_at: str | None = None
@@ -41,6 +43,7 @@ class Manifest(BaseModel):
     run_name: str
     recipe_path: str | None = None
     recipe_hash: str | None = None
+    accounting: dict = Field(default_factory=dict, description="the per-device figures the costs were computed with")
     stages: dict[str, StageRecord] = Field(default_factory=dict)
 
     @classmethod

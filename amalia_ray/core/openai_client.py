@@ -24,6 +24,7 @@ class OpenAIClient:
         self._sem = asyncio.Semaphore(concurrency)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers, transport=transport)
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0}  # as the server counted them, for accounting
 
     async def __aenter__(self):
         return self
@@ -41,7 +42,11 @@ class OpenAIClient:
                     error = f"{type(e).__name__}: {e}"
                 else:
                     if r.status_code == 200:
-                        return r.json()
+                        body = r.json()
+                        for k, n in (body.get("usage") or {}).items():
+                            if k in self.usage and isinstance(n, int):
+                                self.usage[k] += n
+                        return body
                     error = f"HTTP {r.status_code}: {r.text[:300]}"
                     if r.status_code not in TRANSIENT:
                         break

@@ -152,6 +152,7 @@ def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, 
             "add text or lower pack.seq_len"
         )
     stats["train_tokens"] = stats["train_sequences"] * cfg.seq_len
+    stats["tokens_packed"] = (stats["train_sequences"] + stats.get("validation_sequences", 0)) * cfg.seq_len
     commit_dir(tmp, out_dir)
     return stats
 

@@ -53,6 +53,8 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
     client_args = {"concurrency": settings.concurrency, "timeout_s": settings.request_timeout_s,
                    "retries": settings.retries, "transport": transport}
 
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+
     async def go() -> list[dict]:
         async with OpenAIClient(base_url, model, api_key=api_key, **client_args) as client:
             judge_client = None
@@ -64,6 +66,9 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
                 score = _scorer(task, client, judge_client, settings)
                 return await asyncio.gather(*(score(item) for item in items))
             finally:
+                for c in (client, judge_client):
+                    for k, n in (c.usage.items() if c else ()):
+                        usage[k] += n
                 if judge_client:
                     await judge_client.__aexit__()
 
@@ -76,7 +81,8 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
     if any("invalid" in r for r in rows):
         scores["invalid"] = sum(bool(r.get("invalid")) for r in rows)
     result = {"task": task.name, "format": task.format, "method": task.scoring, "model": model, "base_url": base_url,
-              "task_path": str(task_path), "wall_time_s": time.perf_counter() - t0, "scores": scores, "n": len(rows)}
+              "task_path": str(task_path), "wall_time_s": time.perf_counter() - t0, "scores": scores, "n": len(rows),
+              "usage": usage}
     if task.format == "pheb":
         result["by_subject"] = by_group(rows, "subject", metrics)
     if task.format == "judge":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from amalia_ray.core.accounting import total_cost
 from amalia_ray.core.manifest import Manifest
 
 
@@ -123,6 +124,34 @@ def plot_evaluation(run_dir: Path, results: dict) -> Path | None:
     return out
 
 
+def cost_section(manifest: Manifest) -> list[str]:
+    """Device-hours held, tokens, energy and money per stage (failed attempts included), with the run's total."""
+    rows, costs = [], []
+    for name, rec in manifest.stages.items():
+        if not rec.cost:
+            continue
+        c = rec.cost
+        spent = total_cost([rec.earlier_attempts_cost, c]) if rec.earlier_attempts_cost else c
+        costs.append(spent)
+        hours, per_hour = spent["device_hours"], c.get("tokens_per_device_hour", {})
+        rows.append([name, hours.get("CPU"), hours.get("GPU"), c.get("tokens"), per_hour.get("GPU"),
+                     per_hour.get("CPU"), spent["energy_kwh"] * 1000, c.get("tokens_per_joule"), spent["usd"]])
+    if not rows:
+        return []
+    total = total_cost(costs)
+    rows.append(["**total**", total["device_hours"].get("CPU"), total["device_hours"].get("GPU"), None, None, None,
+                 total["energy_kwh"] * 1000, None, total["usd"]])
+    a = manifest.accounting or {}
+    return ["## Cost", "", "Device-hours are what each stage held (CPUs, GPUs) times its wall time, failed attempts "
+            "included; energy and money follow from "
+            + ", ".join(f"{w:g} W" + f" and ${a.get('usd_per_hour', {}).get(k, 0):g}/h per {k}"
+                        for k, w in a.get("watts", {}).items())
+            + f" at PUE {a.get('pue', 1):g} (recipe `accounting:`). Tokens: packed (pack), trained on (training "
+            "stages), prompt + completion as the server counted them (eval).", "",
+            _table(["stage", "CPU-hours", "GPU-hours", "tokens", "tokens/GPU-hour", "tokens/CPU-hour", "energy (Wh)",
+                    "tokens/J", "USD"], rows), ""]
+
+
 def write_report(run_dir: Path, manifest: Manifest) -> Path:
     stages = manifest.stages
     train_stages = [n for n, rec in stages.items() if (run_dir / n / "metrics.jsonl").exists()]
@@ -160,15 +189,20 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
             steady = history[1:] or history  # the first step of an attempt waits for start-up work
             tps = [h["tokens_per_s"] for h in steady]
             mfu = [h["mfu"] for h in steady if h.get("mfu") is not None]
+            m = stages[n].metrics
+            placed = (f"{m['world_size']} on {m['worker_nodes']} node(s), {m['placement']}"
+                      if m.get("worker_nodes") and m.get("placement") else None)
             rows.append([n, len(history), history[0]["loss"], history[-1]["loss"], vals[-1] if vals else None,
                          sum(h["tokens"] for h in history), sum(tps) / len(tps),
-                         f"{sum(mfu) / len(mfu):.0%}" if mfu else None])
+                         f"{sum(mfu) / len(mfu):.0%}" if mfu else None, placed])
         parts += ["## Training", "", _table(
             ["stage", "steps", "first loss", "last loss", "validation loss", "tokens", "tokens/s (mean)",
-             "MFU (mean)"], rows), ""]
+             "MFU (mean)", "workers (placement)"], rows), ""]
         png = plot_losses(run_dir, train_stages)
         if png:
             parts += [f"![loss curve]({png.name})", ""]
+
+    parts += cost_section(manifest)
 
     ev = stages.get("eval")
     if ev and ev.metrics.get("results"):

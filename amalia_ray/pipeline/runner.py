@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from amalia_ray.core.accounting import stage_cost, total_cost
 from amalia_ray.core.config import Recipe
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
@@ -27,7 +28,9 @@ class StageSpec:
     inputs: dict[str, Path]
     outputs: dict[str, Path]
     body: Callable[[], dict]  # does the work, returns metrics
-    resources: dict
+    resources: dict  # what the stage asks for, as recorded in the manifest
+    held: Callable[[dict], dict[str, float]] = lambda metrics: {}  # devices held (by resource), from the metrics
+    tokens: Callable[[dict], int | None] = lambda metrics: None  # tokens processed, from the metrics
 
 
 class Pipeline:
@@ -40,6 +43,7 @@ class Pipeline:
         self.manifest = Manifest.load_or_new(self.run_dir, self.run_name)
         self.manifest.recipe_path = str(loaded.path)
         self.manifest.recipe_hash = config_hash(self.recipe)
+        self.manifest.accounting = self.recipe.accounting.model_dump()
         self.code_version = code_version()
 
     # ---- paths -------------------------------------------------------------------------------------------------
@@ -68,6 +72,9 @@ class Pipeline:
         return rec.fingerprint == self.fingerprint(spec)[0]
 
     def execute(self, spec: StageSpec) -> dict:
+        if missing := [f"{k} ({p})" for k, p in spec.inputs.items() if not p.exists()]:
+            raise AmaliaError(f"stage '{spec.name}' is missing its input(s) {', '.join(missing)}: run the stages "
+                              "that make them first (amalia run --until, or python -m jobs.<stage>)")
         fp, cfg, inputs = self.fingerprint(spec)
         rec = self.manifest.stage(spec.name)
         if not self.force and rec.status == "completed" and rec.fingerprint == fp and all(
@@ -77,11 +84,14 @@ class Pipeline:
             return rec.metrics
         if rec.status in ("running", "failed") and rec.fingerprint == fp:
             stage_line(spec.name, f"[yellow]resuming[/] an interrupted run (attempt {rec.attempts + 1})")
+            if rec.cost:  # what the failed attempt burnt still counts
+                rec.earlier_attempts_cost = total_cost([rec.earlier_attempts_cost, rec.cost])
         else:
-            rec.attempts = 0  # attempts count tries at this fingerprint: new config or inputs start afresh
+            rec.attempts, rec.earlier_attempts_cost = 0, {}  # attempts count tries at this fingerprint
             stage_line(spec.name, "running")
         rec.status, rec.fingerprint, rec.config_hash, rec.inputs = "running", fp, cfg, inputs
         rec.code_version, rec.resources, rec.started_at, rec.error = self.code_version, spec.resources, now_iso(), None
+        rec.cost = {}
         rec.attempts += 1
         self.manifest.save(self.run_dir)
         with Stopwatch() as sw:
@@ -91,9 +101,11 @@ class Pipeline:
                 rec.status, rec.error = "failed", f"{type(e).__name__}: {e}"
                 rec.finished_at, rec.wall_time_s = now_iso(), sw.seconds
                 rec.metrics = {"traceback": traceback.format_exc(limit=5)[-2000:]}
+                rec.cost = stage_cost(spec.held({}), sw.seconds, None, self.recipe.accounting)
                 self.manifest.save(self.run_dir)
                 raise
         rec.status, rec.metrics, rec.finished_at, rec.wall_time_s = "completed", metrics, now_iso(), sw.seconds
+        rec.cost = stage_cost(spec.held(metrics), sw.seconds, spec.tokens(metrics), self.recipe.accounting)
         rec.outputs = {k: str(p.relative_to(self.run_dir)) if p.is_relative_to(self.run_dir) else str(p)
                        for k, p in spec.outputs.items()}
         rec.output_hashes = {k: hash_path(p) for k, p in spec.outputs.items() if p.exists()}
@@ -105,20 +117,28 @@ class Pipeline:
     def stage_names(self) -> list[str]:
         return [*DATA_STAGES, *(s.name for s in self.recipe.train), "eval"]
 
-    def run(self, until: str | None = None) -> Path:
-        """Run every stage up to and including `until` (all by default), then write the report."""
+    def run(self, until: str | None = None, only: list[str] | None = None) -> Path:
+        """Run every stage up to and including `until` (all by default), or just the stages in `only` (their
+        inputs must exist already: a per-stage job on a cluster), then write the report."""
         from amalia_ray.pipeline import stages
 
         names = self.stage_names()
-        if until and until not in names:
-            raise AmaliaError(f"unknown stage '{until}'; stages of this recipe: {', '.join(names)}")
-        stop_at = names.index(until) if until else len(names) - 1
-        stages.preflight(self, needs_serving="eval" in names[: stop_at + 1])
+        for name in [until, *(only or [])]:
+            if name and name not in names:
+                raise AmaliaError(f"unknown stage '{name}'; stages of this recipe: {', '.join(names)}")
+        if only:
+            stop_at = max(names.index(n) for n in only)
+            selected = [n for n in names[: stop_at + 1] if n in only]
+        else:
+            stop_at = names.index(until) if until else len(names) - 1
+            selected = names[: stop_at + 1]
+        stages.preflight(self, needs_serving="eval" in selected)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "recipe.yaml").write_text(self.loaded.path.read_text(encoding="utf-8"), encoding="utf-8")
         with stages.cluster(self):
             for spec in stages.build(self, names[: stop_at + 1]):
-                self.execute(spec)
+                if spec.name in selected:
+                    self.execute(spec)
         from amalia_ray.pipeline.report import write_report
 
         report = write_report(self.run_dir, self.manifest)

@@ -71,20 +71,23 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
 
     r, d = p.recipe, p.stage_dir
     cpus = {"CPU": p.cluster_info["resources"].get("CPU", 0)}
+    cluster_cpus = {"CPU": p.cluster_info["billable_cpus"]}  # Ray Data spreads over the whole cluster
     files = {f"corpus:{f}": Path(f) for f in data_stage.input_files(r.data, p.loaded.resolve)}
     if "data" in names:
         yield StageSpec("data", [r.data], files, {"corpus": d("data")},
-                        lambda: data_stage.curate(r.data, p.loaded.resolve, d("data")), cpus)
+                        lambda: data_stage.curate(r.data, p.loaded.resolve, d("data")), cpus,
+                        held=lambda m: cluster_cpus)
     if "tokenizer" in names:
         yield StageSpec("tokenizer", [r.tokenizer], {"corpus": d("data") / "kept"}, {"tokenizer": d("tokenizer")},
-                        lambda: data_stage.build_tokenizer(d("data"), d("tokenizer"), r.tokenizer), {"CPU": 1})
+                        lambda: data_stage.build_tokenizer(d("data"), d("tokenizer"), r.tokenizer), {"CPU": 1},
+                        held=lambda m: {"CPU": 1})
     if "pack" in names:
         weights = {s.name: s.weight for s in r.data.sources}
         yield StageSpec("pack", [r.pack, weights, r.run.seed], {"corpus": d("data") / "kept",
                                                                  "tokenizer": d("tokenizer")},
                         {"packed": d("pack")},
                         lambda: data_stage.pack(d("data"), d("tokenizer"), d("pack"), r.pack, weights, r.run.seed),
-                        cpus)
+                        cpus, held=lambda m: cluster_cpus, tokens=lambda m: m.get("tokens_packed"))
     previous: str | None = None
     for stage in r.train:
         if stage.name not in names:
@@ -96,15 +99,29 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
         yield StageSpec(
             stage.name, [stage, r.model, r.run.seed], inputs, {"checkpoint": p.checkpoint_of(stage.name)},
             _train_body(p, stage, init, gpu),
-            {"workers": stage.num_workers, "CPU_per_worker": stage.cpus_per_worker, "GPU_per_worker": int(gpu)},
+            {"workers": stage.num_workers, "CPU_per_worker": stage.cpus_per_worker, "GPU_per_worker": int(gpu),
+             "placement": stage.placement},
+            held=_train_held(stage, gpu, p.cluster_info["billable_cpus"]), tokens=lambda m: m.get("tokens_trained"),
         )
         previous = stage.name
     if "eval" in names and r.eval.tasks:
         models = {p.model_id(s.name): p.checkpoint_of(s.name) for s in r.train}
         tasks = {f"task:{t.name}": p.loaded.resolve(t.path) for t in r.eval.tasks}
+        replicas = len(models) * r.serve.min_replicas
+        # a vLLM replica holds its actor's CPUs and its engine's (or one GPU)
+        serve_held = {"CPU": min(2 * replicas * r.serve.cpus_per_replica, p.cluster_info["billable_cpus"]),
+                      "GPU": replicas if use_gpu(p) else 0}
         yield StageSpec("eval", [r.eval, r.serve], {**{f"model:{k}": v for k, v in models.items()}, **tasks},
                         {"results": d("eval")}, lambda: _serve_and_evaluate(p, models),
-                        {"replicas": r.serve.min_replicas, "CPU_per_replica": r.serve.cpus_per_replica})
+                        {"replicas": r.serve.min_replicas, "CPU_per_replica": r.serve.cpus_per_replica},
+                        held=lambda m: serve_held, tokens=lambda m: m.get("tokens_processed"))
+
+
+def _train_held(stage, gpu: bool, billable_cpus: float):
+    def held(metrics: dict) -> dict[str, float]:
+        workers = metrics.get("mean_world_size") or stage.worker_range[1]  # a failed attempt: what it asked for
+        return {"CPU": min(workers * stage.cpus_per_worker, billable_cpus), "GPU": workers if gpu else 0}
+    return held
 
 
 def _train_body(p: Pipeline, stage, init: Path | None, gpu: bool):
@@ -125,7 +142,7 @@ def _serve_and_evaluate(p: Pipeline, models: dict[str, Path]) -> dict:
     """Serve every trained checkpoint side by side, score each task on each over HTTP, then stop serving."""
     r = p.recipe
     base_url = serve_app.start(models, r.serve, use_gpu(p))
-    out: dict = {"base_url": base_url, "results": {}}
+    out: dict = {"base_url": base_url, "results": {}, "tokens_processed": 0}
     try:
         for model_id in models:
             for task in r.eval.tasks:
@@ -134,6 +151,7 @@ def _serve_and_evaluate(p: Pipeline, models: dict[str, Path]) -> dict:
                                api_key=serve_app.api_key(r.serve))
                 out["results"][f"{model_id}/{task.name}"] = {**res["scores"], "n": res["n"],
                                                              "metric": metrics_of(task)[0]}
+                out["tokens_processed"] += sum(res["usage"].values())
     finally:
         serve_app.stop()
     return out

@@ -137,6 +137,8 @@ def train_loop(config: dict) -> None:
     board = TensorBoard(stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None
 
     n_params = sum(p.numel() for p in model.parameters())
+    nodes: list = [None] * world  # where the workers landed, so the report can state the placement
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     flops_token = flops_per_token(hf_config, seq_len)
     step = start_step
     for step in range(start_step, total_steps):
@@ -177,7 +179,7 @@ def train_loop(config: dict) -> None:
                   **objective_metrics, "loss_items": int(global_items), "tokens": int(global_tokens),
                   "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
                   "mfu": flops_token * global_tokens / elapsed / peak_flops, "memory_gb": memory,
-                  "world_size": world, "attempt_start_step": start_step}
+                  "world_size": world, "worker_nodes": len(set(nodes)), "attempt_start_step": start_step}
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps
         if save_now:
             record["val_loss"] = validation_loss(model, objective, micro, rank, world, device)

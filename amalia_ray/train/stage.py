@@ -55,6 +55,7 @@ def run_train_stage(
             num_workers=stage.num_workers,
             use_gpu=use_gpu,
             resources_per_worker={"CPU": stage.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+            placement_strategy=stage.placement,
         ),
         run_config=RunConfig(
             name=ray_run_name,
@@ -73,5 +74,10 @@ def run_train_stage(
         final.setdefault("loss", history[-1]["loss"])
         final["first_loss"] = history[0]["loss"]
     final["tokens_trained"] = sum(r["tokens"] for r in history)
+    busy = sum(r["step_time_s"] for r in history)
+    if busy:  # elastic runs change size: the workers held, weighted by how long each size trained
+        final["mean_world_size"] = sum(r["step_time_s"] * r["world_size"] for r in history) / busy
+    final["worker_nodes"] = max((r.get("worker_nodes", 1) for r in history), default=None)
+    final["placement"] = stage.placement
     final["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     return final

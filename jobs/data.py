@@ -1,0 +1,19 @@
+"""The data stages of a recipe as one Ray job: curate (Ray Data), train the tokenizer, tokenize and pack.
+
+    ray job submit --address http://HEAD:8265 --working-dir . -- python -m jobs.data RECIPE
+"""
+
+from __future__ import annotations
+
+import sys
+
+from amalia_ray.pipeline.runner import DATA_STAGES
+from jobs.pipeline import run_job
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job("python -m jobs.data", __doc__.splitlines()[0], argv, select=lambda loaded, args: [*DATA_STAGES])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

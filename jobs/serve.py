@@ -1,0 +1,48 @@
+"""Deploy a run's trained checkpoints with Ray Serve + vLLM on the cluster the job was submitted to, and leave them
+serving after the job ends (Serve applications outlive the driver). Stop with `amalia serve --stop --address …`.
+
+    ray job submit --address http://HEAD:8265 --working-dir . -- python -m jobs.serve RECIPE [--stage sft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.recipe import load_recipe
+from amalia_ray.pipeline.runner import Pipeline
+from amalia_ray.serve import app as serve_app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.serve", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe")
+    parser.add_argument("--run-name")
+    parser.add_argument("--stage", action="append", help="serve this train stage's checkpoint (repeatable; "
+                        "default: every train stage)")
+    args = parser.parse_args(argv)
+    try:
+        if not os.environ.get("RAY_ADDRESS"):
+            raise AmaliaError("jobs.serve deploys onto a cluster (RAY_ADDRESS is not set); on this machine use "
+                              "`amalia serve CHECKPOINT...`")
+        pipeline = Pipeline(load_recipe(args.recipe), run_name=args.run_name)
+        names = args.stage or [s.name for s in pipeline.recipe.train]
+        if unknown := set(names) - {s.name for s in pipeline.recipe.train}:
+            raise AmaliaError(f"unknown train stage(s) {sorted(unknown)}")
+        models = {pipeline.model_id(n): pipeline.checkpoint_of(n) for n in names}
+        if missing := [str(p) for p in models.values() if not (p / "config.json").exists()]:
+            raise AmaliaError(f"no exported checkpoint at {', '.join(missing)}: run the training stages first")
+        with ray_session():
+            url = serve_app.start(models, pipeline.recipe.serve, cluster_has_gpu())
+    except AmaliaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"serving {', '.join(models)} at {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
