@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -452,6 +453,59 @@ def test_elastic_stage_carries_on_when_a_node_goes_away(demo_run, tmp_path):
     restarted = [h for h in history if h["world_size"] == 1]
     assert restarted[0]["attempt_start_step"] >= 5 and restarted[0]["attempt_start_step"] % 5 == 0
     assert all(h["tokens"] == history[0]["tokens"] for h in history), "same global batch with one worker or two"
+
+
+@pytest.fixture
+def s3_server():
+    """A local S3 endpoint (moto's server) with an empty bucket; yields the storage options that reach it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"endpoint_override": f"http://127.0.0.1:{port}", "scheme": "http", "region": "us-east-1",
+               "access_key": "testing", "secret_key": "testing"}
+    boto3.client("s3", endpoint_url=options["endpoint_override"], region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket="amalia")
+    yield options
+    server.stop()
+
+
+def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run, recipe_path, tmp_path, s3_server):
+    """run.storage: s3://… — the finished data stages are mirrored there, Ray Train writes its DCP checkpoints
+    there directly, and a machine without the run folder pulls the manifest and outputs and skips every stage."""
+    import pyarrow.fs as pafs
+
+    pipeline, _ = demo_run
+    local = tmp_path / "runs"
+    shutil.copytree(pipeline.run_dir, local / "e2e", ignore=lambda d, names: [
+        n for n in names if Path(d) == pipeline.run_dir and n not in ("data", "tokenizer", "pack", "manifest.json")])
+    recipe = write_recipe(tmp_path, **{
+        "run.name": "e2e", "run.output_dir": str(local), "run.storage": "s3://amalia/team/runs",
+        "run.storage_options": s3_server, "train.0.steps": 4, "train.0.checkpoint_every": 2,
+        "train.0.warmup_steps": 1, "train.0.max_failures": 0,
+    })
+    Pipeline(load_recipe(recipe)).run(until="pretrain")
+    s3 = pafs.S3FileSystem(**s3_server)
+    stored = {i.path.removeprefix("amalia/team/runs/e2e/") for i in s3.get_file_info(
+        pafs.FileSelector("amalia/team/runs/e2e", recursive=True)) if i.type == pafs.FileType.File}
+    assert {"manifest.json", "report.md", "pretrain/hf/model.safetensors", "pretrain/metrics.jsonl"} <= stored
+    assert any(f.startswith("data/kept/") and f.endswith(".parquet") for f in stored)
+    assert any(f.startswith("pack/train/") for f in stored) and any(f.startswith("tokenizer/") for f in stored)
+    dcp = [f for f in stored if f.startswith("pretrain/ray/") and f.endswith("/.metadata")]
+    assert len(dcp) >= 1, "Ray Train's checkpoints are written to the bucket"
+    assert not (local / "e2e" / "pretrain" / "ray").exists(), "and not to the local run folder"
+
+    shutil.rmtree(local)
+    fresh = Pipeline(load_recipe(recipe))
+    assert fresh.manifest.stages["pretrain"].status == "completed"
+    calls = []
+    fresh.execute = lambda spec, run=fresh.execute: calls.append(spec.name) or run(spec)
+    fresh.run(until="pretrain")
+    assert calls == ["data", "tokenizer", "pack", "pretrain"]
+    assert all(fresh.manifest.stages[n].attempts == 1 for n in calls), "nothing was run again"
+    assert (local / "e2e" / "pretrain" / "hf" / "model.safetensors").exists(), "the checkpoint came back"
 
 
 def test_corpus_empty_after_filtering(ray_cluster, tmp_path):

@@ -6,7 +6,7 @@ line, allowed values) live in `core/recipe.py`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,7 +18,15 @@ class Strict(BaseModel):
 
 class RunConfig(Strict):
     name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run folder name under output_dir")
-    output_dir: str = Field("runs", description="where runs/<name>/ lives; relative paths are taken from the cwd")
+    output_dir: str = Field("runs", description="where runs/<name>/ lives (the working copy the stages read and "
+                            "write); relative paths are taken from the cwd")
+    storage: str | None = Field(None, description="durable copy of the run: a path or URI (s3://bucket/prefix, "
+                                "gs://…, file://…, any fsspec scheme); each finished stage is mirrored to "
+                                "<storage>/<name>/, Ray Train checkpoints go there directly, and a fresh machine "
+                                "pulls from it to skip or resume. None: the run folder only")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the storage's filesystem, e.g. {endpoint_override: "
+        "http://minio:9000} for an S3-compatible store; credentials come from the environment (AWS_ACCESS_KEY_ID…)")
     seed: int = 1234
 
 

@@ -14,6 +14,7 @@ from amalia_ray.core.accounting import stage_cost, total_cost
 from amalia_ray.core.config import Recipe
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.filesystem import RunStore
 from amalia_ray.core.manifest import Manifest, Stopwatch, code_version, now_iso
 from amalia_ray.core.recipe import LoadedRecipe, config_hash
 from amalia_ray.core.storage import hash_path
@@ -40,6 +41,10 @@ class Pipeline:
         self.run_name = run_name or self.recipe.run.name
         self.run_dir = (Path(self.recipe.run.output_dir) / self.run_name).resolve()
         self.force = force
+        run = self.recipe.run
+        self.store = RunStore(run.storage, run.storage_options, self.run_name) if run.storage else None
+        if self.store and not (self.run_dir / "manifest.json").exists():  # a fresh machine: carry on the stored run
+            self.store.pull("manifest.json", self.run_dir / "manifest.json")
         self.manifest = Manifest.load_or_new(self.run_dir, self.run_name)
         self.manifest.recipe_path = str(loaded.path)
         self.manifest.recipe_hash = config_hash(self.recipe)
@@ -71,17 +76,41 @@ class Pipeline:
             return False
         return rec.fingerprint == self.fingerprint(spec)[0]
 
+    # ---- the durable copy (run.storage) -------------------------------------------------------------------------
+    def save(self) -> None:
+        self.manifest.save(self.run_dir)
+        if self.store:
+            self.store.push(self.run_dir / "manifest.json", "manifest.json")
+
+    def pull_missing(self, paths) -> None:
+        """Fetch run-folder paths this machine lacks from the store (a run carried on elsewhere)."""
+        for path in paths:
+            if self.store and not path.exists() and path.is_relative_to(self.run_dir):
+                self.store.pull(path.relative_to(self.run_dir).as_posix(), path)
+
+    def push_stage(self, spec: StageSpec) -> None:
+        if not self.store:
+            return
+        folder = self.stage_dir(spec.name)
+        # Ray Train wrote its checkpoints to the store itself
+        for path in [folder] if folder.exists() else [p for p in spec.outputs.values() if p.exists()]:
+            self.store.push(path, path.relative_to(self.run_dir).as_posix(), skip=("ray",))
+
     def execute(self, spec: StageSpec) -> dict:
+        self.pull_missing(spec.inputs.values())
         if missing := [f"{k} ({p})" for k, p in spec.inputs.items() if not p.exists()]:
             raise AmaliaError(f"stage '{spec.name}' is missing its input(s) {', '.join(missing)}: run the stages "
                               "that make them first (amalia run --until, or python -m jobs.<stage>)")
         fp, cfg, inputs = self.fingerprint(spec)
         rec = self.manifest.stage(spec.name)
-        if not self.force and rec.status == "completed" and rec.fingerprint == fp and all(
-            p.exists() for p in spec.outputs.values()
-        ):
-            stage_line(spec.name, "[green]skipped[/]: inputs and config unchanged since the completed run")
-            return rec.metrics
+        if not self.force and rec.status == "completed" and rec.fingerprint == fp:
+            self.pull_missing(spec.outputs.values())
+            if all(p.exists() for p in spec.outputs.values()):
+                stage_line(spec.name, "[green]skipped[/]: inputs and config unchanged since the completed run")
+                if self.store and not self.store.exists(spec.name):  # storage added to a run made without it
+                    self.push_stage(spec)
+                    self.save()
+                return rec.metrics
         if rec.status in ("running", "failed") and rec.fingerprint == fp:
             stage_line(spec.name, f"[yellow]resuming[/] an interrupted run (attempt {rec.attempts + 1})")
             if rec.cost:  # what the failed attempt burnt still counts
@@ -93,7 +122,7 @@ class Pipeline:
         rec.code_version, rec.resources, rec.started_at, rec.error = self.code_version, spec.resources, now_iso(), None
         rec.cost = {}
         rec.attempts += 1
-        self.manifest.save(self.run_dir)
+        self.save()
         with Stopwatch() as sw:
             try:
                 metrics = spec.body()
@@ -102,14 +131,15 @@ class Pipeline:
                 rec.finished_at, rec.wall_time_s = now_iso(), sw.seconds
                 rec.metrics = {"traceback": traceback.format_exc(limit=5)[-2000:]}
                 rec.cost = stage_cost(spec.held({}), sw.seconds, None, self.recipe.accounting)
-                self.manifest.save(self.run_dir)
+                self.save()
                 raise
         rec.status, rec.metrics, rec.finished_at, rec.wall_time_s = "completed", metrics, now_iso(), sw.seconds
         rec.cost = stage_cost(spec.held(metrics), sw.seconds, spec.tokens(metrics), self.recipe.accounting)
         rec.outputs = {k: str(p.relative_to(self.run_dir)) if p.is_relative_to(self.run_dir) else str(p)
                        for k, p in spec.outputs.items()}
         rec.output_hashes = {k: hash_path(p) for k, p in spec.outputs.items() if p.exists()}
-        self.manifest.save(self.run_dir)
+        self.push_stage(spec)  # outputs first: a stored manifest never names outputs that are not stored
+        self.save()
         stage_line(spec.name, f"[green]done[/] in {sw.seconds:.1f}s")
         return metrics
 
@@ -142,5 +172,8 @@ class Pipeline:
         from amalia_ray.pipeline.report import write_report
 
         report = write_report(self.run_dir, self.manifest)
-        stage_line("report", f"{report}")
+        if self.store:
+            for f in [report, self.run_dir / "recipe.yaml", *self.run_dir.glob("*.png")]:
+                self.store.push(f, f.name)
+        stage_line("report", f"{report}" + (f" (stored under {self.store.uri})" if self.store else ""))
         return report

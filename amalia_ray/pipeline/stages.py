@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 def preflight(p: Pipeline, needs_serving: bool) -> None:
     """Everything that can be checked before any work starts, so a bad path fails in a second, not after training."""
     r = p.recipe
+    if p.store:
+        p.store.check()
     data_stage.input_files(r.data, p.loaded.resolve)
     for stage in r.train:
         if stage.dataset and not p.loaded.resolve(stage.dataset).exists():
@@ -134,6 +136,7 @@ def _train_body(p: Pipeline, stage, init: Path | None, gpu: bool):
             tokenizer_dir=p.stage_dir("tokenizer"),
             init_hf_dir=init, stage_dir=p.stage_dir(stage.name), ray_run_name=f"{stage.name}-{fingerprint}",
             seed=p.recipe.run.seed, use_gpu=gpu,
+            **({"storage_path": p.store.path(f"{stage.name}/ray"), "storage_filesystem": p.store.fs} if p.store else {}),
         )
     return body
 

@@ -31,9 +31,12 @@ def run_train_stage(
     seed: int,
     use_gpu: bool,
     hf_config: dict | None = None,
+    storage_path: str | None = None,
+    storage_filesystem=None,
 ) -> dict:
     """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
-    the latest checkpoint Ray Train recorded for it."""
+    the latest checkpoint Ray Train recorded for it. Checkpoints go to `storage_path` (a path inside the pyarrow
+    `storage_filesystem`, e.g. a bucket prefix), by default `stage_dir/ray`."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -59,7 +62,8 @@ def run_train_stage(
         ),
         run_config=RunConfig(
             name=ray_run_name,
-            storage_path=str((stage_dir / "ray").resolve()),
+            storage_path=storage_path or str((stage_dir / "ray").resolve()),
+            storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=stage.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=stage.checkpoints_to_keep),
         ),
