@@ -256,6 +256,9 @@ class TrainStageConfig(Strict):
                                                "starts with what the cluster has (at least min) and carries on "
                                                "with fewer workers when a node goes away (needs max_failures)")
     cpus_per_worker: int = Field(1, ge=1)
+    elastic_resize_interval_s: float = Field(
+        60, gt=0, description="elastic stages: how often Ray Train checks whether more workers fit (then restarts "
+        "the worker group bigger from the latest checkpoint)")
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="how the stage's workers land on nodes (a Ray placement strategy): PACK = as few nodes as "
         "fit, so the gradient all-reduce stays inside a node; SPREAD = one per node where possible, so losing a node "
@@ -327,6 +330,9 @@ class TrainStageConfig(Strict):
 class ServeConfig(Strict):
     host: str = Field("127.0.0.1", description="bind address; loopback unless the service must be reached from outside")
     port: int = Field(8000, ge=1, le=65535)
+    proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
+        "EveryNode", description="where Serve's HTTP proxies run: on every node with a replica (a load balancer in "
+        "front spreads clients over them), or on the head only")
     min_replicas: int = Field(1, ge=0, description="per model; 0 lets an idle model scale to zero")
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: int = Field(16, ge=1, description="autoscaling: requests in flight per replica it "

@@ -190,8 +190,7 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
             tps = [h["tokens_per_s"] for h in steady]
             mfu = [h["mfu"] for h in steady if h.get("mfu") is not None]
             m = stages[n].metrics
-            placed = (f"{m['world_size']} on {m['worker_nodes']} node(s), {m['placement']}"
-                      if m.get("worker_nodes") and m.get("placement") else None)
+            placed = f"{m['worker_layout']}, {m['placement']}" if m.get("worker_layout") else None
             rows.append([n, len(history), history[0]["loss"], history[-1]["loss"], vals[-1] if vals else None,
                          sum(h["tokens"] for h in history), sum(tps) / len(tps),
                          f"{sum(mfu) / len(mfu):.0%}" if mfu else None, placed])

@@ -82,7 +82,7 @@ def logging_config(cfg: ServeConfig) -> dict:
 def serve_config(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> dict:
     """A Serve config file for `serve deploy` / `serve run` (Ray's ServeDeploySchema): the same application."""
     return {
-        "proxy_location": "EveryNode",
+        "proxy_location": cfg.proxy_location,
         "http_options": {"host": cfg.host, "port": cfg.port},
         "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": BUILDER,
                           "args": app_args(models, cfg, use_gpu), "logging_config": logging_config(cfg)}],
@@ -95,7 +95,7 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> str:
     from ray import serve
 
     check_port_free(cfg.host, cfg.port)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(app_args(models, cfg, use_gpu)), name=APP_NAME, route_prefix="/", blocking=False,
               logging_config=logging_config(cfg))
     base_url = f"http://{cfg.host}:{cfg.port}/v1"

@@ -59,6 +59,7 @@ def run_train_stage(
             use_gpu=use_gpu,
             resources_per_worker={"CPU": stage.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
             placement_strategy=stage.placement,
+            elastic_resize_monitor_interval_s=stage.elastic_resize_interval_s,
         ),
         run_config=RunConfig(
             name=ray_run_name,
@@ -81,7 +82,12 @@ def run_train_stage(
     busy = sum(r["step_time_s"] for r in history)
     if busy:  # elastic runs change size: the workers held, weighted by how long each size trained
         final["mean_world_size"] = sum(r["step_time_s"] * r["world_size"] for r in history) / busy
-    final["worker_nodes"] = max((r.get("worker_nodes", 1) for r in history), default=None)
+    layouts: list[tuple[int, int]] = []  # (workers, nodes) as the run went: an elastic run shrinks or grows
+    for r in history:
+        if (layout := (r["world_size"], r.get("worker_nodes", 1))) not in layouts[-1:]:
+            layouts.append(layout)
+    final["worker_nodes"] = max((n for _, n in layouts), default=None)
+    final["worker_layout"] = " → ".join(f"{w} on {n} node(s)" for w, n in layouts)
     final["placement"] = stage.placement
     final["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     return final

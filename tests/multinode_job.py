@@ -1,0 +1,80 @@
+"""Run by tests/test_multinode.py in its own process: a three-node Ray cluster on this machine
+(`ray.cluster_utils.Cluster`: a head with the job server, and two worker nodes that each fit one training worker),
+a recipe submitted to it as a Ray job (`amalia submit`) running data → tokenizer → pack → pretrain → serve + eval,
+and one worker node removed once training has passed its first checkpoint.
+
+    python -m tests.multinode_job RECIPE RUN_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import free_port
+
+WORKER_NODE_CPUS = 3  # one training worker of 2 CPUs per node; serving (2 CPUs a replica) fits on one node
+
+
+def _past_a_checkpoint_with_two_workers(metrics: Path, every: int = 5) -> int | None:
+    """The last step logged, once two workers (on two nodes) have trained through a checkpoint step and on. The
+    stage may start with one worker (what the cluster had free just then) and grow to two."""
+    try:
+        history = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln]
+    except (OSError, json.JSONDecodeError):
+        return None
+    two = [h["step"] for h in history if h.get("world_size") == 2]
+    checkpoints = [s for s in two if s % every == 0]
+    return history[-1]["step"] if checkpoints and history[-1]["step"] >= checkpoints[0] + 2 else None
+
+
+def main(recipe: Path, run_dir: Path, out: Path) -> None:
+    from ray.cluster_utils import Cluster
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    dashboard = free_port()
+    # distinct agent ports: the test session's own cluster already holds the defaults on this machine
+    head = {"num_cpus": 1, "include_dashboard": True, "dashboard_port": dashboard, "dashboard_host": "127.0.0.1",
+            "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
+            "runtime_env_agent_port": free_port()}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    nodes = [cluster.add_node(num_cpus=WORKER_NODE_CPUS, dashboard_agent_listen_port=free_port(),
+                              metrics_export_port=free_port(), runtime_env_agent_port=free_port())
+             for _ in range(2)]
+    cluster.wait_for_nodes()
+    address = f"http://127.0.0.1:{dashboard}"
+    result: dict = {"address": address}
+    try:
+        submit = subprocess.run(
+            [sys.executable, "-m", "amalia_ray.cli", "submit", str(recipe), "--address", address,
+             "--python", sys.executable, "--no-upload", "--env", "RAY_AUTH_MODE=disabled"],
+            capture_output=True, text=True, timeout=300)
+        if submit.returncode != 0:
+            raise RuntimeError(f"submit failed: {submit.stdout[-2000:]} {submit.stderr[-2000:]}")
+        job_id = submit.stdout.split()[0]
+        result["job_id"] = job_id
+        client = JobSubmissionClient(address)
+        metrics = run_dir / "pretrain" / "metrics.jsonl"
+        deadline = time.monotonic() + 1500
+        while time.monotonic() < deadline:
+            status = client.get_job_status(job_id)
+            if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+                break
+            if "removed_at_step" not in result and (step := _past_a_checkpoint_with_two_workers(metrics)):
+                result["removed_at_step"] = step
+                cluster.remove_node(nodes[1])  # the Train controller sits with the job's driver on the head
+            time.sleep(0.5)
+        result["status"] = str(client.get_job_status(job_id).value)
+        result["logs"] = client.get_job_logs(job_id)[-6000:]
+    finally:
+        (out / "result.json").write_text(json.dumps(result))
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.pop("RAY_ADDRESS", None)
+    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))

@@ -1,0 +1,58 @@
+"""A recipe as a Ray job on a multi-node cluster (three Ray nodes on this machine, tests/multinode_job.py in its own
+process): data → tokenizer → pack → pretrain with workers SPREAD over the two worker nodes → serve + eval over HTTP.
+One worker node is removed after the first checkpoint: the elastic stage (num_workers [1, 2]) carries on with the
+worker that is left from that checkpoint, the global batch unchanged, and the job succeeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, write_recipe
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_submitted_job_survives_losing_a_worker_node(tmp_path):
+    recipe = write_recipe(tmp_path, **{
+        "run.name": "multinode", "pack.seq_len": 128,
+        "train.0.steps": 80, "train.0.num_workers": [1, 2], "train.0.cpus_per_worker": 2,
+        "train.0.placement": "SPREAD", "train.0.elastic_resize_interval_s": 5, "train.0.checkpoint_every": 5, "train.0.max_failures": 2,
+        "train.0.warmup_steps": 2, "train.0.log_every": 5, "train.0.curriculum": None,
+        "serve.port": free_port(), "serve.proxy_location": "HeadOnly",
+        "eval.tasks": [{"name": "pt-mc", "path": str(Path(__file__).parents[1] / "evals/tasks/pt_mc_sample.jsonl"),
+                        "format": "mcq", "limit": 8}],
+    })
+    run_dir = tmp_path / "runs" / "multinode"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "tests.multinode_job", str(recipe), str(run_dir), str(tmp_path)],
+                          cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=1800)
+    result = json.loads((tmp_path / "result.json").read_text()) if (tmp_path / "result.json").exists() else {}
+    assert proc.returncode == 0 and result.get("status") == "SUCCEEDED", (
+        result.get("logs", "")[-4000:], proc.stdout[-2000:], proc.stderr[-3000:])
+    assert result.get("removed_at_step"), "a worker node was removed during training"
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]
+    assert list(manifest) == ["data", "tokenizer", "pack", "pretrain", "eval"]
+    assert all(rec["status"] == "completed" for rec in manifest.values())
+    history = [json.loads(ln) for ln in (run_dir / "pretrain" / "metrics.jsonl").read_text().splitlines() if ln]
+    assert [h["step"] for h in history] == list(range(1, 81)), "every step once, across the restarts"
+    two = [h for h in history if h["world_size"] == 2]
+    assert two and all(h["worker_nodes"] == 2 for h in two), "SPREAD: one worker per node"
+    after = [h for h in history if h["step"] > result["removed_at_step"]]
+    assert after and after[-1]["world_size"] == 1, "carried on with the worker that was left"
+    restart = after[0]["attempt_start_step"]
+    assert restart >= two[0]["step"] and restart % 5 == 0, "from a checkpoint the two workers wrote"
+    assert all(h["tokens"] == history[0]["tokens"] for h in history), "same global batch with one worker or two"
+    scored = json.loads((run_dir / "eval" / "multinode-pretrain" / "pt-mc.json").read_text())
+    assert scored["n"] == 8
+
+    report = (run_dir / "report.md").read_text()
+    assert "2 on 2 node(s) → 1 on 1 node(s), SPREAD" in report, "where the workers were, as the run went"
+    pretrain_cost = manifest["pretrain"]["cost"]
+    assert 1 < pretrain_cost["held"]["CPU"] <= 4, "between one and two 2-CPU workers, weighted by time"
