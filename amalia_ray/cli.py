@@ -282,7 +282,7 @@ def status(
 
 
 # the other commands register themselves on `app` when their modules are imported
-for _commands in ("amalia_ray.cli_serve", "amalia_ray.cli_cluster"):
+for _commands in ("amalia_ray.cli_serve", "amalia_ray.cli_cluster", "amalia_ray.cli_sweep"):
     importlib.import_module(_commands)
 
 

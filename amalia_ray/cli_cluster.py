@@ -1,4 +1,4 @@
-"""Cluster commands: `amalia plan`, `amalia submit`, `amalia logs`, `amalia stop`, and the planned ones."""
+"""Cluster commands: `amalia plan`, `amalia submit`, `amalia logs`, `amalia stop`."""
 
 from __future__ import annotations
 
@@ -109,20 +109,3 @@ def plan(
 
 def _figure(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
-
-
-def _planned(name: str, issue: int, what: str) -> None:
-    """A command that is designed but not built yet: it exists, says so, and names the issue."""
-
-    @guarded
-    def command(ctx: typer.Context) -> None:
-        from amalia_ray.core.errors import NotImplementedYet
-
-        raise NotImplementedYet(f"amalia {name}", issue)
-
-    command.__doc__ = f"{what} (not implemented yet: issue #{issue})"
-    app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
-
-
-_planned("sweep", 7, "Ray Tune sweep of a stage's hyperparameters on its proxy")
-_planned("promote", 7, "Write the winning sweep values into a full-scale recipe")

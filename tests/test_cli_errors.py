@@ -92,11 +92,22 @@ def test_bad_serve_and_eval_options_are_one_line(args, message, tmp_path, monkey
     assert lines[0].startswith(message), lines[0]
 
 
-@pytest.mark.parametrize("args, issue", [(["sweep", "r.yaml", "--stage", "sft"], 7),
-                                         (["promote", "sweeps/x"], 7)])
-def test_planned_commands_say_they_are_not_implemented_yet(args, issue):
-    code, lines = invoke(*args)
-    assert code == 3 and lines == [f"error: amalia {args[0]} is not implemented yet (tracked in issue #{issue})"]
+@pytest.mark.parametrize("space, message", [
+    ("parameters: {lrr: {values: [0.1]}}", "error: parameters.lrr: not a tunable field of train stage 'pretrain'"),
+    ("parameters: {lr: {distribution: uniform, low: 0.1, high: 0.01}}",
+     "error: {path}: parameters.lr: Value error, empty range: low 0.1 is not below high 0.01"),
+    ("parameters: {lr: {values: [fast]}}", "error: parameters.lr: value 'fast' does not fit train stage 'pretrain'"),
+    ("parameters: {global_batch_size: {values: [7]}}", "error: parameters.global_batch_size: value 7 does not fit"),
+    ("parameters: {lr: {values: []}}", "error: {path}: parameters.lr: Value error, values is empty"),
+    ("metric: bleu\nparameters: {lr: {values: [0.1]}}", "error: metric 'bleu' is not reported by a pretrain stage"),
+])
+def test_a_bad_search_space_fails_before_any_trial(space, message, tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text(space)
+    recipe = write_recipe(tmp_path)
+    code, lines = invoke("sweep", str(recipe), "--stage", "pretrain", "--space", str(path))
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(message.format(path=path)), lines
+    assert not (tmp_path / "runs").exists(), "nothing ran"
 
 
 def test_debug_shows_traceback():

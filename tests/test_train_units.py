@@ -45,3 +45,48 @@ def test_document_masking_keeps_attention_within_each_document():
         plain = objective.logits(model, {"input_ids": batch["input_ids"]})
     assert torch.allclose(masked[0, 3:], masked[1, 3:], atol=1e-5), "document 2 sees only itself"
     assert not torch.allclose(plain[0, 3:], plain[1, 3:], atol=1e-3), "without masking it sees document 1"
+
+
+def test_validation_loss_per_source_adds_up_to_the_overall(tmp_path):
+    """Per-source validation losses (what data-mix ablations compare) and the overall loss come from the same sums:
+    the overall is their token-weighted mean, and a source the model has learnt scores lower."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from amalia_ray.train.loop import validation_losses
+
+    class Objective:  # 6 validation rows of two sources: "same" repeats one token, "noise" is random
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.rows = torch.cat([torch.full((3, 16), 5), torch.randint(0, 50, (3, 16), generator=g)])
+
+        def num_validation(self):
+            return 6
+
+        def validation_groups(self):
+            return {"same": np.arange(3), "noise": np.arange(3, 6)}
+
+        def batch(self, rows, split="validation"):
+            return {"input_ids": self.rows[rows]}
+
+        def loss(self, model, batch):
+            ids = batch["input_ids"]
+            logits = model(ids)
+            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1),
+                                                     reduction="sum"), ids[:, 1:].numel()
+
+    class Model(torch.nn.Module):  # predicts token 5 with high confidence
+        def forward(self, ids):
+            out = torch.zeros(*ids.shape, 50)
+            out[..., 5] = 6.0
+            return out
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        overall, per_source = validation_losses(Model(), Objective(), micro=2, rank=0, world=1,
+                                                device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert set(per_source) == {"same", "noise"} and per_source["same"] < per_source["noise"]
+    assert abs(overall - (per_source["same"] + per_source["noise"]) / 2) < 1e-9, "equal token counts: plain mean"

@@ -234,6 +234,16 @@ class EngineConfig(Strict):
     enforce_eager: bool = True
 
 
+class ProxyConfig(Strict):
+    """How a training stage shrinks for a sweep (`amalia sweep`): trials train this smaller model for fewer steps,
+    validating every `validate_every` steps so a scheduler can stop the weak ones early."""
+    model: dict[str, Any] = Field(default_factory=dict, description="model fields to override, e.g. {num_layers: 1, "
+                                  "hidden_size: 64}")
+    steps: int | None = Field(None, ge=1, description="steps per trial (default: the stage's)")
+    validate_every: int = Field(5, ge=1, description="validation (and the sweep's report) interval in steps")
+    num_workers: int | None = Field(None, ge=1, description="workers per trial (default: the stage's minimum)")
+
+
 class TrainStageConfig(Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     objective: Literal["pretrain", "sft", "dpo", "grpo"]
@@ -296,6 +306,7 @@ class TrainStageConfig(Strict):
     init_from: Literal["scratch", "previous"] = Field(
         "previous", description="previous: start from the previous training stage's checkpoint (scratch for the first)"
     )
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the stage shrinks for `amalia sweep`")
 
     @property
     def worker_range(self) -> tuple[int, int]:
@@ -448,6 +459,9 @@ class Recipe(Strict):
     eval: EvalConfig = EvalConfig()
     plan: PlanConfig = PlanConfig()
     accounting: AccountingConfig = AccountingConfig()
+    provenance: list[dict[str, Any]] = Field(
+        default_factory=list, description="where promoted values came from (written by `amalia promote`: sweep id, "
+        "stage, winning values and their metric, the proxy); copied into the run manifest")
 
     @model_validator(mode="after")
     def _stages(self) -> Recipe:
@@ -460,6 +474,12 @@ class Recipe(Strict):
         if unknown := set(self.plan.reported_gpu_hours) - set(names):
             raise ValueError(f"plan.reported_gpu_hours names unknown train stage(s) {sorted(unknown)}; "
                              f"stages: {names}")
+        for stage in self.train:
+            if stage.proxy.model:
+                try:
+                    ModelConfig.model_validate({**self.model.model_dump(), **stage.proxy.model})
+                except ValueError as e:
+                    raise ValueError(f"train stage '{stage.name}': proxy.model does not make a valid model: {e}") from None
         sources = {s.name for s in self.data.sources}
         for stage in self.train:
             for phase in (stage.curriculum.phases if stage.curriculum else []):

@@ -44,6 +44,7 @@ class Manifest(BaseModel):
     recipe_path: str | None = None
     recipe_hash: str | None = None
     accounting: dict = Field(default_factory=dict, description="the per-device figures the costs were computed with")
+    provenance: list[dict] = Field(default_factory=list, description="the recipe's record of promoted sweep values")
     stages: dict[str, StageRecord] = Field(default_factory=dict)
 
     @classmethod

@@ -152,10 +152,86 @@ def cost_section(manifest: Manifest) -> list[str]:
                     "tokens/J", "USD"], rows), ""]
 
 
+def _sweep_table(summary: dict) -> str:
+    params = list(summary["space"]["parameters"])
+    bench = next((t["benchmark"] for t in summary["trials"] if t.get("benchmark")), None)
+    rows = [[t["trial_id"], *(t["config"].get(k) for k in params), t["metric"], t["best_metric"], t["steps"],
+             t["status"] + (" (best)" if t["trial_id"] == summary["best"]["trial_id"] else ""),
+             *([t.get("benchmark", {}).get("value")] if bench else [])]
+            for t in summary["trials"]]
+    return _table(["trial", *params, f"{summary['metric']} (last)", f"{summary['metric']} (best)", "steps", "status",
+                   *([f"{bench['task']} {bench['metric']}"] if bench else [])], rows)
+
+
+def plot_sweep(sweep_dir: Path, summary: dict) -> Path | None:
+    """The metric each trial ended on against each swept value (log axis for log-uniform draws)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    params = summary["space"]["parameters"]
+    trials = [t for t in summary["trials"] if t["metric"] is not None]
+    if not trials:
+        return None
+    fig, axes = plt.subplots(1, len(params), figsize=(4 * len(params), 3.5), squeeze=False)
+    for ax, (name, spec) in zip(axes[0], params.items()):
+        values = [t["config"][name] for t in trials]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            xs = values
+            if spec.get("distribution") == "loguniform":
+                ax.set_xscale("log")
+        else:
+            labels = list(dict.fromkeys(map(str, values)))
+            xs = [labels.index(str(v)) for v in values]
+            ax.set_xticks(range(len(labels)), labels)
+        colours = ["tab:green" if t["status"] == "completed" else "tab:red" for t in trials]
+        ax.scatter(xs, [t["metric"] for t in trials], c=colours)
+        ax.set_xlabel(name)
+        ax.set_ylabel(summary["metric"])
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Sweep {summary['sweep_id']} (green: ran to the end, red: stopped early or failed)", fontsize=9)
+    out = sweep_dir / "sweep.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_sweep_report(sweep_dir: Path, summary: dict) -> Path:
+    best, proxy = summary["best"], summary["proxy"]
+    png = plot_sweep(sweep_dir, summary)
+    parts = [f"# Sweep {summary['sweep_id']}: stage {summary['stage']} of run {summary['run']}", "",
+             f"Proxy: {proxy['steps']} steps, validation every {proxy['validate_every']}, "
+             f"{proxy['num_workers']} worker(s), model overrides {proxy['model'] or 'none'}.", "",
+             f"Best ({summary['mode']} {summary['metric']}): {best['config']} → {best['metric']:.4g} "
+             f"(trial {best['trial_id']}). `amalia promote {sweep_dir}` writes it into a full-scale recipe.", "",
+             _sweep_table(summary), ""] + ([f"![sweep]({png.name})", ""] if png else [])
+    out = sweep_dir / "report.md"
+    out.write_text("\n".join(parts), encoding="utf-8")
+    return out
+
+
+def sweeps_section(run_dir: Path) -> list[str]:
+    parts = []
+    for info in sorted((run_dir / "sweeps").glob("*/sweep.json")):
+        summary = json.loads(info.read_text(encoding="utf-8"))
+        best = summary["best"]
+        parts += [f"### {summary['sweep_id']} (stage {summary['stage']})", "",
+                  f"Best {summary['metric']} {best['metric']:.4g} with {best['config']}.", "", _sweep_table(summary), ""]
+        if (info.parent / "sweep.png").exists():
+            parts += [f"![sweep](sweeps/{info.parent.name}/sweep.png)", ""]
+    return ["## Sweeps", "", *parts] if parts else []
+
+
 def write_report(run_dir: Path, manifest: Manifest) -> Path:
     stages = manifest.stages
     train_stages = [n for n, rec in stages.items() if (run_dir / n / "metrics.jsonl").exists()]
     parts = [f"# Run report: {manifest.run_name}", "", f"Recipe: `{manifest.recipe_path}` (hash {manifest.recipe_hash})", ""]
+    for prov in manifest.provenance:
+        parts += [f"Promoted from sweep {prov.get('sweep_id')}: stage {prov.get('stage')} takes {prov.get('values')} "
+                  f"({prov.get('metric')} on a proxy of {prov.get('proxy', {}).get('steps')} steps, "
+                  f"{prov.get('trials')} trials).", ""]
 
     parts += ["## Stages", "", _table(
         ["stage", "status", "wall time (s)", "attempts", "resources", "code version"],
@@ -202,6 +278,7 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
             parts += [f"![loss curve]({png.name})", ""]
 
     parts += cost_section(manifest)
+    parts += sweeps_section(run_dir)
 
     ev = stages.get("eval")
     if ev and ev.metrics.get("results"):

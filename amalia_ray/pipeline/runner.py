@@ -49,6 +49,7 @@ class Pipeline:
         self.manifest.recipe_path = str(loaded.path)
         self.manifest.recipe_hash = config_hash(self.recipe)
         self.manifest.accounting = self.recipe.accounting.model_dump()
+        self.manifest.provenance = list(self.recipe.provenance)
         self.code_version = code_version()
 
     # ---- paths -------------------------------------------------------------------------------------------------

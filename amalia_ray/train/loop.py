@@ -60,23 +60,32 @@ def _log(path: Path, record: dict, keep_through: int | None = None) -> None:
 
 
 @torch.no_grad()
-def validation_loss(model, objective, micro: int, rank: int, world: int, device: torch.device) -> float | None:
+def validation_losses(model, objective, micro: int, rank: int, world: int,
+                      device: torch.device) -> tuple[float | None, dict[str, float]]:
+    """Mean loss per item over the validation split, and per source when the objective groups its validation rows
+    by source (packed pretraining data does): the data-mix ablations compare trials on these."""
     n = objective.num_validation()
     if n == 0:
-        return None
+        return None, {}
+    groups = objective.validation_groups() if hasattr(objective, "validation_groups") else {"": np.arange(n)}
     model.eval()
-    mine = np.arange(rank, n, world)
-    total, count = 0.0, 0
-    # every rank runs the same number of forward passes: FSDP all-gathers are collectives
-    for i in range(0, -(-n // world), micro):
-        rows = mine[i:i + micro]
-        batch = objective.batch(rows if len(rows) else np.arange(min(micro, n)), split="validation")
-        loss_sum, ntok = objective.loss(model, {k: v.to(device) for k, v in batch.items()})
-        if len(rows):
-            total, count = total + loss_sum.item(), count + ntok
+    sums: list[float] = []
+    for rows_of_group in groups.values():
+        mine = rows_of_group[rank::world]
+        total, count = 0.0, 0
+        # every rank runs the same number of forward passes: FSDP all-gathers are collectives
+        for i in range(0, -(-len(rows_of_group) // world), micro):
+            rows = mine[i:i + micro]
+            batch = objective.batch(rows if len(rows) else rows_of_group[:micro], split="validation")
+            loss_sum, ntok = objective.loss(model, {k: v.to(device) for k, v in batch.items()})
+            if len(rows):
+                total, count = total + loss_sum.item(), count + ntok
+        sums += [total, count]
     model.train()
-    total, count = _all_reduce_sum(total, count)
-    return total / count
+    sums = _all_reduce_sum(*sums)
+    totals, counts = sums[0::2], sums[1::2]
+    per_group = {name: t / c for name, t, c in zip(groups, totals, counts) if c and name}
+    return sum(totals) / sum(counts), per_group if len(groups) > 1 else {}
 
 
 def train_loop(config: dict) -> None:
@@ -182,7 +191,8 @@ def train_loop(config: dict) -> None:
                   "world_size": world, "worker_nodes": len(set(nodes)), "attempt_start_step": start_step}
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps
         if save_now:
-            record["val_loss"] = validation_loss(model, objective, micro, rank, world, device)
+            record["val_loss"], per_source = validation_losses(model, objective, micro, rank, world, device)
+            record.update({f"val_loss/{source}": loss for source, loss in per_source.items()})
         if rank == 0:
             _log(metrics_path, record)
             board.write(record)

@@ -54,6 +54,9 @@ class Pretrain:
     def num_validation(self) -> int:
         return len(self.validation.tokens)
 
+    def validation_groups(self) -> dict[str, np.ndarray]:
+        return {str(s): np.flatnonzero(self.validation.sources == s) for s in sorted(set(self.validation.sources))}
+
     def batch(self, rows: np.ndarray, split: str = "train") -> dict:
         data = self.train if split == "train" else self.validation
         batch = {"input_ids": torch.from_numpy(data.tokens[rows])}

@@ -33,6 +33,8 @@ def run_train_stage(
     hf_config: dict | None = None,
     storage_path: str | None = None,
     storage_filesystem=None,
+    callbacks: list | None = None,
+    progress: bool = True,
 ) -> dict:
     """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
     the latest checkpoint Ray Train recorded for it. Checkpoints go to `storage_path` (a path inside the pyarrow
@@ -67,9 +69,13 @@ def run_train_stage(
             storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=stage.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=stage.checkpoints_to_keep),
+            callbacks=callbacks,
         ),
     )
-    with StageProgress(stage.name, stage_dir / "metrics.jsonl", stage.steps):
+    if progress:
+        with StageProgress(stage.name, stage_dir / "metrics.jsonl", stage.steps):
+            result = trainer.fit()
+    else:
         result = trainer.fit()
     if result.error:
         raise result.error

@@ -1,0 +1,257 @@
+"""`amalia sweep`: a Ray Tune sweep over one training stage's hyperparameters. Each trial is a real run of our
+training loop on Ray Train, on the stage's proxy (the recipe's `train[].proxy`: a smaller model, fewer steps),
+reporting its validation metric to Tune at every validation so ASHA can stop the weak trials early.
+
+The sweep lives in `runs/<run>/sweeps/<stage>-<id>/` (id: a hash of the space, the proxy and the stage): Tune's
+experiment (`tune/`, restored if a driver died mid-sweep), each trial's metrics and TensorBoard events
+(`trials/<trial id>/`), `sweep.json` (every trial, the winner, the proxy) and `report.md` with a plot of the metric
+against each swept value. `amalia promote SWEEP_DIR` carries the winner to the full recipe."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+from amalia_ray.core.config import ModelConfig, TrainStageConfig
+from amalia_ray.core.console import stage_line
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.storage import write_json
+from amalia_ray.core.sweep_space import MIX, SweepSpace
+from amalia_ray.pipeline.runner import Pipeline
+
+
+_COMMON = {"loss", "grad_norm", "tokens_per_s", "mfu"}
+# what each objective's records carry, so a metric a stage never reports fails before the sweep
+REPORTED = {
+    "pretrain": _COMMON | {"val_loss"},
+    "sft": _COMMON | {"val_loss"},
+    "dpo": _COMMON | {"val_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"},
+    "grpo": _COMMON | {"reward", "reward_std", "completion_length", "kl"},
+}
+
+
+def proxy_stage(stage: TrainStageConfig) -> TrainStageConfig:
+    """The stage as a trial runs it: the proxy's steps and workers, validating (and reporting) every
+    `validate_every` steps, no retries (a failed trial is a result)."""
+    proxy = stage.proxy
+    steps = proxy.steps or stage.steps
+    return TrainStageConfig.model_validate({
+        **stage.model_dump(), "steps": steps, "num_workers": proxy.num_workers or stage.worker_range[0],
+        "checkpoint_every": proxy.validate_every, "log_every": proxy.validate_every, "checkpoints_to_keep": 1,
+        "warmup_steps": round(stage.warmup_steps * steps / stage.steps), "max_failures": 0,
+    })
+
+
+def sweep_id(stage: TrainStageConfig, space: SweepSpace) -> str:
+    blob = json.dumps([stage.model_dump(mode="json"), space.model_dump(mode="json")], sort_keys=True)
+    return f"{stage.name}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
+
+
+def trial_stage_of(base: dict, config: dict, mix: dict[str, float] | None) -> TrainStageConfig:
+    """The stage a trial trains: the proxy with the trial's values; swept source weights become a one-phase mix."""
+    fields = {k: v for k, v in config.items() if not k.startswith(MIX)}
+    if mix is not None:
+        fields["curriculum"] = {"phases": [{"until_tokens": None, "weights": mix}]}
+    return TrainStageConfig.model_validate({**base, **fields})
+
+
+def _trial(config: dict, *, base: dict, model: dict, data_dir: str, tokenizer_dir: str, init_hf_dir: str | None,
+           trials_dir: str, seed: int, use_gpu: bool, hf_config: dict, space: dict, weights: dict) -> None:
+    """One Tune trial: the training loop on Ray Train with this trial's values; Train's reports reach Tune."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from amalia_ray.train.stage import run_train_stage
+
+    trial_id = tune.get_context().get_trial_id()
+    stage = trial_stage_of(base, config, SweepSpace.model_validate(space).mix_weights(config, weights))
+    out = Path(trials_dir) / trial_id
+    run_train_stage(stage, ModelConfig.model_validate(model), data_dir=Path(data_dir),
+                    tokenizer_dir=Path(tokenizer_dir), init_hf_dir=Path(init_hf_dir) if init_hf_dir else None,
+                    stage_dir=out, ray_run_name=f"trial-{trial_id}", seed=seed, use_gpu=use_gpu,
+                    hf_config=hf_config, callbacks=[TuneReportCallback()], progress=False)
+
+
+def run_sweep(p: Pipeline, stage_name: str, space: SweepSpace) -> Path:
+    from amalia_ray.pipeline import stages
+
+    r = p.recipe
+    names = [s.name for s in r.train]
+    if stage_name not in names:
+        raise AmaliaError(f"unknown train stage '{stage_name}'; train stages of this recipe: {', '.join(names)}")
+    index = names.index(stage_name)
+    stage = r.train[index]
+    sources = [s.name for s in r.data.sources]
+    space.check_against(stage, sources)
+    trial_stage = proxy_stage(stage)
+    for name, param in space.parameters.items():  # the proxy's fixed values may clash with a swept one
+        for value in param.edges() if not name.startswith(MIX) else []:
+            try:
+                TrainStageConfig.model_validate({**trial_stage.model_dump(), name: value})
+            except ValueError as e:
+                raise AmaliaError(f"parameters.{name}: value {value!r} does not fit the proxy of train stage "
+                                  f"'{stage_name}': {e}") from None
+    previous = names[index - 1] if index and stage.init_from == "previous" else None
+    if previous and stage.proxy.model:
+        raise AmaliaError(f"train stage '{stage_name}' starts from '{previous}''s checkpoint, which a proxy with "
+                          "another model shape (proxy.model) cannot load: sweep it with proxy.model empty")
+    model = ModelConfig.model_validate({**r.model.model_dump(), **stage.proxy.model})
+    reported = REPORTED[stage.objective] | ({f"val_loss/{s}" for s in sources} if stage.objective == "pretrain"
+                                            else set())
+    if space.metric not in reported:
+        raise AmaliaError(f"metric '{space.metric}' is not reported by a {stage.objective} stage; it reports "
+                          f"{', '.join(sorted(reported))}")
+    tasks = {t.name: t for t in r.eval.tasks}
+    if space.benchmark and space.benchmark.task not in tasks:
+        raise AmaliaError(f"benchmark.task '{space.benchmark.task}' is not an eval task of the recipe; tasks: "
+                          f"{', '.join(tasks) or 'none'}")
+
+    p.run(until=previous or "pack")  # what the trials read: packed data, tokenizer, the starting checkpoint
+    out = p.run_dir / "sweeps" / sweep_id(trial_stage, space)
+    out.mkdir(parents=True, exist_ok=True)
+    from amalia_ray.train.stage import hf_config_dict
+
+    with stages.cluster(p):
+        trainable = functools.partial(
+            _trial, base=trial_stage.model_dump(mode="json"), model=model.model_dump(mode="json"),
+            data_dir=str(p.loaded.resolve(stage.dataset) if stage.dataset else p.stage_dir("pack")),
+            tokenizer_dir=str(p.stage_dir("tokenizer")),
+            init_hf_dir=str(p.checkpoint_of(previous)) if previous else None, trials_dir=str(out / "trials"),
+            seed=r.run.seed, hf_config=hf_config_dict(model, p.stage_dir("tokenizer")), use_gpu=stages.use_gpu(p),
+            space=space.model_dump(mode="json"), weights={s.name: s.weight for s in r.data.sources})
+        results = _fit(trainable, space, trial_stage, out, p.cluster_info["billable_cpus"])
+        summary = _summarize(results, space, stage, trial_stage, p, out)
+        if space.benchmark:
+            _benchmark(p, summary, tasks[space.benchmark.task], space.benchmark.top, out)
+    write_json(out / "sweep.json", summary)
+    from amalia_ray.pipeline.report import write_report, write_sweep_report
+
+    write_sweep_report(out, summary)
+    write_report(p.run_dir, p.manifest)
+    best = summary["best"]
+    stage_line("sweep", f"[green]done[/]: {len(summary['trials'])} trials, best {space.metric} "
+               f"{best['metric']:.4g} with {best['config']} — {out}")
+    return out
+
+
+def _fit(trainable, space: SweepSpace, stage: TrainStageConfig, out: Path, cpus: float):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    experiment = out / "tune"
+    per_trial = stage.worker_range[1] * stage.cpus_per_worker
+    concurrent = space.max_concurrent_trials or max(1, int(cpus // per_trial))
+    # the trial function only drives Ray Train (its workers hold the CPUs), so it asks for none itself
+    trainable = tune.with_resources(trainable, {"CPU": 0})
+    if tune.Tuner.can_restore(str(experiment)):
+        stage_line("sweep", f"[yellow]resuming[/] the interrupted sweep in {experiment}")
+        tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True,
+                                   resume_errored=True, param_space=space.tune_space())
+    else:
+        scheduler = ASHAScheduler(
+            time_attr="step", max_t=stage.steps, grace_period=space.scheduler.grace_period * stage.checkpoint_every,
+            reduction_factor=space.scheduler.reduction_factor) if space.scheduler.type == "asha" else FIFOScheduler()
+        tuner = tune.Tuner(
+            trainable, param_space=space.tune_space(),
+            tune_config=tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=space.num_samples,
+                                        scheduler=scheduler, max_concurrent_trials=concurrent,
+                                        search_alg=BasicVariantGenerator(random_state=space.seed)),
+            run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=0),
+        )
+    return tuner.fit()
+
+
+def _summarize(results, space: SweepSpace, stage, trial_stage, p: Pipeline, out: Path) -> dict:
+    sign = 1 if space.mode == "min" else -1
+    trials = []
+    for result in results:
+        history = result.metrics_dataframe
+        values = [] if history is None or space.metric not in history else [
+            v for v in history[space.metric].tolist() if v == v]
+        steps = int(result.metrics.get("step", 0)) if result.metrics else 0
+        trials.append({
+            "trial_id": result.metrics.get("trial_id") if result.metrics else Path(result.path).name,
+            "config": {k: result.config[k] for k in space.parameters},
+            "metric": values[-1] if values else None,
+            "best_metric": (min(values, key=lambda v: sign * v)) if values else None,
+            "steps": steps,
+            "val_loss_by_source": {k.split("/", 1)[1]: v for k, v in (result.metrics or {}).items()
+                                   if k.startswith("val_loss/")},
+            "status": "failed" if result.error else ("completed" if steps >= trial_stage.steps else "stopped early"),
+            "error": str(result.error)[:500] if result.error else None,
+        })
+    scored = [t for t in trials if t["metric"] is not None and t["status"] == "completed"] or [
+        t for t in trials if t["metric"] is not None]
+    if not scored:
+        raise AmaliaError(f"no trial of the sweep reported {space.metric}; see {out / 'tune'}")
+    best = min(scored, key=lambda t: sign * t["metric"])
+    return {
+        "sweep_id": out.name, "recipe": str(p.loaded.path), "run": p.run_name, "stage": stage.name,
+        "metric": space.metric, "mode": space.mode, "space": space.model_dump(mode="json"),
+        "proxy": {"model": stage.proxy.model, "steps": trial_stage.steps,
+                  "validate_every": trial_stage.checkpoint_every, "num_workers": trial_stage.num_workers},
+        "best": best, "trials": trials,
+    }
+
+
+def _benchmark(p: Pipeline, summary: dict, task, top: int, out: Path) -> None:
+    """Serve the best finished trials' exports side by side and score each on the task over HTTP."""
+    from amalia_ray.evals.runner import metrics_of, run_task
+    from amalia_ray.pipeline import stages
+    from amalia_ray.serve import app as serve_app
+
+    sign = 1 if summary["mode"] == "min" else -1
+    finished = sorted((t for t in summary["trials"] if t["status"] == "completed" and t["metric"] is not None),
+                      key=lambda t: sign * t["metric"])[:top]
+    models = {f"trial-{t['trial_id']}": out / "trials" / t["trial_id"] / "hf" for t in finished}
+    if not models:
+        return
+    r = p.recipe
+    base_url = serve_app.start(models, r.serve, stages.use_gpu(p))
+    try:
+        for t, model_id in zip(finished, models):
+            res = run_task(task, p.loaded.resolve(task.path), base_url=base_url, model=model_id, settings=r.eval,
+                           output=out / "benchmark" / f"{model_id}.json", api_key=serve_app.api_key(r.serve))
+            metric = metrics_of(task)[0]
+            t["benchmark"] = {"task": task.name, "metric": metric, "value": res["scores"][metric], "n": res["n"]}
+    finally:
+        serve_app.stop()
+
+
+def promote(sweep_dir: Path, out: Path | None = None) -> Path:
+    """Write a new recipe: the sweep's recipe with the winning values in the swept stage (at full scale: only the
+    swept fields change, never the proxy's size) and the sweep recorded under `provenance`."""
+    import yaml
+
+    from amalia_ray.core.recipe import load_recipe
+
+    info_path = sweep_dir / "sweep.json"
+    if not info_path.is_file():
+        raise AmaliaError(f"not a finished sweep: {info_path} not found (run `amalia sweep` to the end first)")
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    source = Path(info["recipe"])
+    if not source.is_file():
+        raise AmaliaError(f"the sweep's recipe is gone: {source}")
+    data = yaml.safe_load(source.read_text(encoding="utf-8"))
+    entry = next((s for s in data.get("train", []) if s.get("name") == info["stage"]), None)
+    if entry is None:
+        raise AmaliaError(f"{source} has no train stage '{info['stage']}' any more")
+    best = info["best"]
+    entry.update({k: v for k, v in best["config"].items() if not k.startswith(MIX)})
+    if mix := {k[len(MIX):]: v for k, v in best["config"].items() if k.startswith(MIX)}:
+        weights = {s["name"]: s.get("weight", 1.0) for s in data.get("data", {}).get("sources", [])}
+        entry["curriculum"] = {"phases": [{"until_tokens": None, "weights": {**weights, **mix}}]}
+    data.setdefault("provenance", []).append({
+        "sweep_id": info["sweep_id"], "sweep_dir": str(sweep_dir.resolve()), "stage": info["stage"],
+        "values": best["config"], "metric": {info["metric"]: best["metric"], "mode": info["mode"]},
+        "trial_id": best["trial_id"], "trials": len(info["trials"]), "proxy": info["proxy"],
+        "from_recipe": str(source),
+    })
+    out = out or source.with_name(f"{source.stem}.{info['stage']}-promoted.yaml")
+    out.write_text(f"# promoted from sweep {info['sweep_id']} by `amalia promote` (see provenance at the end)\n"
+                   + yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    load_recipe(out)  # the promoted recipe must validate as any other
+    return out

@@ -1,0 +1,64 @@
+"""Search spaces become Tune spaces; `amalia promote` carries a sweep's winner into a new, valid recipe with its
+provenance, which the run manifest then records."""
+
+import json
+
+import pytest
+import yaml
+
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.recipe import load_recipe
+from amalia_ray.core.sweep_space import SweepSpace
+from amalia_ray.pipeline.runner import Pipeline
+from amalia_ray.pipeline.sweep import promote, proxy_stage, sweep_id
+from tests.conftest import write_recipe
+
+
+def test_spaces_become_tune_spaces():
+    from ray.tune.search.sample import Categorical, Float
+
+    space = SweepSpace.model_validate({"search": "random", "parameters": {
+        "lr": {"distribution": "loguniform", "low": 1e-4, "high": 1e-2}, "schedule": {"values": ["cosine", "wsd"]}}})
+    tune_space = space.tune_space()
+    assert isinstance(tune_space["lr"], Float) and isinstance(tune_space["schedule"], Categorical)
+    grid = SweepSpace.model_validate({"search": "grid", "parameters": {"lr": {"values": [0.1, 0.01]}}})
+    assert grid.tune_space()["lr"] == {"grid_search": [0.1, 0.01]}
+    with pytest.raises(ValueError, match="grid search walks `values`"):
+        SweepSpace.model_validate({"search": "grid", "parameters": {"lr": {"distribution": "uniform", "low": 0,
+                                                                             "high": 1}}})
+
+
+def test_proxy_shrinks_the_stage_and_a_bad_proxy_model_fails_the_recipe(tmp_path):
+    stage = load_recipe(write_recipe(tmp_path, **{"train.0.proxy": {"steps": 12, "validate_every": 3}})).recipe.train[0]
+    proxy = proxy_stage(stage)
+    assert (proxy.steps, proxy.checkpoint_every, proxy.log_every, proxy.max_failures) == (12, 3, 3, 0)
+    assert sweep_id(proxy, SweepSpace.model_validate({"parameters": {"lr": {"values": [0.1]}}})).startswith("pretrain-")
+    with pytest.raises(AmaliaError, match=r"proxy.model does not make a valid model"):
+        load_recipe(write_recipe(tmp_path, **{"train.0.proxy": {"model": {"num_heads": 3}}}))
+
+
+def test_promote_writes_the_winner_with_its_provenance(tmp_path):
+    recipe = write_recipe(tmp_path)
+    sweep_dir = tmp_path / "runs" / "demo" / "sweeps" / "pretrain-abcd1234"
+    sweep_dir.mkdir(parents=True)
+    best = {"trial_id": "t2", "config": {"lr": 0.004, "schedule": "wsd"}, "metric": 5.1, "best_metric": 5.1,
+            "steps": 30, "status": "completed"}
+    (sweep_dir / "sweep.json").write_text(json.dumps({
+        "sweep_id": "pretrain-abcd1234", "recipe": str(recipe), "run": "demo", "stage": "pretrain",
+        "metric": "val_loss", "mode": "min", "space": {}, "proxy": {"model": {"num_layers": 1}, "steps": 30},
+        "best": best, "trials": [best, {**best, "trial_id": "t1", "metric": 6.0, "status": "stopped early"}]}))
+    out = promote(sweep_dir)
+    assert out == recipe.with_name("recipe.pretrain-promoted.yaml")
+    promoted = load_recipe(out).recipe
+    assert promoted.train[0].lr == 0.004 and promoted.train[0].schedule == "wsd"
+    assert promoted.model == load_recipe(recipe).recipe.model, "full scale: the proxy's model is not carried"
+    prov = promoted.provenance[0]
+    assert prov["sweep_id"] == "pretrain-abcd1234" and prov["metric"] == {"val_loss": 5.1, "mode": "min"}
+    assert prov["trials"] == 2 and prov["proxy"]["steps"] == 30
+    assert Pipeline(load_recipe(out)).manifest.provenance == promoted.provenance
+    assert yaml.safe_load(out.read_text())["train"][0]["lr"] == 0.004
+
+
+def test_promote_needs_a_finished_sweep(tmp_path):
+    with pytest.raises(AmaliaError, match="not a finished sweep"):
+        promote(tmp_path)
