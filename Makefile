@@ -24,7 +24,7 @@ demo-inputs: install corpus
 	$(BIN)/amalia data arithmetic $(INPUTS)/arithmetic.jsonl --n 512
 
 test: install corpus
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=12 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS)

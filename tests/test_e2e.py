@@ -235,6 +235,111 @@ def test_rollout_engine_takes_new_weights_in_place(demo_run):
     ray.kill(engine)
 
 
+def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_path):
+    """`amalia sweep`: 4 trials of the pretraining stage's proxy (1 layer, 12 steps, validation every 3) on Ray
+    Tune + Ray Train, two learning rates that learn and two that cannot; ASHA stops the hopeless ones at a
+    validation, the winner is one that learns, and `amalia promote` carries it into a new recipe."""
+    from amalia_ray.core.sweep_space import SweepSpace
+    from amalia_ray.pipeline.sweep import promote, run_sweep
+
+    folder = recipe_path.parent / "sweep"
+    folder.mkdir()
+    recipe = write_recipe(folder, **{
+        "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"),
+        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 12, "validate_every": 3, "num_workers": 1},
+    })
+    space = SweepSpace.model_validate({
+        "search": "grid", "max_concurrent_trials": 2, "scheduler": {"grace_period": 1, "reduction_factor": 2},
+        "parameters": {"lr": {"values": [0.01, 0.005, 1e-7, 2e-7]}}})
+    out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", space)
+    summary = json.loads((out / "sweep.json").read_text())
+    trials = summary["trials"]
+    assert len(trials) == 4 and not any(t["status"] == "failed" for t in trials), trials
+    stopped = [t for t in trials if t["status"] == "stopped early"]
+    assert stopped and all(t["steps"] < 12 and t["config"]["lr"] < 1e-6 for t in stopped), trials
+    assert summary["best"]["config"]["lr"] in (0.01, 0.005) and summary["best"]["steps"] == 12
+    for t in trials:  # every trial is a real training run, logged like any stage
+        history = read_jsonl(out / "trials" / t["trial_id"] / "metrics.jsonl")
+        # (a stopped trial may train a step or two past its last report before Tune stops it)
+        assert history[-1]["step"] >= t["steps"] and list((out / "trials" / t["trial_id"] / "tensorboard").iterdir())
+    assert (out / "sweep.png").stat().st_size > 5_000 and "(best)" in (out / "report.md").read_text()
+    report = (recipe_path.parent / "runs" / "e2e" / "report.md").read_text()
+    assert "## Sweeps" in report and summary["sweep_id"] in report
+
+    promoted = load_recipe(promote(out)).recipe
+    assert promoted.train[0].lr == summary["best"]["config"]["lr"]
+    assert promoted.provenance[0]["sweep_id"] == summary["sweep_id"]
+
+
+def test_data_mix_ablation_scores_per_source_and_on_a_served_benchmark(demo_run, recipe_path):
+    """Two trials that differ only in one source's sampling weight, scored by validation loss per source, and the
+    finished ones served with vLLM and scored on an eval task over HTTP."""
+    from amalia_ray.core.sweep_space import SweepSpace
+    from amalia_ray.pipeline.sweep import run_sweep
+
+    folder = recipe_path.parent / "sweep-mix"
+    folder.mkdir()
+    recipe = write_recipe(folder, **{
+        "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"), "serve.port": free_port(),
+        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 6, "validate_every": 3, "num_workers": 1},
+        "eval.tasks": [{"name": "pt-mc", "path": str(Path(__file__).parents[1] / "evals/tasks/pt_mc_sample.jsonl"),
+                        "format": "mcq", "limit": 6}],
+    })
+    space = SweepSpace.model_validate({
+        "search": "grid", "metric": "val_loss/debian-faq-pt", "max_concurrent_trials": 2,
+        "scheduler": {"type": "none"}, "benchmark": {"task": "pt-mc", "top": 2},
+        "parameters": {"mix.debian-faq-pt": {"values": [0.1, 10.0]}}})
+    out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", space)
+    trials = json.loads((out / "sweep.json").read_text())["trials"]
+    assert sorted(t["config"]["mix.debian-faq-pt"] for t in trials) == [0.1, 10.0]
+    for t in trials:
+        assert set(t["val_loss_by_source"]) == {"debian-reference-pt", "debian-faq-pt"}
+        assert t["metric"] == t["val_loss_by_source"]["debian-faq-pt"]
+        assert t["benchmark"]["task"] == "pt-mc" and t["benchmark"]["n"] == 6 and 0 <= t["benchmark"]["value"] <= 1
+    assert "pt-mc acc" in (out / "report.md").read_text()
+
+
+def test_an_interrupted_sweep_resumes_where_it_was(demo_run, recipe_path, tmp_path):
+    """The sweep's driver SIGKILLed after its first trial finished: running the same sweep again restores Tune's
+    experiment and trains only the trial that was left, not the finished one again."""
+    import ray
+
+    folder = recipe_path.parent / "sweep-resume"
+    folder.mkdir()
+    recipe = write_recipe(folder, **{
+        "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"),
+        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 9, "validate_every": 3, "num_workers": 1},
+    })
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump({"search": "grid", "max_concurrent_trials": 1, "scheduler": {"type": "none"},
+                                     "parameters": {"lr": {"values": [0.01, 0.004]}}}))
+    cli = [sys.executable, "-m", "amalia_ray.cli", "sweep", str(recipe), "--stage", "pretrain", "--space", str(space)]
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    sweeps = recipe_path.parent / "runs" / "e2e" / "sweeps"
+    earlier = set(sweeps.glob("*"))  # the other sweep tests' folders
+    driver = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, started = time.monotonic() + 600, []
+    while time.monotonic() < deadline and len(started) < 2 and driver.poll() is None:
+        # one trial at a time: a second one started
+        started = sorted(m for m in sweeps.glob("*/trials/*/metrics.jsonl") if m.parents[2] not in earlier)
+        time.sleep(0.5)
+    assert len(started) == 2, "the second trial never started"
+    first = started[0]
+    assert read_jsonl(first)[-1]["step"] == 9 and (first.parent / "hf").exists(), "the first trial had finished"
+    time.sleep(3)  # Tune saves its experiment state every second here
+    driver.kill()
+    driver.wait()
+    finished_at = first.stat().st_mtime
+
+    from amalia_ray.core.sweep_space import load_space
+    from amalia_ray.pipeline.sweep import run_sweep
+
+    out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", load_space(space))
+    summary = json.loads((out / "sweep.json").read_text())
+    assert [t["status"] for t in summary["trials"]] == ["completed", "completed"]
+    assert first.stat().st_mtime == finished_at, "the finished trial was not trained again"
+
+
 API_KEY = "e2e-secret-key"
 
 
@@ -433,108 +538,6 @@ def test_killed_worker_within_failure_budget_the_stage_completes(demo_run, recip
     resumed_at = max(h["attempt_start_step"] for h in history)
     assert resumed_at in (10, 20), "the restarted workers continue from a checkpoint"
     assert killed_at - resumed_at <= 10, "at most one checkpoint interval is lost"
-
-
-def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_path):
-    """`amalia sweep`: 4 trials of the pretraining stage's proxy (1 layer, 12 steps, validation every 3) on Ray
-    Tune + Ray Train, two learning rates that learn and two that cannot; ASHA stops the hopeless ones at a
-    validation, the winner is one that learns, and `amalia promote` carries it into a new recipe."""
-    from amalia_ray.core.sweep_space import SweepSpace
-    from amalia_ray.pipeline.sweep import promote, run_sweep
-
-    folder = recipe_path.parent / "sweep"
-    folder.mkdir()
-    recipe = write_recipe(folder, **{
-        "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"),
-        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 12, "validate_every": 3, "num_workers": 1},
-    })
-    space = SweepSpace.model_validate({
-        "search": "grid", "max_concurrent_trials": 2, "scheduler": {"grace_period": 1, "reduction_factor": 2},
-        "parameters": {"lr": {"values": [0.01, 0.005, 1e-7, 2e-7]}}})
-    out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", space)
-    summary = json.loads((out / "sweep.json").read_text())
-    trials = summary["trials"]
-    assert len(trials) == 4 and not any(t["status"] == "failed" for t in trials), trials
-    stopped = [t for t in trials if t["status"] == "stopped early"]
-    assert stopped and all(t["steps"] < 12 and t["config"]["lr"] < 1e-6 for t in stopped), trials
-    assert summary["best"]["config"]["lr"] in (0.01, 0.005) and summary["best"]["steps"] == 12
-    for t in trials:  # every trial is a real training run, logged like any stage
-        history = read_jsonl(out / "trials" / t["trial_id"] / "metrics.jsonl")
-        assert history[-1]["step"] == t["steps"] and list((out / "trials" / t["trial_id"] / "tensorboard").iterdir())
-    assert (out / "sweep.png").stat().st_size > 5_000 and "(best)" in (out / "report.md").read_text()
-    report = (recipe_path.parent / "runs" / "e2e" / "report.md").read_text()
-    assert "## Sweeps" in report and summary["sweep_id"] in report
-
-    promoted = load_recipe(promote(out)).recipe
-    assert promoted.train[0].lr == summary["best"]["config"]["lr"]
-    assert promoted.provenance[0]["sweep_id"] == summary["sweep_id"]
-
-
-def test_data_mix_ablation_scores_per_source_and_on_a_served_benchmark(demo_run, recipe_path):
-    """Two trials that differ only in one source's sampling weight, scored by validation loss per source, and the
-    finished ones served with vLLM and scored on an eval task over HTTP."""
-    from amalia_ray.core.sweep_space import SweepSpace
-    from amalia_ray.pipeline.sweep import run_sweep
-
-    folder = recipe_path.parent / "sweep-mix"
-    folder.mkdir()
-    recipe = write_recipe(folder, **{
-        "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"), "serve.port": free_port(),
-        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 6, "validate_every": 3, "num_workers": 1},
-        "eval.tasks": [{"name": "pt-mc", "path": str(Path(__file__).parents[1] / "evals/tasks/pt_mc_sample.jsonl"),
-                        "format": "mcq", "limit": 6}],
-    })
-    space = SweepSpace.model_validate({
-        "search": "grid", "metric": "val_loss/debian-faq-pt", "max_concurrent_trials": 2,
-        "scheduler": {"type": "none"}, "benchmark": {"task": "pt-mc", "top": 2},
-        "parameters": {"mix.debian-faq-pt": {"values": [0.1, 10.0]}}})
-    out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", space)
-    trials = json.loads((out / "sweep.json").read_text())["trials"]
-    assert sorted(t["config"]["mix.debian-faq-pt"] for t in trials) == [0.1, 10.0]
-    for t in trials:
-        assert set(t["val_loss_by_source"]) == {"debian-reference-pt", "debian-faq-pt"}
-        assert t["metric"] == t["val_loss_by_source"]["debian-faq-pt"]
-        assert t["benchmark"]["task"] == "pt-mc" and t["benchmark"]["n"] == 6 and 0 <= t["benchmark"]["value"] <= 1
-    assert "pt-mc acc" in (out / "report.md").read_text()
-
-
-def test_an_interrupted_sweep_resumes_where_it_was(demo_run, recipe_path, tmp_path):
-    """The sweep's driver SIGKILLed after its first trial finished: running the same sweep again restores Tune's
-    experiment and trains only the trial that was left, not the finished one again."""
-    import ray
-
-    folder = recipe_path.parent / "sweep-resume"
-    folder.mkdir()
-    recipe = write_recipe(folder, **{
-        "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"),
-        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 9, "validate_every": 3, "num_workers": 1},
-    })
-    space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump({"search": "grid", "max_concurrent_trials": 1, "scheduler": {"type": "none"},
-                                     "parameters": {"lr": {"values": [0.01, 0.004]}}}))
-    cli = [sys.executable, "-m", "amalia_ray.cli", "sweep", str(recipe), "--stage", "pretrain", "--space", str(space)]
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "TUNE_GLOBAL_CHECKPOINT_S": "1"}
-    driver = subprocess.Popen(cli, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sweeps = recipe_path.parent / "runs" / "e2e" / "sweeps"
-    deadline, first = time.monotonic() + 600, None
-    while time.monotonic() < deadline and first is None and driver.poll() is None:
-        done = [m for m in sweeps.glob("*/trials/*/metrics.jsonl")
-                if read_jsonl(m) and read_jsonl(m)[-1]["step"] == 9 and (m.parent / "hf").exists()]
-        first = done[0] if done else None
-        time.sleep(0.5)
-    assert first is not None, "the first trial never finished"
-    time.sleep(3)  # Tune saves its experiment state every second here
-    driver.kill()
-    driver.wait()
-    finished_at = first.stat().st_mtime
-
-    from amalia_ray.core.sweep_space import load_space
-    from amalia_ray.pipeline.sweep import run_sweep
-
-    out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", load_space(space))
-    summary = json.loads((out / "sweep.json").read_text())
-    assert [t["status"] for t in summary["trials"]] == ["completed", "completed"]
-    assert first.stat().st_mtime == finished_at, "the finished trial was not trained again"
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ an unknown field, an empty range or a value of the wrong type fails in a second,
 
     metric: val_loss          # what the trials report at every validation; mode min or max
     mode: min
-    search: random            # grid: every combination of `values` (× num_samples); random: num_samples draws
-    num_samples: 4
+    search: random            # grid: every combination of `values` (× num_samples, default 1); random: num_samples
+    num_samples: 4            #   draws (default 4)
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # in validations; type none runs all to the end
     parameters:
       lr: {distribution: loguniform, low: 0.0003, high: 0.01}
@@ -77,7 +77,8 @@ class SweepSpace(Strict):
     metric: str = "val_loss"
     mode: Literal["min", "max"] = "min"
     search: Literal["grid", "random"] = "random"
-    num_samples: int = Field(4, ge=1)
+    num_samples: int | None = Field(None, ge=1, description="random: trials drawn (default 4); grid: times the "
+                                    "whole grid is run (default 1)")
     max_concurrent_trials: int | None = Field(None, ge=1, description="default: as many as the cluster fits")
     seed: int = 0
     scheduler: Scheduler = Scheduler()
@@ -117,6 +118,10 @@ class SweepSpace(Strict):
         """The trial's source weights: the recipe's, with the swept ones replaced; None when no mix is swept."""
         swept = {k[len(MIX):]: float(v) for k, v in config.items() if k.startswith(MIX)}
         return {**defaults, **swept} if swept else None
+
+    @property
+    def samples(self) -> int:
+        return self.num_samples or (1 if self.search == "grid" else 4)
 
     def tune_space(self) -> dict:
         from ray import tune

@@ -144,8 +144,8 @@ def _fit(trainable, space: SweepSpace, stage: TrainStageConfig, out: Path, cpus:
     experiment = out / "tune"
     per_trial = stage.worker_range[1] * stage.cpus_per_worker
     concurrent = space.max_concurrent_trials or max(1, int(cpus // per_trial))
-    # the trial function only drives Ray Train (its workers hold the CPUs), so it asks for none itself
-    trainable = tune.with_resources(trainable, {"CPU": 0})
+    # the trial function only drives Ray Train (its workers hold the CPUs): a sliver of a CPU (Tune refuses none)
+    trainable = tune.with_resources(trainable, {"CPU": 0.1})
     if tune.Tuner.can_restore(str(experiment)):
         stage_line("sweep", f"[yellow]resuming[/] the interrupted sweep in {experiment}")
         tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True,
@@ -156,9 +156,12 @@ def _fit(trainable, space: SweepSpace, stage: TrainStageConfig, out: Path, cpus:
             reduction_factor=space.scheduler.reduction_factor) if space.scheduler.type == "asha" else FIFOScheduler()
         tuner = tune.Tuner(
             trainable, param_space=space.tune_space(),
-            tune_config=tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=space.num_samples,
-                                        scheduler=scheduler, max_concurrent_trials=concurrent,
-                                        search_alg=BasicVariantGenerator(random_state=space.seed)),
+            tune_config=tune.TuneConfig(metric=space.metric, mode=space.mode, num_samples=space.samples,
+                                        scheduler=scheduler,
+                                        # Tune ignores max_concurrent_trials next to a generator: the generator
+                                        # bounds it itself
+                                        search_alg=BasicVariantGenerator(max_concurrent=concurrent,
+                                                                         random_state=space.seed)),
             run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=0),
         )
     return tuner.fit()
