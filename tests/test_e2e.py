@@ -255,8 +255,10 @@ def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_
     summary = json.loads((out / "sweep.json").read_text())
     trials = summary["trials"]
     assert len(trials) == 4 and not any(t["status"] == "failed" for t in trials), trials
-    stopped = [t for t in trials if t["status"] == "stopped early"]
-    assert stopped and all(t["steps"] < 12 and t["config"]["lr"] < 1e-6 for t in stopped), trials
+    hopeless = [t for t in trials if t["config"]["lr"] < 1e-6]
+    # ASHA stops whatever falls below the cut at a rung: both hopeless trials, and possibly the weaker of the two
+    # good ones if it reached the first rung behind the other
+    assert all(t["status"] == "stopped early" and t["steps"] < 12 for t in hopeless), trials
     assert summary["best"]["config"]["lr"] in (0.01, 0.005) and summary["best"]["steps"] == 12
     for t in trials:  # every trial is a real training run, logged like any stage
         history = read_jsonl(out / "trials" / t["trial_id"] / "metrics.jsonl")
