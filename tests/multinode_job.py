@@ -20,16 +20,20 @@ from tests.conftest import free_port
 WORKER_NODE_CPUS = 3  # one training worker of 2 CPUs per node; serving (2 CPUs a replica) fits on one node
 
 
-def _past_a_checkpoint_with_two_workers(metrics: Path, every: int = 5) -> int | None:
-    """The last step logged, once two workers (on two nodes) have trained through a checkpoint step and on. The
-    stage may start with one worker (what the cluster had free just then) and grow to two."""
+def _registered_two_worker_checkpoint(run_dir: Path) -> int | None:
+    """The step of a checkpoint that two workers wrote and Ray Train has registered (so a restart resumes from it,
+    not from an earlier one-worker checkpoint). The stage may start with one worker — what the cluster had free
+    just then — and grow to two."""
     try:
-        history = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln]
-    except (OSError, json.JSONDecodeError):
+        rec = json.loads((run_dir / "manifest.json").read_text())["stages"]["pretrain"]
+        if rec["status"] != "running":
+            return None
+        snapshot = run_dir / "pretrain" / "ray" / f"pretrain-{rec['fingerprint']}" / "checkpoint_manager_snapshot.json"
+        results = json.loads(snapshot.read_text())["checkpoint_results"]
+    except (OSError, KeyError, json.JSONDecodeError):
         return None
-    two = [h["step"] for h in history if h.get("world_size") == 2]
-    checkpoints = [s for s in two if s % every == 0]
-    return history[-1]["step"] if checkpoints and history[-1]["step"] >= checkpoints[0] + 2 else None
+    steps = [r["metrics"]["step"] for r in results if r.get("metrics", {}).get("world_size") == 2]
+    return max(steps) if steps else None
 
 
 def main(recipe: Path, run_dir: Path, out: Path) -> None:
@@ -64,8 +68,9 @@ def main(recipe: Path, run_dir: Path, out: Path) -> None:
             status = client.get_job_status(job_id)
             if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
                 break
-            if "removed_at_step" not in result and (step := _past_a_checkpoint_with_two_workers(metrics)):
-                result["removed_at_step"] = step
+            if "removed_at_step" not in result and _registered_two_worker_checkpoint(run_dir):
+                steps = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines() if ln]
+                result["removed_at_step"] = max(steps)
                 cluster.remove_node(nodes[1])  # the Train controller sits with the job's driver on the head
             time.sleep(0.5)
         result["status"] = str(client.get_job_status(job_id).value)
