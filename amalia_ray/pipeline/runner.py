@@ -69,14 +69,6 @@ class Pipeline:
         fp = hashlib.sha256(json.dumps([cfg, inputs], sort_keys=True).encode()).hexdigest()[:16]
         return fp, cfg, inputs
 
-    def up_to_date(self, spec: StageSpec) -> bool:
-        rec = self.manifest.stages.get(spec.name)
-        if self.force or rec is None or rec.status != "completed":
-            return False
-        if any(not p.exists() for p in spec.outputs.values()):
-            return False
-        return rec.fingerprint == self.fingerprint(spec)[0]
-
     # ---- the durable copy (run.storage) -------------------------------------------------------------------------
     def save(self) -> None:
         self.manifest.save(self.run_dir)
