@@ -48,6 +48,20 @@ class SourceConfig(Strict):
         "paragraph", description="text format: one document per file, blank-line paragraph or separator block"
     )
     separator: str = Field("%", description="line that separates documents when split=separator (fortune files)")
+    encoding: str = Field("utf-8", description="text format: the files' encoding; a document with bytes that do not "
+                          "decode is quarantined")
+    max_record_bytes: int = Field(16 << 20, ge=1024, description="a line, row, page or WARC record over this many bytes "
+                                  "is quarantined instead of read (one huge record never fills a worker's memory)")
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, v: str) -> str:
+        import codecs
+
+        try:
+            return codecs.lookup(v).name
+        except LookupError:
+            raise ValueError(f"unknown text encoding '{v}'") from None
     weight: float = Field(1.0, gt=0, description="epochs of this source in the training mix: 2 = every document "
                           "twice, 0.5 = a seeded half of them")
 

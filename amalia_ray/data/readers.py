@@ -2,11 +2,13 @@
 
 Every document gets a stable `id` (the record's own id when it has one, else `<source>/<file>#<location>`),
 `source`, `path`, `location` (line, row, paragraph or WARC offset), `text` and `metadata` (JSON). A record that
-cannot be read becomes a row with `drop_reason = "quarantine:<why>"` and its raw content (truncated) in `text`, so
-the stage writes it aside with its location while every good record of the same file is kept.
+cannot be read becomes a row with `drop_reason = "quarantine:<why>"`, the error in its metadata and its raw content
+(truncated) in `text`, so the stage writes it aside with its location while every good record of the same file is
+kept: invalid UTF-8, NUL bytes, records over `max_record_bytes`, broken JSON or wrong field types, the cut-off end of
+a truncated .gz/.zst file, broken WARC records (the reader finds the next record header and carries on), empty files.
 
 Formats: text (plain or .gz/.zst; split into files, paragraphs or separator blocks), jsonl (.gz/.zst), Parquet,
-HTML (main text by resiliparse) and WARC/ARC web archives (fastwarc; HTML responses → main text).
+HTML (main text by resiliparse) and WARC/ARC web archives (records framed here, parsed by fastwarc).
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ DOC_SCHEMA = pa.schema([
     ("text", pa.string()), ("metadata", pa.string()), ("drop_reason", pa.string()),
 ])
 _RAW_LIMIT = 2000
+_CHUNK = 1 << 20
+
+
+class Quarantine(Exception):
+    """A record that cannot become a document: `reason` is the category the stats count, `detail` the specifics."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
 
 
 def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
@@ -47,15 +58,68 @@ def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
     return files
 
 
+class _ZstdStream(io.RawIOBase):
+    """A .zst file decompressed across frames; unlike zstandard's stream_reader it notices a file cut short."""
+
+    def __init__(self, path: str):
+        import zstandard
+
+        self._zstd, self._raw, self._pending = zstandard, open(path, "rb"), b""
+        self._dobj, self._started = zstandard.ZstdDecompressor().decompressobj(), False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            chunk = self._raw.read(_CHUNK)
+            if not chunk:
+                if self._started and not self._dobj.eof:
+                    raise EOFError("zstd stream ended before the end of its frame")
+                return 0
+            while chunk:
+                if self._dobj.eof:  # the next frame
+                    self._dobj = self._zstd.ZstdDecompressor().decompressobj()
+                self._started = True
+                self._pending += self._dobj.decompress(chunk)
+                chunk = self._dobj.unused_data if self._dobj.eof else b""
+        n = min(len(buffer), len(self._pending))
+        buffer[:n], self._pending = self._pending[:n], self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
 def open_binary(path: str) -> io.BufferedIOBase:
     """A file, transparently decompressed when it ends in .gz or .zst."""
     if path.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+        return io.BufferedReader(_ZstdStream(path), buffer_size=_CHUNK)
     return open(path, "rb")
+
+
+def read_all(path: str) -> tuple[bytes, Exception | None]:
+    """The (decompressed) bytes of a file, and the error that cut it short if any (truncated .gz/.zst): what was
+    read before the error is still returned."""
+    chunks: list[bytes] = []
+    try:
+        with open_binary(path) as f:
+            while chunk := f.read1(_CHUNK):  # read1: what was decompressed before an error is not lost with it
+                chunks.append(chunk)
+    except (EOFError, OSError, ValueError) as e:
+        return b"".join(chunks), e
+    return b"".join(chunks), None
+
+
+def truncated(error: Exception) -> Quarantine:
+    return Quarantine("truncated file", f"{type(error).__name__}: {error}")
+
+
+def _preview(raw: bytes) -> str:
+    return raw[:_RAW_LIMIT].decode("utf-8", "replace").replace("\x00", "\\x00")
 
 
 def split_documents(text: str, split: str, separator: str) -> list[str]:
@@ -66,29 +130,60 @@ def split_documents(text: str, split: str, separator: str) -> list[str]:
     return re.split(r"\n(?:[ \t]*\n)+", text)
 
 
-Record = tuple[str | None, str, str, dict, str | None]  # own id, location, text, metadata, quarantine reason
+_UNDECODED = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of bytes that do not decode
+Record = tuple[str | None, str, str, dict, Quarantine | None]  # own id, location, text, metadata, why quarantined
 
 
 def read_text(path: str, src: SourceConfig) -> Iterator[Record]:
-    with open_binary(path) as f:
-        raw = f.read()
-    text = raw.decode("utf-8", errors="replace")
-    bad = text.count("\ufffd") - raw.count("\ufffd".encode())
-    for n, doc in enumerate(split_documents(text, src.split, src.separator)):
-        if doc.strip():
-            yield None, f"{src.split} {n}", doc, ({"invalid_utf8_bytes": bad} if bad else {}), None
+    raw, error = read_all(path)
+    # undecodable bytes become lone surrogates, so each document knows whether it holds any
+    text = raw.decode(src.encoding, errors="surrogateescape")
+    docs = [d for d in split_documents(text, src.split, src.separator) if d.strip()]
+    for n, doc in enumerate(docs):
+        where = f"{src.split} {n}"
+        if error is not None and n == len(docs) - 1:  # the file was cut short: its last document may be too
+            yield None, where, _preview(doc.encode(src.encoding, "surrogateescape")), {}, truncated(error)
+            return
+        if len(doc) > src.max_record_bytes:
+            yield None, where, _preview(doc[:_RAW_LIMIT].encode(src.encoding, "surrogateescape")), {}, Quarantine(
+                "record too large", f"{len(doc)} characters, over max_record_bytes={src.max_record_bytes}")
+        elif bad := len(_UNDECODED.findall(doc)):
+            yield None, where, _preview(doc.encode(src.encoding, "surrogateescape")), {}, Quarantine(
+                f"invalid {src.encoding}", f"{bad} undecodable bytes")
+        else:
+            yield None, where, doc, {}, None
+    if error is not None and not docs:
+        yield None, "file", "", {}, truncated(error)
+
+
+def _lines(f, limit: int) -> Iterator[tuple[int, bytes, int]]:
+    """(line number, line, its full length) of a binary stream; a line over `limit` bytes comes back cut to its
+    first `limit` bytes while the rest is skipped, so one huge line never sits in memory whole."""
+    n = 0
+    while line := f.readline(limit + 1):
+        n += 1
+        size = len(line)
+        if size > limit and not line.endswith(b"\n"):
+            while (rest := f.readline(_CHUNK)) and (size := size + len(rest)) and not rest.endswith(b"\n"):
+                pass
+        yield n, line[:limit], size
 
 
 def read_jsonl(path: str, src: SourceConfig) -> Iterator[Record]:
     with open_binary(path) as f:
-        for n, line in enumerate(f, start=1):
+        for n, line, size in _lines(f, src.max_record_bytes):
             if not line.strip():
                 continue
             where = f"line {n}"
+            if size > src.max_record_bytes:
+                yield None, where, _preview(line), {}, Quarantine(
+                    "record too large", f"{size} bytes, over max_record_bytes={src.max_record_bytes}")
+                continue
             try:
                 row = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                yield None, where, line[:_RAW_LIMIT].decode("utf-8", "replace"), {}, f"invalid JSON ({e})"
+                yield None, where, _preview(line), {}, Quarantine(
+                    "invalid UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON", str(e))
                 continue
             yield from _from_mapping(row, src, where)
 
@@ -104,15 +199,24 @@ def read_parquet(path: str, src: SourceConfig) -> Iterator[Record]:
 
 
 def _from_mapping(row, src: SourceConfig, where: str) -> Iterator[Record]:
+    raw = json.dumps(row, default=str, ensure_ascii=False)[:_RAW_LIMIT]
     if not isinstance(row, dict):
-        yield None, where, json.dumps(row, default=str)[:_RAW_LIMIT], {}, "record is not an object"
+        yield None, where, raw, {}, Quarantine("record is not an object", type(row).__name__)
         return
     text = row.get(src.text_field)
     if not isinstance(text, str) or not text.strip():
-        yield None, where, json.dumps(row, default=str, ensure_ascii=False)[:_RAW_LIMIT], {}, (
-            f"field '{src.text_field}' missing or not a non-empty string")
+        yield None, where, raw, {}, Quarantine(
+            f"field '{src.text_field}' missing or not a non-empty string", type(text).__name__)
         return
     own_id = row.get(src.id_field)
+    if own_id is not None and (isinstance(own_id, bool) or not isinstance(own_id, str | int)):
+        yield None, where, raw, {}, Quarantine(
+            f"field '{src.id_field}' not a string or integer", type(own_id).__name__)
+        return
+    if len(text.encode("utf-8", "surrogatepass")) > src.max_record_bytes:
+        yield None, where, text[:_RAW_LIMIT], {}, Quarantine(
+            "record too large", f"text over max_record_bytes={src.max_record_bytes}")
+        return
     meta = {k: v for k, v in row.items() if k not in (src.text_field, src.id_field)}
     yield (str(own_id) if own_id is not None else None), where, text, meta, None
 
@@ -126,38 +230,177 @@ def html_main_text(html: str) -> str:
 def read_html(path: str, src: SourceConfig) -> Iterator[Record]:
     from resiliparse.parse.encoding import bytes_to_str, detect_encoding
 
-    with open_binary(path) as f:
-        raw = f.read()
-    text = html_main_text(bytes_to_str(raw, detect_encoding(raw)))
-    if text.strip():
-        yield None, "file", text, {}, None
-    else:
-        yield None, "file", raw[:_RAW_LIMIT].decode("utf-8", "replace"), {}, "no main text in HTML"
+    raw, error = read_all(path)
+    if error is not None:
+        yield None, "file", _preview(raw), {}, truncated(error)
+    elif len(raw) > src.max_record_bytes:
+        yield None, "file", _preview(raw), {}, Quarantine(
+            "record too large", f"{len(raw)} bytes, over max_record_bytes={src.max_record_bytes}")
+    elif raw.strip():
+        text = html_main_text(bytes_to_str(raw, detect_encoding(raw)))
+        if text.strip():
+            yield None, "file", text, {}, None
+        else:
+            yield None, "file", _preview(raw), {}, Quarantine("no main text in HTML")
+
+
+class _Rewindable:
+    """A binary stream that can take bytes back, counting the offset of what it hands out."""
+
+    def __init__(self, f):
+        self.f, self.buf, self.pos = f, b"", 0
+
+    def readline(self, limit: int) -> bytes:
+        if self.buf:
+            end = self.buf.find(b"\n", 0, limit)
+            if end >= 0 or len(self.buf) >= limit:
+                cut = end + 1 if end >= 0 else limit
+                line, self.buf = self.buf[:cut], self.buf[cut:]
+            else:
+                line, self.buf = self.buf + self.f.readline(limit - len(self.buf)), b""
+        else:
+            line = self.f.readline(limit)
+        self.pos += len(line)
+        return line
+
+    def read(self, n: int) -> bytes:
+        data, self.buf = self.buf[:n], self.buf[n:]
+        if len(data) < n:
+            data += self.f.read(n - len(data))
+        self.pos += len(data)
+        return data
+
+    def unread(self, data: bytes) -> None:
+        self.buf, self.pos = data + self.buf, self.pos - len(data)
+
+
+_HEADER_LINE = 64 << 10
+_VERSION_LINE = re.compile(rb"WARC/\d\.\d+\r?\n$")
+
+
+def _record_start(line: bytes) -> int:
+    """Where a `WARC/1.x` version line begins inside `line` (a record cut short runs straight into the next one),
+    or -1."""
+    match = _VERSION_LINE.search(line)
+    return match.start() if match else -1
+
+
+def warc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quarantine | None]]:
+    """(offset, header lines, whole record, problem) for every record of a decompressed WARC stream. A record cut
+    short, one whose Content-Length does not land on the next record or runs past the end of the file, one over
+    `limit` bytes, and bytes between records that are no record come back as problems; the reader then looks for
+    the next `WARC/1.x` line, so one broken record never costs the records after it."""
+    s = _Rewindable(f)
+    junk_at, resyncing = None, False
+    while line := s.readline(_HEADER_LINE):
+        at = s.pos - len(line)
+        if (start := _record_start(line)) > 0:
+            s.unread(line[start:])
+            line = line[:start]
+        if start != 0:
+            if line.strip() and junk_at is None and not resyncing:
+                junk_at = at
+            continue
+        if junk_at is not None:
+            yield junk_at, [], b"", Quarantine("broken WARC record", f"bytes {junk_at}-{at} are not a WARC record")
+        junk_at, resyncing = None, False
+        header, problem = [line], None
+        while (line := s.readline(_HEADER_LINE)) and line.strip():
+            if (start := _record_start(line)) >= 0:
+                s.unread(line[start:])
+                problem = "record cut short: the next record starts inside its header"
+                break
+            header.append(line)
+            if len(header) > 1000:
+                problem = "record header too long"
+                break
+        length = dict(_header_field(h) for h in header[1:]).get(b"content-length", b"")
+        if problem:
+            pass
+        elif not line:
+            problem = "the file ends inside the record header"
+        elif not length.isdigit():
+            problem = f"Content-Length {length[:40]!r} is not a number"
+        elif int(length) > limit:
+            problem = f"Content-Length {int(length)} over max_record_bytes={limit}"
+        else:
+            body, gap = s.read(int(length)), b""
+            while (following := s.readline(_HEADER_LINE)) and not following.strip():
+                gap += following
+            # the body must end where the file ends or blank lines separate it from what follows
+            if len(body) == int(length) and (gap or not following) and _record_start(body) < 0:
+                s.unread(following)
+                yield at, header, b"".join(header) + b"\r\n" + body + b"\r\n\r\n", None
+                continue
+            s.unread(body + gap + following)  # the next record may start inside what was read: look there
+            problem = ("Content-Length runs past the end of the file" if len(body) < int(length)
+                       else "Content-Length does not end where the record does")
+        yield at, header, b"".join(header)[:_RAW_LIMIT], Quarantine("broken WARC record", problem)
+        resyncing = True
+
+
+def _header_field(line: bytes) -> tuple[bytes, bytes]:
+    name, _, value = line.partition(b":")
+    return name.strip().lower(), value.strip()
 
 
 def read_warc(path: str, src: SourceConfig) -> Iterator[Record]:
-    """HTML responses of a WARC (or ARC) file; other record types are skipped, broken ones quarantined."""
+    """Main text of the HTML responses of a WARC file; other record types are skipped, broken ones quarantined.
+    ARC files (no WARC framing) go to fastwarc as they are."""
+    if re.search(r"\.arc(\.gz)?$", path):
+        yield from _read_arc(path)
+        return
     from fastwarc.warc import ArchiveIterator, WarcRecordType
+
+    with open_binary(path) as f:
+        try:
+            for at, header, record, problem in warc_records(f, src.max_record_bytes):
+                where = f"record at byte {at}"
+                fields = dict(_header_field(h) for h in header[1:])
+                own_id = fields.get(b"warc-record-id", b"").decode("utf-8", "replace") or None
+                meta = {"url": fields.get(b"warc-target-uri", b"").decode("utf-8", "replace") or None,
+                        "date": fields.get(b"warc-date", b"").decode("utf-8", "replace") or None}
+                if problem is not None:
+                    yield own_id, where, _preview(record), meta, problem
+                    continue
+                if fields.get(b"warc-type", b"").lower() != b"response":
+                    continue
+                parsed = next(iter(ArchiveIterator(io.BytesIO(record), record_types=WarcRecordType.response,
+                                                   parse_http=True)), None)
+                yield from _warc_response(parsed, own_id, where, meta, record)
+        except (EOFError, OSError, ValueError) as e:  # a .gz cut short: the records before it are kept
+            yield None, "end of file", "", {}, truncated(e)
+
+
+def _warc_response(parsed, own_id, where, meta, record: bytes) -> Iterator[Record]:
     from resiliparse.parse.encoding import bytes_to_str, detect_encoding
+
+    try:
+        if parsed is None or parsed.http_headers is None:
+            raise Quarantine("broken WARC record", "no HTTP response inside")
+        if "html" not in (parsed.http_headers.get("Content-Type") or "").lower():
+            return
+        body = parsed.reader.read()
+        text = html_main_text(bytes_to_str(body, detect_encoding(body)))
+    except Quarantine as q:
+        yield own_id, where, _preview(record), meta, q
+        return
+    except Exception as e:  # noqa: BLE001 - whatever the parser trips on, the record is quarantined, not the file
+        yield own_id, where, _preview(record), meta, Quarantine("broken WARC record", f"{type(e).__name__}: {e}")
+        return
+    if text.strip():
+        yield own_id, where, text, meta, None
+    else:
+        yield own_id, where, _preview(body), meta, Quarantine("no main text in HTML")
+
+
+def _read_arc(path: str) -> Iterator[Record]:
+    from fastwarc.warc import ArchiveIterator, WarcRecordType
 
     with open(path, "rb") as stream:
         for record in ArchiveIterator(stream, record_types=WarcRecordType.response, parse_http=True):
-            where = f"record at byte {record.stream_pos}"
-            url = record.headers.get("WARC-Target-URI")
-            meta = {"url": url, "date": record.headers.get("WARC-Date")}
-            try:
-                content_type = (record.http_headers.get("Content-Type") or "") if record.http_headers else ""
-                if "html" not in content_type.lower():
-                    continue
-                body = record.reader.read()
-                text = html_main_text(bytes_to_str(body, detect_encoding(body)))
-            except Exception as e:  # noqa: BLE001 - a broken record must not stop the file
-                yield record.record_id, where, "", meta, f"unreadable WARC record ({type(e).__name__}: {e})"
-                continue
-            if text.strip():
-                yield record.record_id, where, text, meta, None
-            else:
-                yield record.record_id, where, body[:_RAW_LIMIT].decode("utf-8", "replace"), meta, "no main text"
+            meta = {"url": record.headers.get("WARC-Target-URI"), "date": record.headers.get("WARC-Date")}
+            yield from _warc_response(record, record.record_id, f"record at byte {record.stream_pos}", meta, b"")
 
 
 READERS = {"text": read_text, "jsonl": read_jsonl, "parquet": read_parquet, "html": read_html, "warc": read_warc}
@@ -166,20 +409,29 @@ READERS = {"text": read_text, "jsonl": read_jsonl, "parquet": read_parquet, "htm
 def read_file(path: str, src: SourceConfig) -> pa.Table:
     rows = {name: [] for name in DOC_SCHEMA.names}
 
-    def add(own_id, location, text, meta, reason):
+    def add(own_id, location, text, meta, problem: Quarantine | None):
+        if problem is None and "\x00" in text:
+            problem, text = Quarantine("NUL bytes in text", "binary content?"), _preview(text.encode())
+        if problem is not None:
+            meta = {**meta, "error": problem.detail} if problem.detail else meta
         rows["id"].append(own_id or f"{src.name}/{Path(path).name}#{location}")
         rows["source"].append(src.name)
         rows["path"].append(path)
         rows["location"].append(location)
         rows["text"].append(text)
         rows["metadata"].append(json.dumps(meta, default=str, ensure_ascii=False) if meta else None)
-        rows["drop_reason"].append(f"quarantine:{reason}" if reason else None)
+        rows["drop_reason"].append(f"quarantine:{problem.reason}" if problem else None)
 
     try:
         for record in READERS[src.format](path, src):
             add(*record)
+    except EOFError as e:  # a .gz/.zst cut short: what came before it is kept
+        add(None, f"after {len(rows['id'])} records", "", {}, truncated(e))
     except Exception as e:  # noqa: BLE001 - an unreadable file is quarantined, the rest of the corpus goes on
-        add(None, f"after {len(rows['id'])} records", "", {}, f"unreadable file ({type(e).__name__}: {e})")
+        add(None, f"after {len(rows['id'])} records", "", {}, Quarantine(
+            "unreadable file", f"{type(e).__name__}: {e}"))
+    if not rows["id"]:
+        add(None, "file", "", {}, Quarantine("no documents in file", "empty, or nothing readable as a document"))
     return pa.table(rows, schema=DOC_SCHEMA)
 
 

@@ -60,7 +60,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     quarantined = dropped.map_batches(
         lambda b: b.filter(pc.starts_with(b["drop_reason"], "quarantine:")), batch_format="pyarrow")
     if n_quarantined := quarantined.count():
-        quarantined.select_columns(["source", "path", "location", "drop_reason", "text"]).write_parquet(
+        quarantined.select_columns(["source", "path", "location", "drop_reason", "metadata", "text"]).write_parquet(
             str(tmp / "quarantine"))
     kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
     n_filtered = kept.count()
