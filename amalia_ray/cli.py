@@ -55,7 +55,9 @@ def guarded(fn):
 def _fail(e: Exception, code: int, unexpected: bool = False) -> None:
     if STATE["debug"]:
         raise e
-    message = " ".join(str(e).split()) or type(e).__name__
+    from amalia_ray.core.secrets import mask
+
+    message = mask(" ".join(str(e).split())) or type(e).__name__
     if unexpected:
         message = f"{type(e).__name__}: {message} (rerun with --debug for the traceback)"
     err_console.print(f"error: {message}", markup=False, soft_wrap=True)
@@ -70,6 +72,10 @@ def main_options(
 ) -> None:
     STATE["debug"] = debug
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per HTTP request
+    from amalia_ray.core.secrets import install_log_masking, remember
+
+    remember(os.environ.get("AMALIA_API_KEY"))
+    install_log_masking()
     if address:
         os.environ["RAY_ADDRESS"] = address
 

@@ -370,7 +370,7 @@ def served(demo_run, tmp_path_factory):
             pass
         time.sleep(3)
     assert proc.poll() is None, log.read_text()[-3000:]
-    yield {"base": base, "url": f"{base}/v1", "key": API_KEY, "checkpoint": ckpt}
+    yield {"base": base, "url": f"{base}/v1", "key": API_KEY, "checkpoint": ckpt, "state": state}
     stop = subprocess.run([*cli, "serve", "--stop", "--port", str(port)], env=env, capture_output=True, text=True,
                           timeout=180)
     assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr + log.read_text()[-3000:]
@@ -399,6 +399,14 @@ def test_serving_guards_bad_requests_and_keeps_serving(served):
     assert r.status_code == 400
     r = httpx.post(f"{base}/v1/completions", json=ok, headers=auth)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    # bound to loopback only (the default), and the key is in no log or file the server wrote
+    import psutil
+
+    port = int(base.rsplit(":", 1)[1])
+    listening = {c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port}
+    assert listening == {"127.0.0.1"}, listening
+    for f in Path(served["state"]).rglob("*"):
+        assert not f.is_file() or served["key"].encode() not in f.read_bytes(), f
 
 
 def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
@@ -542,6 +550,9 @@ def test_killed_worker_within_failure_budget_the_stage_completes(demo_run, recip
     assert killed_at - resumed_at <= 10, "at most one checkpoint interval is lost"
 
 
+S3_SECRET = "s3-secret-e2e-" + os.urandom(8).hex()
+
+
 @pytest.fixture
 def s3_server():
     """A local S3 endpoint (moto's server) with an empty bucket; yields the storage options that reach it."""
@@ -552,9 +563,9 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     options = {"endpoint_override": f"http://127.0.0.1:{port}", "scheme": "http", "region": "us-east-1",
-               "access_key": "testing", "secret_key": "testing"}
+               "access_key": "testing", "secret_key": S3_SECRET}
     boto3.client("s3", endpoint_url=options["endpoint_override"], region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket="amalia")
+                 aws_access_key_id="testing", aws_secret_access_key=S3_SECRET).create_bucket(Bucket="amalia")
     yield options
     server.stop()
 
@@ -583,6 +594,9 @@ def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run
     dcp = [f for f in stored if f.startswith("pretrain/ray/") and f.endswith("/.metadata")]
     assert len(dcp) >= 1, "Ray Train's checkpoints are written to the bucket"
     assert not (local / "e2e" / "pretrain" / "ray").exists(), "and not to the local run folder"
+    blobs = [s3.open_input_stream(f"amalia/team/runs/e2e/{f}").read() for f in stored if not f.endswith(".distcp")]
+    blobs += [f.read_bytes() for f in local.rglob("*") if f.is_file() and f.suffix not in (".distcp", ".parquet")]
+    assert not [b for b in blobs if S3_SECRET.encode() in b], "the storage credentials are in no file, here or there"
 
     shutil.rmtree(local)
     fresh = Pipeline(load_recipe(recipe))

@@ -34,8 +34,9 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
     else:
         # Ray 2.60 turns token auth on when ~/.ray/auth_token exists; a private local cluster needs none.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # the dashboard (and its job API) answers on loopback only: it runs whatever is submitted to it
         ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=True,
-                 log_to_driver=True)
+                 dashboard_host="127.0.0.1", log_to_driver=True)
         mode = "embedded local Ray"
     resources = ray.cluster_resources()
     stage_line("ray", f"{mode}: {resources.get('CPU', 0):.0f} CPU, {resources.get('GPU', 0):.0f} GPU")

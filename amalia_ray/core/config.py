@@ -10,6 +10,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# a recipe value that becomes a folder or file name (run, stage, source, task): one path component, never `..`,
+# so nothing a recipe names can land outside the run folder
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
 class Strict(BaseModel):
     """Every recipe section rejects unknown fields so a typo never silently falls back to a default."""
 
@@ -17,7 +21,7 @@ class Strict(BaseModel):
 
 
 class RunConfig(Strict):
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run folder name under output_dir")
+    name: str = Field("demo", pattern=NAME_PATTERN, description="run folder name under output_dir")
     output_dir: str = Field("runs", description="where runs/<name>/ lives (the working copy the stages read and "
                             "write); relative paths are taken from the cwd")
     storage: str | None = Field(None, description="durable copy of the run: a path or URI (s3://bucket/prefix, "
@@ -39,7 +43,7 @@ class ResourcesConfig(Strict):
 
 
 class SourceConfig(Strict):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = Field(..., pattern=NAME_PATTERN)
     paths: list[str] = Field(..., min_length=1, description="files or globs; .gz and .zst are read transparently")
     format: Literal["text", "jsonl", "parquet", "html", "warc"] = "text"
     text_field: str = Field("text", description="jsonl/parquet: the field holding the document text")
@@ -259,7 +263,7 @@ class ProxyConfig(Strict):
 
 
 class TrainStageConfig(Strict):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = Field(..., pattern=NAME_PATTERN)
     objective: Literal["pretrain", "sft", "dpo", "grpo"]
     steps: int = Field(..., ge=1)
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, summed over workers")
@@ -393,7 +397,7 @@ class JudgeConfig(Strict):
 
 
 class EvalTaskConfig(Strict):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = Field(..., pattern=NAME_PATTERN)
     path: str
     format: TaskFormat = "mcq"
     method: Literal["loglik", "generate"] | None = Field(

@@ -106,8 +106,23 @@ class RunStore:
         if info.type == pafs.FileType.NotFound:
             return False
         local.parent.mkdir(parents=True, exist_ok=True)
-        if info.type == pafs.FileType.Directory:
-            local.mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(self.path(rel), str(local), source_filesystem=self.fs,
-                        destination_filesystem=pafs.LocalFileSystem())
+        if info.type == pafs.FileType.File:
+            pafs.copy_files(self.path(rel), str(local), source_filesystem=self.fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+            return True
+        # file by file, each checked: a stored key with `..` in it must not write outside the run folder
+        base = self.path(rel)
+        for item in self.fs.get_file_info(pafs.FileSelector(base, recursive=True)):
+            inner = posixpath.relpath(item.path, base)
+            target = (local / inner).resolve()
+            if inner.startswith("../") or posixpath.isabs(inner) or not target.is_relative_to(local.resolve()):
+                raise AmaliaError(f"refusing {self.uri}/{rel}: its entry {item.path!r} would be written outside "
+                                  f"{local}")
+            if item.type == pafs.FileType.Directory:
+                target.mkdir(parents=True, exist_ok=True)
+            elif item.type == pafs.FileType.File:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                pafs.copy_files(item.path, str(target), source_filesystem=self.fs,
+                                destination_filesystem=pafs.LocalFileSystem())
+        local.mkdir(parents=True, exist_ok=True)
         return True

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from amalia_ray.core.accounting import stage_cost, total_cost
-from amalia_ray.core.config import Recipe
+from amalia_ray.core import secrets
+from amalia_ray.core.config import NAME_PATTERN, Recipe
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import RunStore
@@ -39,9 +42,14 @@ class Pipeline:
         self.loaded = loaded
         self.recipe: Recipe = loaded.recipe
         self.run_name = run_name or self.recipe.run.name
+        if not re.fullmatch(NAME_PATTERN, self.run_name):
+            raise AmaliaError(f"run name {self.run_name!r}: letters, digits, '.', '_' and '-' only, not starting with "
+                              "'.' or '-' (it names the run folder)")
         self.run_dir = (Path(self.recipe.run.output_dir) / self.run_name).resolve()
         self.force = force
         run = self.recipe.run
+        secrets.redact(run.storage_options)  # remembered, so no log line shows them
+        secrets.remember(os.environ.get(self.recipe.serve.api_key_env))
         self.store = RunStore(run.storage, run.storage_options, self.run_name) if run.storage else None
         if self.store and not (self.run_dir / "manifest.json").exists():  # a fresh machine: carry on the stored run
             self.store.pull("manifest.json", self.run_dir / "manifest.json")
@@ -52,8 +60,21 @@ class Pipeline:
         self.manifest.provenance = list(self.recipe.provenance)
         self.code_version = code_version()
 
+    def write_recipe_copy(self) -> None:
+        """The recipe as run, beside the manifest; re-dumped with its secrets masked when it holds any."""
+        import yaml
+
+        text = self.loaded.path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+        if (masked := secrets.redact(data)) != data:
+            text = "# secrets masked by amalia\n" + yaml.safe_dump(masked, sort_keys=False, allow_unicode=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "recipe.yaml").write_text(text, encoding="utf-8")
+
     # ---- paths -------------------------------------------------------------------------------------------------
     def stage_dir(self, name: str) -> Path:
+        if not re.fullmatch(NAME_PATTERN, name):
+            raise AmaliaError(f"stage name {name!r} would not be a folder inside {self.run_dir}")
         return self.run_dir / name
 
     def checkpoint_of(self, stage_name: str) -> Path:
@@ -120,9 +141,9 @@ class Pipeline:
             try:
                 metrics = spec.body()
             except BaseException as e:
-                rec.status, rec.error = "failed", f"{type(e).__name__}: {e}"
+                rec.status, rec.error = "failed", secrets.mask(f"{type(e).__name__}: {e}")
                 rec.finished_at, rec.wall_time_s = now_iso(), sw.seconds
-                rec.metrics = {"traceback": traceback.format_exc(limit=5)[-2000:]}
+                rec.metrics = {"traceback": secrets.mask(traceback.format_exc(limit=5)[-2000:])}
                 rec.cost = stage_cost(spec.held({}), sw.seconds, None, self.recipe.accounting)
                 self.save()
                 raise
@@ -156,8 +177,7 @@ class Pipeline:
             stop_at = names.index(until) if until else len(names) - 1
             selected = names[: stop_at + 1]
         stages.preflight(self, needs_serving="eval" in selected)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "recipe.yaml").write_text(self.loaded.path.read_text(encoding="utf-8"), encoding="utf-8")
+        self.write_recipe_copy()
         with stages.cluster(self):
             for spec in stages.build(self, names[: stop_at + 1]):
                 if spec.name in selected:

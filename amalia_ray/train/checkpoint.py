@@ -97,7 +97,7 @@ def load(folder: Path, model, optimizer) -> dict:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = folder / f"rng_rank{dist.get_rank()}.pt"
     if rng.exists():
-        torch.set_rng_state(torch.load(rng))
+        torch.set_rng_state(torch.load(rng, weights_only=True))
     return json.loads((folder / TRAIN_STATE).read_text())
 
 

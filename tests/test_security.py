@@ -1,0 +1,156 @@
+"""Security: the API key is enforced (tests/test_serve_config.py, and over real HTTP in tests/test_e2e.py), the
+dashboard and Serve bind to loopback by default, checkpoints load only as safetensors or with weights_only=True,
+nothing a recipe (or a stored run) names lands outside the run folder, and secrets reach no file and no log."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+import uuid
+
+import fsspec
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from amalia_ray.cli import app
+from amalia_ray.core import secrets
+from amalia_ray.core.config import ServeConfig
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.filesystem import RunStore
+from amalia_ray.core.recipe import load_recipe
+from amalia_ray.pipeline.runner import Pipeline, StageSpec
+from tests.conftest import ROOT, write_recipe
+
+SECRET = "sk-amalia-" + uuid.uuid4().hex
+
+
+def python_files():
+    for folder in ("amalia_ray", "jobs", "bench"):
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            owner = getattr(f.value, "id", "") if isinstance(f, ast.Attribute) else ""
+            yield node, owner, name
+
+
+def test_no_unsafe_deserialization_anywhere():
+    """torch.load only with weights_only=True, no pickle/marshal loads, no yaml.load, no remote code: a checkpoint
+    or a data file from elsewhere can never run code here (weights themselves are read as safetensors)."""
+    found = []
+    for path in python_files():
+        for node, owner, name in calls(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            kwargs = {k.arg: k.value for k in node.keywords}
+            if owner == "torch" and name == "load":
+                safe = kwargs.get("weights_only")
+                if not (isinstance(safe, ast.Constant) and safe.value is True):
+                    found.append(f"{where} torch.load without weights_only=True")
+            if owner in ("pickle", "marshal", "dill", "cloudpickle") and name in ("load", "loads"):
+                found.append(f"{where} {owner}.{name}")
+            if owner == "yaml" and name in ("load", "load_all", "unsafe_load"):
+                found.append(f"{where} yaml.{name}")
+            remote = kwargs.get("trust_remote_code")
+            if isinstance(remote, ast.Constant) and remote.value is True:
+                found.append(f"{where} trust_remote_code=True")
+    assert not found, found
+
+
+def test_loopback_by_default(monkeypatch):
+    """Serve binds to 127.0.0.1 unless told otherwise, and the embedded Ray's dashboard (which runs submitted jobs)
+    listens on loopback only. (tests/test_e2e.py checks the sockets of a real `amalia serve`.)"""
+    import ray
+
+    from amalia_ray.cluster import local
+
+    assert ServeConfig().host == "127.0.0.1"
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8})
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(local, "billable_cpus", lambda: 2)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with local.ray_session():
+        pass
+    assert seen["dashboard_host"] == "127.0.0.1" and seen["include_dashboard"] is True
+    serve_help = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200).output
+    assert "127.0.0.1" in serve_help
+
+
+@pytest.mark.parametrize("field,value", [
+    ("run.name", "../outside"), ("run.name", "a/b"), ("run.name", "/etc"), ("train.0.name", "../../x"),
+    ("train.0.name", ".."), ("data.sources.0.name", "../src"), ("eval.tasks.0.name", "sub/task"),
+])
+def test_recipe_names_cannot_leave_the_run_folder(tmp_path, field, value):
+    recipe = write_recipe(tmp_path, **{field: value})
+    shown = re.sub(r"\.(\d+)", r"[\1]", field)  # how errors name a field: train[0].name
+    with pytest.raises(AmaliaError, match=re.escape(f"{shown}: String should match pattern")):
+        load_recipe(recipe)
+
+
+def test_run_name_given_on_the_command_line_is_checked_too(tmp_path):
+    with pytest.raises(AmaliaError, match="run name '../../etc'"):
+        Pipeline(load_recipe(write_recipe(tmp_path)), run_name="../../etc")
+
+
+def test_a_stored_run_cannot_write_outside_the_run_folder(tmp_path):
+    """A key with `..` in the store (a tampered bucket) is refused when pulled, nothing written outside."""
+    uri = f"memory://bucket-{uuid.uuid4().hex[:8]}/runs"
+    store = RunStore(uri, None, "r")
+    memory = fsspec.filesystem("memory")
+    memory.pipe(f"{store.root}/thing/ok.txt", b"ok")
+    memory.pipe(f"{store.root}/thing/../../../../../../../../{tmp_path}/escaped.txt", b"x")
+    with pytest.raises(AmaliaError, match="would be written outside"):
+        store.pull("thing", tmp_path / "run" / "thing")
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_secrets_reach_no_file_and_no_log(tmp_path, monkeypatch, caplog, capsys):
+    """Storage credentials in the recipe and the API key in the environment: the run folder (recipe copy,
+    manifest, report), the store, the failure recorded for a stage and every log line hold none of them."""
+    api_key = "key-" + uuid.uuid4().hex
+    monkeypatch.setenv("AMALIA_API_KEY", api_key)
+    uri = f"memory://bucket-{uuid.uuid4().hex[:8]}/runs"
+    recipe = write_recipe(tmp_path, **{"run.storage": uri, "run.storage_options": {"secret_key": SECRET}})
+    monkeypatch.setattr(fsspec.implementations.memory.MemoryFileSystem, "__init__",
+                        lambda self, *a, **kw: super(type(self), self).__init__())  # takes no credentials itself
+    p = Pipeline(load_recipe(recipe))
+    out = p.stage_dir("thing")
+
+    def leaky():
+        logging.getLogger("amalia_ray.test").warning(f"connecting with {SECRET} and {api_key}")
+        raise RuntimeError(f"auth failed for secret_key={SECRET}")
+
+    p.write_recipe_copy()
+    with caplog.at_level(logging.INFO):
+        secrets.install_log_masking()
+        with pytest.raises(RuntimeError):
+            p.execute(StageSpec("thing", [1], {}, {"out": out}, leaky, {"CPU": 1}))
+        out.mkdir(parents=True)
+        p.execute(StageSpec("thing2", [1], {}, {"out": out}, lambda: {"n": 1}, {"CPU": 1}))
+    copy = yaml.safe_load((p.run_dir / "recipe.yaml").read_text())
+    assert copy["run"]["storage_options"] == {"secret_key": "***"}, "the recipe copy is masked"
+    assert "auth failed for secret_key=***" in p.manifest.stages["thing"].error
+    logged = caplog.text + "".join(caplog.messages)
+    assert "connecting with *** and ***" in logged
+    everything = [f.read_bytes() for f in p.run_dir.rglob("*") if f.is_file()]
+    everything += [fsspec.filesystem("memory").cat(f) for f in fsspec.filesystem("memory").find(p.store.root)]
+    everything += [logged.encode(), "".join(capsys.readouterr()).encode()]
+    for blob in everything:
+        assert SECRET.encode() not in blob and api_key.encode() not in blob
+
+
+def test_error_messages_are_masked_on_the_command_line(tmp_path, monkeypatch):
+    """An error that happens to quote a secret (here a path that holds the API key) prints it masked."""
+    monkeypatch.setenv("AMALIA_API_KEY", SECRET)
+    recipe = write_recipe(tmp_path, **{"data.sources.0.paths": [f"/nonexistent/{SECRET}/*.txt"]})
+    result = CliRunner().invoke(app, ["run", str(recipe)])
+    assert result.exit_code == 1 and "corpus path not found" in result.output
+    assert SECRET not in result.output and "/nonexistent/***/*.txt" in result.output
