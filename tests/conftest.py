@@ -49,3 +49,33 @@ def ray_cluster():
     ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln]
+
+
+STEPS = 40  # the demo run's pretraining steps
+
+
+@pytest.fixture(scope="session")
+def recipe_path(tmp_path_factory):
+    """The demo recipe as the end-to-end tests run it (run `e2e`), shared by test_e2e.py and test_faults.py."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    return write_recipe(tmp, **{
+        "run.name": "e2e", "train.0.steps": STEPS, "train.0.checkpoint_every": 20, "train.0.warmup_steps": 5,
+        "train.0.max_failures": 0, "serve.port": free_port(),
+    })
+
+
+@pytest.fixture(scope="session")
+def demo_run(ray_cluster, recipe_path):
+    """The whole demo pipeline, run once per session."""
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline.runner import Pipeline
+
+    pipeline = Pipeline(load_recipe(recipe_path))
+    report = pipeline.run()
+    return pipeline, report

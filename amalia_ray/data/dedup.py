@@ -20,7 +20,14 @@ from ray.data.expressions import col
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data.components import connected_components
 from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, exact_jaccard
-from amalia_ray.data.partitions import configure_data_context, partition_count, per_part, to_arrow, with_part
+from amalia_ray.data.partitions import (
+    configure_data_context,
+    partition_count,
+    per_part,
+    to_arrow,
+    with_part,
+    write_shards,
+)
 
 CLUSTER_SCHEMA = pa.schema([("id", pa.string()), ("cluster_id", pa.string()), ("cluster_size", pa.int64())])
 EDGES = pa.schema([("src", pa.string()), ("dst", pa.string())])
@@ -243,7 +250,7 @@ def dedup(input_path: Path, output: Path, params: MinHashParams, threshold: floa
     output.mkdir(parents=True, exist_ok=True)
     _write_sorted_clusters(joined, output / "clusters.parquet")
     kept = joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"])
-    kept.write_parquet(str(output / "kept"))
+    write_shards(kept, output / "kept")
     n_kept = sum(pq.ParquetFile(p).metadata.num_rows for p in (output / "kept").rglob("*.parquet"))
     return {"documents": n_docs, **stats, "kept": n_kept, "removed": n_docs - n_kept, "num_perm": params.num_perm,
             "bands": params.bands, "rows": params.rows, "ngram": params.ngram, "threshold": threshold}

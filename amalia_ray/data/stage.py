@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import ray
 from ray.data.expressions import col
 
@@ -18,7 +17,13 @@ from amalia_ray.data.dedup import near_duplicate_clusters, with_clusters
 from amalia_ray.data.language import LanguageID, VarietyTag
 from amalia_ray.data.minhash import MinHashParams
 from amalia_ray.data.pack import TokenizeAndPack
-from amalia_ray.data.partitions import configure_data_context, partition_count, per_part
+from amalia_ray.data.partitions import (
+    configure_data_context,
+    partition_count,
+    per_part,
+    write_ordered_shards,
+    write_shards,
+)
 from amalia_ray.data.quality import quality_steps
 from amalia_ray.data.readers import expand_paths, read_sources
 from amalia_ray.data.steps import (
@@ -56,12 +61,12 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     per_filter = docs.groupby(["source", "drop_reason"], num_partitions=partition_count(0)).count().to_pandas()
     n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
     dropped = docs.filter(expr=col("drop_reason").is_not_null())
-    dropped.write_parquet(str(tmp / "dropped"))
+    write_shards(dropped, tmp / "dropped")
     quarantined = dropped.map_batches(
         lambda b: b.filter(pc.starts_with(b["drop_reason"], "quarantine:")), batch_format="pyarrow")
     if n_quarantined := quarantined.count():
-        quarantined.select_columns(["source", "path", "location", "drop_reason", "metadata", "text"]).write_parquet(
-            str(tmp / "quarantine"))
+        write_shards(quarantined.select_columns(["source", "path", "location", "drop_reason", "metadata", "text"]),
+                     tmp / "quarantine")
     kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
     n_filtered = kept.count()
     if n_filtered == 0:
@@ -80,8 +85,8 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
         kept = _near_dedup(kept, cfg.near_dedup, parts, tmp / "near_duplicates")
     by_variety = (kept.groupby("pt_variety", num_partitions=partition_count(0)).count().to_pandas()
                   if cfg.variety else None)
-    kept.write_parquet(str(tmp / "kept"))
     n_kept = kept.count()  # materialized above: no re-execution
+    write_ordered_shards(kept, tmp / "kept")
     commit_dir(tmp, out_dir)
     rows = [
         {"source": r["source"], "reason": r["drop_reason"] if isinstance(r["drop_reason"], str) else "kept",
@@ -109,7 +114,7 @@ def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, partitions: int, r
     joined = with_clusters(kept, clusters.materialize(), partitions).materialize()
     removed = joined.filter(expr=col("id") != col("cluster_id"))
     if removed.count():
-        removed.select_columns(["id", "source", "cluster_id", "cluster_size", "text"]).write_parquet(str(removed_dir))
+        write_shards(removed.select_columns(["id", "source", "cluster_id", "cluster_size", "text"]), removed_dir)
     return joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"]).materialize()
 
 
@@ -138,14 +143,13 @@ def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, 
         if part.count() == 0:
             stats[f"{split}_sequences"] = 0
             continue
-        part.map_batches(
+        stats[f"{split}_sequences"] = write_ordered_shards(part.map_batches(
             TokenizeAndPack,
             fn_constructor_args=(str(tokenizer_dir), cfg.seq_len),
             batch_size=512,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=num_actors),
-        ).write_parquet(str(tmp / split))
-        stats[f"{split}_sequences"] = sum(pq.ParquetFile(p).metadata.num_rows for p in (tmp / split).rglob("*.parquet"))
+        ), tmp / split)
     if not stats.get("train_sequences"):
         raise AmaliaError(
             f"corpus too small to pack: no training sequence of pack.seq_len={cfg.seq_len} tokens; "

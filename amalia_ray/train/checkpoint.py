@@ -30,6 +30,11 @@ CHECKSUMS = "checksums_rank{rank}.json"
 log = logging.getLogger("amalia_ray.train")
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written in full (disk or bucket full, I/O error). Each checkpoint is a folder of its
+    own that Ray Train registers only once every file is there, so the ones before it are untouched."""
+
+
 def save(folder: Path, model, optimizer, train_state: dict) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))

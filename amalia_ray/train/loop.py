@@ -203,9 +203,15 @@ def train_loop(config: dict) -> None:
                          f"MFU {record['mfu']:.0%}")
         if save_now:
             with tempfile.TemporaryDirectory() as tmp:
-                checkpoint.save(Path(tmp), model, optimizer,
-                                {"step": done, "params": n_params, "data": sampler.state_dict()})
-                ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                try:
+                    checkpoint.save(Path(tmp), model, optimizer,
+                                    {"step": done, "params": n_params, "data": sampler.state_dict()})
+                    ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                except OSError as e:
+                    raise checkpoint.CheckpointWriteError(
+                        f"[{stage['name']}] the checkpoint of step {done} could not be written "
+                        f"({type(e).__name__}: {e}); the checkpoints before it are intact: free space or fix the "
+                        f"storage, then run again to resume from the latest of them") from e
         elif done % stage["log_every"] == 0:
             ray.train.report(record)
 

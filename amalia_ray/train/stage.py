@@ -11,6 +11,21 @@ from amalia_ray.train.model import llama_config
 from amalia_ray.train.progress import StageProgress
 
 
+def _plain(error: Exception) -> Exception:
+    """A worker's failure to write a checkpoint as the one clear line it is, instead of Ray Train's report of every
+    worker's traceback."""
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.train.checkpoint import CheckpointWriteError
+
+    for failure in (getattr(error, "worker_failures", None) or {}).values():
+        cause, depth = failure, 0
+        while cause is not None and not isinstance(cause, CheckpointWriteError) and depth < 8:
+            cause, depth = cause.__cause__ or getattr(cause, "cause", None), depth + 1
+        if isinstance(cause, CheckpointWriteError):  # its one argument is the message; str() may add a traceback
+            return AmaliaError(cause.args[0] if cause.args else str(cause))
+    return error
+
+
 def hf_config_dict(model_cfg: ModelConfig, tokenizer_dir: Path) -> dict:
     from transformers import AutoTokenizer
 
@@ -78,7 +93,7 @@ def run_train_stage(
     else:
         result = trainer.fit()
     if result.error:
-        raise result.error
+        raise _plain(result.error)
     history = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
     final = dict(result.metrics or {})
     if history:

@@ -1,0 +1,221 @@
+"""Faults, end to end on the session's Ray cluster: training workers SIGKILLed three times within the failure budget,
+the driver killed mid-stage, a checkpoint write that fails half way, and the same recipe run twice giving the same
+data hashes and loss curve. (A Serve replica killed during an evaluation: tests/test_e2e.py, beside the server.)"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.recipe import load_recipe
+from amalia_ray.pipeline.runner import Pipeline
+from tests.conftest import read_jsonl, write_recipe
+
+pytestmark = pytest.mark.e2e
+
+EVERY = 5  # checkpoint interval of the fault runs
+FAULT_STAGE = {"train.0.steps": 30, "train.0.checkpoint_every": EVERY, "train.0.warmup_steps": 5}
+
+
+def fault_recipe(recipe_path: Path, folder: str, **overrides) -> Path:
+    """The e2e run's recipe (same run folder, so the data stages are reused) with the fault runs' pretraining."""
+    where = recipe_path.parent / folder
+    where.mkdir()
+    return write_recipe(where, **{"run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"),
+                                  **FAULT_STAGE, **overrides})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(demo_run, recipe_path) -> list[dict]:
+    """The metrics of the fault runs' pretraining trained straight through (as stage `reference` of the same run)."""
+    recipe = fault_recipe(recipe_path, "reference")
+    data = yaml.safe_load(recipe.read_text())
+    data["train"][0]["name"] = "reference"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    pipeline = Pipeline(load_recipe(recipe))
+    pipeline.run(until="reference")
+    history = read_jsonl(pipeline.run_dir / "reference" / "metrics.jsonl")
+    assert [h["step"] for h in history] == list(range(1, 31)) and {h["attempt_start_step"] for h in history} == {0}
+    return history
+
+
+def assert_same_losses(history: list[dict], reference: list[dict], tolerance: float) -> None:
+    assert [h["step"] for h in history] == [h["step"] for h in reference]
+    for got, want in zip(history, reference):
+        assert abs(got["loss"] - want["loss"]) <= tolerance * max(1.0, abs(want["loss"])), (got["step"], got, want)
+
+
+def test_three_killed_workers_within_the_budget_end_at_the_same_loss(demo_run, recipe_path, uninterrupted):
+    """max_failures: 3 and a training worker SIGKILLed at three random steps: Ray Train restarts the workers from
+    the latest checkpoint each time, the stage completes in the same run, each kill costs at most one checkpoint
+    interval, and the loss at every step (the final one included) equals the uninterrupted run's."""
+    recipe = fault_recipe(recipe_path, "three-kills", **{"train.0.max_failures": 3})
+    pipeline = Pipeline(load_recipe(recipe))
+    metrics = pipeline.run_dir / "pretrain" / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # the earlier history of this stage
+    rng = random.Random(int(os.environ.get("AMALIA_FAULT_SEED", "8")))
+    targets = [rng.randint(6, 9), rng.randint(16, 19), rng.randint(22, 24)]
+    errors: list[BaseException] = []
+    runner = threading.Thread(target=_capture, args=(errors, functools.partial(pipeline.run, until="pretrain")))
+    runner.start()
+    killed_at, resumable = [], []
+    for target in targets:
+        # a worker dies once the step is reached and the checkpoint of its interval is registered
+        _wait(lambda: (step := _last_step(metrics)) >= target
+              and _registered_step(pipeline.run_dir) >= step // EVERY * EVERY, f"step {target} and its checkpoint",
+              runner)
+        resumable.append(_registered_step(pipeline.run_dir))
+        _kill_a_training_worker()
+        killed_at.append(_last_step(metrics))
+    runner.join(timeout=600)
+    assert not runner.is_alive() and not errors, errors
+    rec = pipeline.manifest.stages["pretrain"]
+    assert rec.status == "completed" and rec.attempts == 1, "recovered inside the stage, not by a rerun"
+    history = read_jsonl(metrics)
+    starts = sorted({h["attempt_start_step"] for h in history})  # where each of the four attempts began
+    assert len(starts) == 4 and starts[0] == 0, (starts, resumable, killed_at)
+    for killed, registered, resumed in zip(killed_at, resumable, starts[1:]):
+        assert registered <= resumed <= killed and resumed % EVERY == 0, (starts, resumable, killed_at)
+        assert killed - resumed <= EVERY, "at most one checkpoint interval is trained again"
+    assert_same_losses(history, uninterrupted, 1e-4)
+    assert abs(history[-1]["loss"] - uninterrupted[-1]["loss"]) <= 1e-4
+
+
+def test_a_killed_driver_resumes_on_the_next_run(demo_run, recipe_path, uninterrupted):
+    """`amalia run` SIGKILLed mid-stage (its Ray job and workers die with it); running it again resumes the stage
+    from its checkpoint, not step 0, and logs the same loss at every step as the uninterrupted run."""
+    import ray
+
+    recipe = fault_recipe(recipe_path, "driver-kill", **{"train.0.max_failures": 0})
+    run_dir = recipe_path.parent / "runs" / "e2e"
+    (run_dir / "pretrain" / "metrics.jsonl").unlink(missing_ok=True)
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    driver = subprocess.Popen([sys.executable, "-m", "amalia_ray.cli", "run", str(recipe), "--until", "pretrain"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait(lambda: _registered_step(run_dir) >= EVERY and _last_step(run_dir / "pretrain" / "metrics.jsonl") > EVERY,
+          "a registered checkpoint", driver)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    _wait(lambda: not _training_workers(), "the killed job's workers to go")
+    rec = json.loads((run_dir / "manifest.json").read_text())["stages"]["pretrain"]
+    assert rec["status"] == "running", "the manifest shows the stage as interrupted"
+
+    resumed = Pipeline(load_recipe(recipe))
+    resumed.run(until="pretrain")
+    rec = resumed.manifest.stages["pretrain"]
+    assert rec.status == "completed" and rec.attempts == 2
+    history = read_jsonl(resumed.run_dir / "pretrain" / "metrics.jsonl")
+    resumed_at = max(h["attempt_start_step"] for h in history)
+    assert resumed_at >= EVERY and resumed_at % EVERY == 0, "the second run starts from a checkpoint, not step 0"
+    assert all(h["attempt_start_step"] == 0 for h in history[:resumed_at])
+    assert_same_losses(history, uninterrupted, 1e-5)  # exact resume
+
+
+def test_a_checkpoint_write_that_fails_half_way(demo_run, recipe_path, monkeypatch):
+    """The storage fills up while the second checkpoint is being uploaded (one file of it written): the run fails
+    with one clear line, the first checkpoint is intact (its checksums hold), the half-written one is detected and
+    a resume falls back from it to the intact one."""
+    import cloudpickle
+
+    import tests.fault_injection as faults
+    from amalia_ray.train import checkpoint, stage
+
+    cloudpickle.register_pickle_by_value(faults)
+    monkeypatch.setattr(stage, "train_loop", functools.partial(faults.train_loop_with_full_storage_at,
+                                                               fail_at_upload=2))
+    recipe = fault_recipe(recipe_path, "full-disk", **{"train.0.max_failures": 0, "train.0.steps": 12})
+    pipeline = Pipeline(load_recipe(recipe))
+    with pytest.raises(AmaliaError) as failed:
+        pipeline.run(until="pretrain")
+    message = str(failed.value)
+    assert message.startswith("[pretrain] the checkpoint of step 10 could not be written (OSError: [Errno 28] No "
+                              "space left on device"), message
+    assert "\n" not in message and "the checkpoints before it are intact" in message
+    rec = pipeline.manifest.stages["pretrain"]
+    assert rec.status == "failed" and "No space left on device" in rec.error
+    ray_run = pipeline.run_dir / "pretrain" / "ray" / f"pretrain-{rec.fingerprint}"
+    folders = sorted(p for p in ray_run.glob("checkpoint_*") if p.is_dir())
+    assert len(folders) == 2, folders
+    good = [f for f in folders if not checkpoint.problems(f)]
+    assert len(good) == 1 and json.loads((good[0] / checkpoint.TRAIN_STATE).read_text())["step"] == 5
+    partial = next(f for f in folders if f not in good)
+    assert checkpoint.problems(partial), "the half-written one is detected"
+    assert checkpoint.intact(partial) == good[0]
+
+
+def test_the_same_recipe_twice_gives_the_same_data_and_losses(demo_run, recipe_path, uninterrupted):
+    """Reproducibility: the recipe of `uninterrupted` run again under another run name, every stage from scratch —
+    identical output hashes of the data, tokenizer and pack stages, and an identical loss curve."""
+    first = json.loads((recipe_path.parent / "runs" / "e2e" / "manifest.json").read_text())["stages"]
+    recipe = recipe_path.parent / "reference" / "recipe.yaml"
+    again = Pipeline(load_recipe(recipe), run_name="e2e-again")
+    again.run(until="reference")
+    for name in ("data", "tokenizer", "pack"):
+        assert again.manifest.stages[name].output_hashes == first[name]["output_hashes"], name
+    history = read_jsonl(again.run_dir / "reference" / "metrics.jsonl")
+    assert [h["loss"] for h in history] == [h["loss"] for h in uninterrupted]
+
+
+def _kill_a_training_worker() -> None:
+    workers = _training_workers()
+    assert workers, "no training worker found to kill"
+    os.kill(workers[0].pid, signal.SIGKILL)
+
+
+def _training_workers() -> list:
+    from ray._private.worker import get_dashboard_url
+    from ray.util.state import list_actors
+
+    # this session's cluster by address: `amalia serve` in a subprocess may run a second one
+    return list_actors(address=f"http://{get_dashboard_url()}",
+                       filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+
+
+def _wait(condition, what: str, alive=None, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if alive is not None and not (alive.is_alive() if hasattr(alive, "is_alive") else alive.poll() is None):
+            pytest.fail(f"the run ended while waiting for {what}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _last_step(metrics: Path) -> int:
+    try:
+        return json.loads(metrics.read_text().splitlines()[-1])["step"]
+    except (OSError, IndexError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def _registered_step(run_dir: Path) -> int:
+    """The step of the latest checkpoint the running pretrain stage's Ray Train controller has registered."""
+    try:
+        rec = json.loads((run_dir / "manifest.json").read_text())["stages"]["pretrain"]
+        if rec["status"] != "running":
+            return -1
+        snapshot = run_dir / "pretrain" / "ray" / f"pretrain-{rec['fingerprint']}" / "checkpoint_manager_snapshot.json"
+        results = json.loads(snapshot.read_text())["checkpoint_results"]
+        return max(int(r["metrics"]["step"]) for r in results) if results else -1
+    except (OSError, KeyError, ValueError, TypeError):
+        return -1
+
+
+def _capture(errors: list, fn) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the test thread
+        errors.append(e)
