@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-inputs test test-fast install corpus clean
+.PHONY: demo demo-inputs test test-fast reliability install corpus clean
 
 demo: install corpus demo-inputs
 	$(BIN)/amalia run recipes/demo.yaml
@@ -25,6 +25,10 @@ demo-inputs: install corpus
 
 test: install corpus
 	$(BIN)/python -m pytest -q --durations=12 $(PYTEST_ARGS)
+
+# the fault, bad-input, HTTP-fuzz, security and reproducibility suite (README "Reliability")
+reliability: install corpus
+	$(BIN)/python -m pytest -q -m reliability --durations=12 $(PYTEST_ARGS)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS)

@@ -89,9 +89,10 @@ def _pipeline(recipe: Path, run_name: str | None, force: bool = False):
 
 @app.command()
 @guarded
-def run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False) -> None:
+def run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False,
+        until: Annotated[str | None, typer.Option(help="last stage to run (default: all)")] = None) -> None:
     """Run the whole pipeline: data → tokenizer → pack → training stages → serve + eval → report."""
-    report = _pipeline(recipe, run_name, force).run()
+    report = _pipeline(recipe, run_name, force).run(until=until)
     console.print(f"[bold green]done[/]: {report}")
 
 

@@ -35,3 +35,12 @@ def train_loop_with_full_storage_at(config: dict, fail_at_upload: int) -> None:
 
     storage._pyarrow_fs_copy_files = copy_files
     train_loop(config)
+
+
+def full_storage_at(upload: int):
+    """A train function (what TorchTrainer takes) whose `upload`-th checkpoint upload fails half way."""
+
+    def train_loop(config: dict) -> None:
+        train_loop_with_full_storage_at(config, upload)
+
+    return train_loop

@@ -18,6 +18,8 @@ from amalia_ray.core.config import SourceConfig
 from amalia_ray.data.readers import read_file
 from tests.test_readers import warc_record
 
+pytestmark = pytest.mark.reliability
+
 TEXT = "A biblioteca municipal abriu uma nova sala de leitura para os mais novos."
 HUGE = 50 << 20
 

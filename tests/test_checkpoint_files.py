@@ -40,3 +40,26 @@ def test_corrupt_truncated_or_partial_checkpoints_fall_back_to_the_newest_intact
     assert intact(latest) == old
     (old / TRAIN_STATE).unlink()
     assert intact(latest) is None
+
+
+def test_a_failed_checkpoint_write_reaches_the_user_as_its_one_line():
+    """Ray Train hands a worker's exception back wrapped (with its traceback as the text); the stage unwraps the
+    checkpoint-write failure into the plain message."""
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.train.checkpoint import CheckpointWriteError
+    from amalia_ray.train.stage import _plain
+
+    wrapped = UserExceptionWithTraceback(CheckpointWriteError("[pretrain] the checkpoint of step 10 could not be "
+                                                              "written (OSError: disk full)"), "Traceback …")
+    plain = _plain(WorkerGroupError("Training failed", {0: wrapped, 1: wrapped}))
+    assert isinstance(plain, AmaliaError) and str(plain).startswith("[pretrain] the checkpoint of step 10")
+    other = WorkerGroupError("Training failed", {0: UserExceptionWithTraceback(ValueError("x"), "tb")})
+    assert _plain(other) is other
+    from ray.train import ControllerError
+
+    as_text = ControllerError(RuntimeError("worker died: amalia_ray.train.checkpoint.CheckpointWriteError: [sft] the "
+                                           "checkpoint of step 4 could not be written (OSError: EIO)\nmore"))
+    assert str(_plain(as_text)) == "[sft] the checkpoint of step 4 could not be written (OSError: EIO)"

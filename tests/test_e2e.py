@@ -353,6 +353,7 @@ def served(demo_run, tmp_path_factory):
     assert proc.wait(timeout=60) == 0 and not list(state.rglob("*.json"))
 
 
+@pytest.mark.reliability
 def test_serving_guards_bad_requests_and_keeps_serving(served):
     """401 without the key (not on /health), 404 naming the served ids, 400 for a prompt or max_tokens over the
     context, 400 for broken JSON or wrong types, 413 for a huge body — and a normal request still works."""
@@ -385,8 +386,9 @@ def test_serving_guards_bad_requests_and_keeps_serving(served):
         assert not f.is_file() or served["key"].encode() not in f.read_bytes(), f
 
 
+@pytest.mark.reliability
 def test_fuzzed_requests_get_no_5xx_and_the_server_stays_up(served):
-    """600 malformed, oversized and adversarial requests (tests/http_fuzz.py: broken and deeply nested JSON, NaN,
+    """1000 malformed, oversized and adversarial requests (tests/http_fuzz.py: broken and deeply nested JSON, NaN,
     wrong types and sizes in every field, odd paths, methods and headers; seeded) sent 8 at a time on loopback: no
     5xx and no dropped connection, the server answers a good request and /health afterwards, and its memory (the
     whole process tree: Ray, Serve, vLLM) grows by less than 256 MiB."""
@@ -399,7 +401,7 @@ def test_fuzzed_requests_get_no_5xx_and_the_server_stays_up(served):
     from tests.http_fuzz import cases
 
     base, auth = served["base"], {"Authorization": f"Bearer {served['key']}"}
-    todo = cases(int(os.environ.get("AMALIA_FUZZ_SEED", "2026")), 600, auth)
+    todo = cases(int(os.environ.get("AMALIA_FUZZ_SEED", "2026")), 1000, auth)
 
     def tree_rss() -> int:
         root = psutil.Process(served["pid"])
@@ -432,7 +434,7 @@ def test_fuzzed_requests_get_no_5xx_and_the_server_stays_up(served):
            if not isinstance(code, int) or code >= 500]
     assert not bad, f"{len(bad)} of {len(todo)}: {bad[:8]}"
     codes = collections.Counter(code for code, _ in results)
-    assert sum(n for c, n in codes.items() if 400 <= c < 500) >= 400, codes  # mostly refused, as they should be
+    assert sum(n for c, n in codes.items() if 400 <= c < 500) >= 700, codes  # mostly refused, as they should be
     r = httpx.post(f"{base}/v1/completions", json={"model": "pre", "prompt": "O sistema", "max_tokens": 4},
                    headers=auth, timeout=60)
     assert r.status_code == 200 and httpx.get(f"{base}/health", timeout=30).status_code == 200
@@ -493,6 +495,7 @@ def test_eval_command_line_contract(served, tmp_path):
     assert judged["scores"]["invalid"] == 6 - len(valid) and all(1 <= v <= 5 for v in valid)
 
 
+@pytest.mark.reliability
 def test_a_replica_killed_during_an_evaluation(served):
     """The vLLM replica serving `pre-copy` SIGKILLed, engine process and all, while an evaluation runs against it:
     Serve starts a new replica, the client retries the requests that failed, and every score and log-likelihood
@@ -576,6 +579,7 @@ def s3_server():
     server.stop()
 
 
+@pytest.mark.reliability
 def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run, recipe_path, tmp_path, s3_server):
     """run.storage: s3://… — the finished data stages are mirrored there, Ray Train writes its DCP checkpoints
     there directly, and a machine without the run folder pulls the manifest and outputs and skips every stage."""

@@ -23,7 +23,7 @@ from amalia_ray.core.recipe import load_recipe
 from amalia_ray.pipeline.runner import Pipeline
 from tests.conftest import read_jsonl, write_recipe
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.reliability]
 
 EVERY = 5  # checkpoint interval of the fault runs
 FAULT_STAGE = {"train.0.steps": 30, "train.0.checkpoint_every": EVERY, "train.0.warmup_steps": 5}
@@ -102,8 +102,10 @@ def test_a_killed_driver_resumes_on_the_next_run(demo_run, recipe_path, uninterr
     run_dir = recipe_path.parent / "runs" / "e2e"
     (run_dir / "pretrain" / "metrics.jsonl").unlink(missing_ok=True)
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    log = recipe.parent / "driver.log"
     driver = subprocess.Popen([sys.executable, "-m", "amalia_ray.cli", "run", str(recipe), "--until", "pretrain"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    driver.log = log
     _wait(lambda: _registered_step(run_dir) >= EVERY and _last_step(run_dir / "pretrain" / "metrics.jsonl") > EVERY,
           "a registered checkpoint", driver)
     driver.send_signal(signal.SIGKILL)
@@ -133,8 +135,7 @@ def test_a_checkpoint_write_that_fails_half_way(demo_run, recipe_path, monkeypat
     from amalia_ray.train import checkpoint, stage
 
     cloudpickle.register_pickle_by_value(faults)
-    monkeypatch.setattr(stage, "train_loop", functools.partial(faults.train_loop_with_full_storage_at,
-                                                               fail_at_upload=2))
+    monkeypatch.setattr(stage, "train_loop", faults.full_storage_at(upload=2))
     recipe = fault_recipe(recipe_path, "full-disk", **{"train.0.max_failures": 0, "train.0.steps": 12})
     pipeline = Pipeline(load_recipe(recipe))
     with pytest.raises(AmaliaError) as failed:
@@ -189,7 +190,8 @@ def _wait(condition, what: str, alive=None, timeout: float = 400) -> None:
         if condition():
             return
         if alive is not None and not (alive.is_alive() if hasattr(alive, "is_alive") else alive.poll() is None):
-            pytest.fail(f"the run ended while waiting for {what}")
+            log = getattr(alive, "log", None)
+            pytest.fail(f"the run ended while waiting for {what}" + (f": {log.read_text()[-2000:]}" if log else ""))
         time.sleep(0.2)
     pytest.fail(f"timed out waiting for {what}")
 

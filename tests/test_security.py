@@ -23,6 +23,8 @@ from amalia_ray.core.recipe import load_recipe
 from amalia_ray.pipeline.runner import Pipeline, StageSpec
 from tests.conftest import ROOT, write_recipe
 
+pytestmark = pytest.mark.reliability
+
 SECRET = "sk-amalia-" + uuid.uuid4().hex
 
 

@@ -70,6 +70,7 @@ def guarded_client(key: str | None, max_bytes: int = 1024) -> TestClient:
     return TestClient(app)
 
 
+@pytest.mark.reliability
 def test_api_key_is_enforced_except_on_health():
     client = guarded_client("s3cret")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -81,10 +82,15 @@ def test_api_key_is_enforced_except_on_health():
     assert guarded_client(None).post("/v1/completions", json={}).status_code == 200
 
 
+def json_of_size(n: int) -> bytes:
+    return b'{"p": "' + b"x" * (n - 9) + b'"}'
+
+
+@pytest.mark.reliability
 def test_oversized_bodies_are_refused_declared_or_streamed():
     client = guarded_client(None, max_bytes=1024)
-    assert client.post("/v1/completions", content=b"x" * 1024).json() == {"bytes": 1024}
-    r = client.post("/v1/completions", content=b"x" * 1025)
+    assert client.post("/v1/completions", content=json_of_size(1024)).json() == {"bytes": 1024}
+    r = client.post("/v1/completions", content=json_of_size(1025))
     assert r.status_code == 413 and "over 1024 bytes" in r.json()["error"]["message"]
     chunks = (b"x" * 600 for _ in range(3))  # no Content-Length: counted as it streams
     assert client.post("/v1/completions", content=chunks).status_code == 413
@@ -97,3 +103,26 @@ def test_stop_finds_no_server_and_says_where_it_looked(tmp_path, monkeypatch):
     with serve_app.local_state("127.0.0.1", 8000, "http://127.0.0.1:8000/v1", ["m"]) as state:
         assert json.loads(state.read_text())["models"] == ["m"]
     assert not state.exists()
+
+
+@pytest.mark.parametrize("path,body,problem", [
+    ("/v1/completions", b"{not json", "not valid JSON"),
+    ("/v1/completions", b'{"model": "m", "prompt": NaN}', "NaN is not a JSON number"),
+    ("/v1/completions", b'{"prompt": "\\ud800"}', "lone UTF-16 surrogate"),
+    ("/v1/completions", b"[1, 2]", "must be a JSON object"),
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+    ("/v1/completions", b'{"model": 3.5}', "'model' must be a string"),
+    ("/v1/chat/completions", b'{"messages": false}', "'messages' must be a list"),
+    ("/v1/chat/completions", b'{"messages": [1]}', "'messages' must be a list"),
+    ("/v1/completions", b"\xff\xfe", "not valid JSON"),
+])
+@pytest.mark.reliability
+def test_bodies_that_would_reach_the_engine_as_500s_are_400s(path, body, problem):
+    r = guarded_client(None, max_bytes=1 << 20).post(path, content=body)
+    assert r.status_code == 400 and problem in r.json()["error"]["message"]
+
+
+def test_a_well_formed_body_passes_the_guard():
+    ok = guarded_client(None).post("/v1/completions", json={"model": "m", "prompt": [{"role": "user",
+                                                                                           "content": "olá"}]})
+    assert ok.status_code == 200

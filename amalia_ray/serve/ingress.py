@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 
 from fastapi import status
 from starlette.responses import JSONResponse
 
-OPEN_PATHS = ("/health", "/-/healthz", "/-/routes")
+OPEN_PATHS = ("/health",)
 
 
 def key_digest(api_key: str) -> str:
@@ -59,6 +60,9 @@ class RequestGuard:
                 return await self._too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
+        if scope["method"] == "POST" and scope["path"].startswith("/v1/") and (problem := body_problem(
+                scope["path"], bytes(body))):
+            return await _error(400, problem, "invalid_request_error")(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -73,6 +77,44 @@ class RequestGuard:
     async def _too_large(self, scope, receive, send):
         return await _error(413,
                             f"request body over {self.max_bytes} bytes", "invalid_request_error")(scope, receive, send)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def body_problem(path: str, body: bytes) -> str | None:
+    """Why a request body cannot be served, checked before the app sees it: the OpenAI app and vLLM turn some
+    malformed bodies into 500s (lone surrogates fail their UTF-8 encoding, a `messages` that is not a list fails a
+    validator that iterates it) where the client deserves a 400."""
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        return "request body nested too deeply"
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, invalid UTF-8
+        return f"request body is not valid JSON: {e}"
+    if not isinstance(data, dict):
+        return "request body must be a JSON object"
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode text"
+    except RecursionError:
+        return "request body nested too deeply"
+    if "model" in data and not isinstance(data["model"], str):
+        return "'model' must be a string"
+    if path.rstrip("/").endswith("/chat/completions"):
+        messages = data.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return "'messages' must be a list of message objects"
+    return None
+
+
+async def validation_error(request, exc) -> JSONResponse:
+    """400 naming the first invalid fields. (ray.serve.llm's own handler echoes the invalid input back, and input
+    that is not JSON-serializable, such as the raw body, makes that a 500.)"""
+    fields = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in exc.errors()[:3]]
+    return _error(400, "invalid request: " + "; ".join(fields or ["malformed body"]), "invalid_request_error")
 
 
 def _ingress_class():
@@ -115,7 +157,10 @@ def build_app(args: dict):
     ids = [c.model_id for c in configs]
     if not ids or len(set(ids)) != len(ids):
         raise ValueError(f"serve needs at least one model and unique model ids, got {ids}")
+    from fastapi.exceptions import RequestValidationError
+
     fastapi_app = init()
+    fastapi_app.add_exception_handler(RequestValidationError, validation_error)
     fastapi_app.add_middleware(RequestGuard, api_key_sha256=args.get("api_key_sha256"),
                                max_request_bytes=int(args.get("max_request_bytes", 8 << 20)))
     ingress_cls = _ingress_class()

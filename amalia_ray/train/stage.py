@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from amalia_ray.core.config import ModelConfig, TrainStageConfig
@@ -20,9 +21,14 @@ def _plain(error: Exception) -> Exception:
     for failure in (getattr(error, "worker_failures", None) or {}).values():
         cause, depth = failure, 0
         while cause is not None and not isinstance(cause, CheckpointWriteError) and depth < 8:
-            cause, depth = cause.__cause__ or getattr(cause, "cause", None), depth + 1
+            # Ray Train wraps a worker's exception (_base_exc), Ray's task errors carry it as `cause`
+            cause = cause.__cause__ or getattr(cause, "_base_exc", None) or getattr(cause, "cause", None)
+            depth += 1
         if isinstance(cause, CheckpointWriteError):  # its one argument is the message; str() may add a traceback
             return AmaliaError(cause.args[0] if cause.args else str(cause))
+    # however Ray wrapped it on the way, the worker's error text names it
+    if match := re.search(rf"{CheckpointWriteError.__name__}: (.+)", str(error)):
+        return AmaliaError(match.group(1).strip())
     return error
 
 
