@@ -93,13 +93,18 @@ def run_train_stage(
             callbacks=callbacks,
         ),
     )
-    if progress:
-        with StageProgress(stage.name, stage_dir / "metrics.jsonl", stage.steps):
+    try:
+        if progress:
+            with StageProgress(stage.name, stage_dir / "metrics.jsonl", stage.steps):
+                result = trainer.fit()
+        else:
             result = trainer.fit()
-    else:
-        result = trainer.fit()
-    if result.error:
-        raise _plain(result.error)
+        if result.error:
+            raise result.error
+    except Exception as e:  # noqa: BLE001 - Ray Train raises the workers' failure once the budget is spent
+        if (plain := _plain(e)) is e:
+            raise
+        raise plain from None
     history = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
     final = dict(result.metrics or {})
     if history:
