@@ -35,6 +35,11 @@ def redact(data):
     return data
 
 
+def remember_in(data) -> None:
+    """Remember the secret-looking values of `data` (e.g. storage options) for masking, without copying it."""
+    redact(data)
+
+
 def remember(value: str | None) -> None:
     if value and len(value) >= 4:  # masking 1–3 characters would garble ordinary text
         _known.add(value)

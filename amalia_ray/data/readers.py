@@ -199,18 +199,20 @@ def read_parquet(path: str, src: SourceConfig) -> Iterator[Record]:
 
 
 def _from_mapping(row, src: SourceConfig, where: str) -> Iterator[Record]:
-    raw = json.dumps(row, default=str, ensure_ascii=False)[:_RAW_LIMIT]
+    def raw() -> str:  # only for a record that is quarantined: good records are not serialized again
+        return json.dumps(row, default=str, ensure_ascii=False)[:_RAW_LIMIT]
+
     if not isinstance(row, dict):
-        yield None, where, raw, {}, Quarantine("record is not an object", type(row).__name__)
+        yield None, where, raw(), {}, Quarantine("record is not an object", type(row).__name__)
         return
     text = row.get(src.text_field)
     if not isinstance(text, str) or not text.strip():
-        yield None, where, raw, {}, Quarantine(
+        yield None, where, raw(), {}, Quarantine(
             f"field '{src.text_field}' missing or not a non-empty string", type(text).__name__)
         return
     own_id = row.get(src.id_field)
     if own_id is not None and (isinstance(own_id, bool) or not isinstance(own_id, str | int)):
-        yield None, where, raw, {}, Quarantine(
+        yield None, where, raw(), {}, Quarantine(
             f"field '{src.id_field}' not a string or integer", type(own_id).__name__)
         return
     if len(text.encode("utf-8", "surrogatepass")) > src.max_record_bytes:

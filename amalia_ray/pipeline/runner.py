@@ -48,7 +48,7 @@ class Pipeline:
         self.run_dir = (Path(self.recipe.run.output_dir) / self.run_name).resolve()
         self.force = force
         run = self.recipe.run
-        secrets.redact(run.storage_options)  # remembered, so no log line shows them
+        secrets.remember_in(run.storage_options)  # so no log line or recorded error shows them
         secrets.remember(os.environ.get(self.recipe.serve.api_key_env))
         self.store = RunStore(run.storage, run.storage_options, self.run_name) if run.storage else None
         if self.store and not (self.run_dir / "manifest.json").exists():  # a fresh machine: carry on the stored run
