@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
-from ray.data.expressions import col
 
-from amalia_ray.data.partitions import per_part, to_arrow, with_part
+from amalia_ray.data.partitions import map_blocks, per_part, to_arrow, with_part
 
 STATE = pa.schema([("part", pa.int32()), ("node", pa.string()), ("label", pa.string()),
                    ("nbrs", pa.list_(pa.string())), ("is_self", pa.bool_()), ("changed", pa.bool_())])
@@ -37,17 +37,21 @@ def connected_components(edges: ray.data.Dataset, partitions: int, max_rounds: i
                               part=pl.lit(0, pl.Int32)))
         return with_part(to_arrow(msgs, STATE), "node", partitions)
 
-    state = per_part(edges.map_batches(both_directions, batch_format="pyarrow"), _init_state, partitions).materialize()
+    state = per_part(map_blocks(edges, both_directions), _init_state, partitions)
     rounds = 0
     while True:
         rounds += 1
         if rounds > max_rounds:
             raise RuntimeError(f"connected components did not converge in {max_rounds} rounds")
-        messages = state.map_batches(send, batch_format="pyarrow")
-        state = per_part(state.union(messages), _receive, partitions).materialize()
-        if not state.filter(expr=col("changed")).count():
+        state = per_part([state, map_blocks(state, send)], _receive, partitions)
+        if not sum(ray.get([_changed.remote(block) for block in state.to_arrow_refs()])):
             break
-    return state.select_columns(["node", "label"]), rounds
+    return map_blocks(state, lambda b: b.select(["node", "label"])), rounds
+
+
+@ray.remote
+def _changed(state: pa.Table) -> int:
+    return pc.sum(state["changed"]).as_py() or 0 if len(state) else 0
 
 
 def _init_state(group: pa.Table) -> pa.Table:

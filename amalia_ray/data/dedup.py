@@ -22,6 +22,7 @@ from amalia_ray.data.components import connected_components
 from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, exact_jaccard
 from amalia_ray.data.partitions import (
     configure_data_context,
+    map_blocks,
     partition_count,
     per_part,
     to_arrow,
@@ -68,13 +69,16 @@ def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, thres
     """`docs` (id, text, …) -> dataset of (id, cluster_id, cluster_size) for every document that has a near
     duplicate, and stats. Candidate pairs are kept when their exact shingle Jaccard is >= threshold (None: all)."""
 
+    band_keys = BandKeys(params)
+
     def band_rows(batch: pa.Table) -> pa.Table:
-        keys = pa.concat_arrays([batch[f"key_{b}"].combine_chunks() for b in range(params.bands)])
-        ids = pa.concat_arrays([batch["id"].combine_chunks()] * params.bands)
+        """A batch of documents -> one (key, id, part) row per document and band."""
+        keyed = band_keys(batch)
+        keys = pa.concat_arrays([keyed[f"key_{b}"].combine_chunks() for b in range(params.bands)])
+        ids = pa.concat_arrays([keyed["id"].combine_chunks()] * params.bands)
         return pa.table({"key": keys, "id": ids, "part": pa.array((keys.to_numpy() % partitions).astype(np.int32))})
 
-    keys = docs.select_columns(["id", "text"]).map_batches(BandKeys(params), batch_format="pyarrow")
-    star_edges = per_part(keys.map_batches(band_rows, batch_format="pyarrow"), _bucket_edges, partitions)
+    star_edges = per_part(map_blocks(docs, band_rows), _bucket_edges, partitions)
     if threshold is not None:
         # a pair found in several bands comes once per band here; verification keeps each pair once
         candidates = star_edges.materialize()
@@ -83,14 +87,14 @@ def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, thres
                  if stats["candidate_edges"] else candidates)
     else:
         # one more keyed shuffle (by src) keeps each pair once
-        edges = per_part(star_edges.map_batches(lambda b: with_part(b, "src", partitions), batch_format="pyarrow"),
-                         _unique_edges, partitions).materialize()
+        edges = per_part(map_blocks(star_edges, lambda b: with_part(b, "src", partitions)), _unique_edges,
+                         partitions).materialize()
         stats = {"candidate_edges": edges.count()}
     stats["duplicate_pairs"] = edges.count()
     if not stats["duplicate_pairs"]:
         return ray.data.from_arrow(CLUSTER_SCHEMA.empty_table()), {**stats, "cc_rounds": 0}
     labels, stats["cc_rounds"] = connected_components(edges, partitions)
-    by_label = labels.map_batches(lambda b: with_part(b, "label", partitions), batch_format="pyarrow")
+    by_label = map_blocks(labels, lambda b: with_part(b, "label", partitions))
     return per_part(by_label, _cluster_sizes, partitions), stats
 
 
@@ -116,18 +120,20 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
     """Candidate pairs whose exact shingle-set Jaccard is >= threshold. Shuffle 1 brings each side of a pair to the
     part of its document and attaches that document's shingles; shuffle 2 brings both sides together by pair.
     When the candidates' ids are few enough to send to every task, only those documents are shingled and shuffled."""
-    texts = docs.select_columns(["id", "text"])
+    wanted = None
     if 2 * candidates.count() <= broadcast_rows:  # their ids (not the pairs) are few enough to go to every task
 
         def endpoints(batch: pa.Table) -> pa.Table:
             ids = pa.concat_arrays([batch["src"].combine_chunks(), batch["dst"].combine_chunks()])
             return pa.table({"id": pc.unique(ids)})
 
-        wanted = pc.unique(_collect(candidates.map_batches(endpoints, batch_format="pyarrow"))["id"].combine_chunks())
-        texts = texts.map_batches(lambda b: b.filter(pc.is_in(b["id"], value_set=wanted)), batch_format="pyarrow")
-    hashed = texts.map_batches(ShingleSets(params), batch_format="pyarrow")
+        wanted = pc.unique(_collect(map_blocks(candidates, endpoints))["id"].combine_chunks())
+    shingle_sets = ShingleSets(params)
 
     def doc_rows(batch: pa.Table) -> pa.Table:
+        if wanted is not None:
+            batch = batch.filter(pc.is_in(batch["id"], value_set=wanted))
+        batch = shingle_sets(batch)
         n = len(batch)
         table = pa.table({"part": pa.nulls(n, pa.int32()), "id": batch["id"], "shingles": batch["shingles"],
                           "src": pa.nulls(n, pa.string()), "dst": pa.nulls(n, pa.string()),
@@ -152,8 +158,7 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
         sides = sides.set_column(sides.schema.get_field_index("shingles"), "shingles", docs["shingles"].take(found))
         return with_part(sides, "src", partitions)
 
-    attached = per_part(hashed.map_batches(doc_rows, batch_format="pyarrow")
-                        .union(candidates.map_batches(side_rows, batch_format="pyarrow")), attach_shingles, partitions)
+    attached = per_part([map_blocks(docs, doc_rows), map_blocks(candidates, side_rows)], attach_shingles, partitions)
 
     def keep_similar(group: pa.Table) -> pa.Table:
         df = pl.from_arrow(group.select(["src", "dst", "side", "shingles"]))
