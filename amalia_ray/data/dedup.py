@@ -37,6 +37,9 @@ VERIFY = pa.schema([("part", pa.int32()), ("id", pa.string()), ("shingles", pa.l
                     ("src", pa.string()), ("dst", pa.string()), ("side", pa.int8())])
 # lookup tables up to this many rows are sent to every task instead of being joined by a shuffle
 BROADCAST_ROWS = 5_000_000
+# documents hashed by one task: bounds its memory (word and shingle arrays are a few times the text's size) and
+# keeps every worker busy to the end
+HASH_BATCH_ROWS = 8_192
 
 
 def read_documents(path: Path) -> ray.data.Dataset:
@@ -78,7 +81,7 @@ def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, thres
         ids = pa.concat_arrays([keyed["id"].combine_chunks()] * params.bands)
         return pa.table({"key": keys, "id": ids, "part": pa.array((keys.to_numpy() % partitions).astype(np.int32))})
 
-    star_edges = per_part(map_blocks(docs, band_rows), _bucket_edges, partitions)
+    star_edges = per_part(map_blocks(docs, band_rows, HASH_BATCH_ROWS), _bucket_edges, partitions)
     if threshold is not None:
         # a pair found in several bands comes once per band here; verification keeps each pair once
         candidates = star_edges.materialize()
@@ -158,7 +161,8 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
         sides = sides.set_column(sides.schema.get_field_index("shingles"), "shingles", docs["shingles"].take(found))
         return with_part(sides, "src", partitions)
 
-    attached = per_part([map_blocks(docs, doc_rows), map_blocks(candidates, side_rows)], attach_shingles, partitions)
+    attached = per_part([map_blocks(docs, doc_rows, HASH_BATCH_ROWS), map_blocks(candidates, side_rows)],
+                        attach_shingles, partitions)
 
     def keep_similar(group: pa.Table) -> pa.Table:
         df = pl.from_arrow(group.select(["src", "dst", "side", "shingles"]))
