@@ -115,10 +115,11 @@ def map_blocks(ds: ray.data.Dataset, fn: Callable[[pa.Table], pa.Table], batch_r
     the CPUs it may use from an autoscaling-coordinator actor, asynchronously and at most once a second, so every
     execution starts believing it has none and runs one task alone until the answer comes: on 2 CPUs, four
     one-second map tasks take 3.2 s instead of 2 (bench/dedup_vs_datatrove.py runs about twenty executions)."""
+    fn_ref = ray.put(fn)  # serialized once, not once per task (fn may carry a large lookup table)
     if not batch_rows:
-        return ray.data.from_arrow_refs([_map_slice.remote(fn, block) for block in ds.to_arrow_refs()])
+        return ray.data.from_arrow_refs([_map_slice.remote(fn_ref, block) for block in ds.to_arrow_refs()])
     # a task a slice, not a block: a few large blocks on two workers leave one idle at the end
-    tasks = [_map_slice.remote(fn, ref, lo, batch_rows)
+    tasks = [_map_slice.remote(fn_ref, ref, lo, batch_rows)
              for bundle in ds.iter_internal_ref_bundles()
              for ref, meta in zip(bundle.block_refs, bundle.metadata)
              for lo in range(0, max(meta.num_rows or 0, 1), batch_rows)]
@@ -146,9 +147,10 @@ def per_part(ds: ray.data.Dataset | list[ray.data.Dataset], fn: Callable[[pa.Tab
         return ds[0] if isinstance(ds, list) else ds
     cuts = [_cut.options(num_returns=partitions + 1).remote(block, partitions) for block in blocks]
     sizes = np.sum(ray.get([cut[-1] for cut in cuts]), axis=0)
-    results = [_apply.remote(fn, *[cut[part] for cut in cuts]) for part in range(partitions) if sizes[part]]
+    fn_ref = ray.put(fn)
+    results = [_apply.remote(fn_ref, *[cut[part] for cut in cuts]) for part in range(partitions) if sizes[part]]
     if not results:  # no rows at all: fn's output schema still comes from fn
-        results = [_apply.remote(fn, *[cut[0] for cut in cuts])]
+        results = [_apply.remote(fn_ref, *[cut[0] for cut in cuts])]
     return ray.data.from_arrow_refs(results)
 
 
