@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 import ray
+from ray.data.block import BlockAccessor
 from ray.data.context import ShuffleStrategy
 from ray.data.datasource import FilenameProvider
 
@@ -119,16 +120,22 @@ def map_blocks(ds: ray.data.Dataset, fn: Callable[[pa.Table], pa.Table], batch_r
     if not batch_rows:
         return ray.data.from_arrow_refs([_map_slice.remote(fn_ref, block) for block in ds.to_arrow_refs()])
     # a task a slice, not a block: a few large blocks on two workers leave one idle at the end
-    tasks = [_map_slice.remote(fn_ref, ref, lo, batch_rows)
-             for bundle in ds.iter_internal_ref_bundles()
-             for ref, meta in zip(bundle.block_refs, bundle.metadata)
-             for lo in range(0, max(meta.num_rows or 0, 1), batch_rows)]
+    tasks = []
+    for bundle in ds.iter_internal_ref_bundles():
+        for ref, meta in zip(bundle.block_refs, bundle.metadata):
+            if meta.num_rows is None:  # not known without reading the block: one task for all of it
+                tasks.append(_map_slice.remote(fn_ref, ref))
+            else:
+                tasks.extend(_map_slice.remote(fn_ref, ref, lo, batch_rows)
+                             for lo in range(0, max(meta.num_rows, 1), batch_rows))
     return ray.data.from_arrow_refs(tasks)
 
 
 @ray.remote
 def _map_slice(fn: Callable[[pa.Table], pa.Table], block: pa.Table, start: int = 0, rows: int | None = None
                ) -> pa.Table:
+    if not isinstance(block, pa.Table):  # a block of another format (pandas)
+        block = BlockAccessor.for_block(block).to_arrow()
     return fn(block.slice(start, rows) if rows is not None else block)
 
 
