@@ -1,4 +1,5 @@
-"""Connected components of a duplicate graph on Ray Data, without any process holding all edges.
+"""Connected components of a duplicate graph on Ray tasks over Ray Data blocks, without any process holding all
+edges.
 
 Min-label propagation: every node starts with the smallest id among itself and its neighbours; each round the nodes
 whose label changed send it to their neighbours, and every node keeps the smallest label it hears. A round is one

@@ -3,7 +3,9 @@ exact Jaccard verification (NeMo Curator style) → connected components (distri
 cluster, with `cluster_size` kept as a column so documents can be re-weighted later (FineWeb-2 rehydration).
 Deterministic: same input and seed → same kept ids.
 
-Every shuffle is keyed by a coarse `part` (see partitions.py) and done with vectorized pyarrow/polars inside."""
+Documents are read and written by Ray Data; the steps in between run as Ray tasks over its blocks (`map_blocks`,
+`per_part` in partitions.py: why there). Every shuffle is keyed by a coarse `part` and done with vectorized
+pyarrow/polars inside."""
 
 from __future__ import annotations
 

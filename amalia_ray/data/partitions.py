@@ -1,6 +1,7 @@
 """Keyed shuffles with few, large groups: rows get a `part` column (hash of a key modulo the partition count) and one
-call of a vectorized function (pyarrow/polars) sees every row of its part. Ray Data's `map_groups` calls Python once
-per distinct key, which for millions of singleton keys (LSH buckets, graph nodes) costs more than the work itself.
+call of a vectorized function (pyarrow/polars) sees every row of its part (`per_part`, a hash shuffle on Ray tasks).
+Ray Data's `map_groups` calls Python once per distinct key, which for millions of singleton keys (LSH buckets, graph
+nodes) costs more than the work itself. `map_blocks` maps a dataset's blocks with Ray tasks, for the hashing steps.
 
 Ray Data's own shuffles, where they are still used (sort), take the sort-based pull strategy: on small clusters the
 default hash shuffle's aggregator actors cost seconds per shuffle and hold CPUs that the next operator waits for.
