@@ -53,6 +53,26 @@ def test_shingles_per_text_do_not_depend_on_the_batch():
     assert shingle_set("a b") != shingle_set("b a") and shingle_set("a b") != shingle_set("a b c")
 
 
+def test_shingle_hashes_match_a_per_text_loop():
+    """The vectorized position arithmetic against the definition, text by text: the n-gram at every word position
+    that has n-1 words after it (a text shorter than n: its whole word sequence), hashed position by position."""
+    import polars as pl
+
+    from amalia_ray.data.minhash import mix64
+
+    texts = [" ".join(f"w{j}" for j in range(n)) for n in range(9)] + ["x y", "", "a b c d e f", "um"]
+    for k in (1, 2, 5):
+        p = MinHashParams(ngram=k)
+        mult = p.position_multipliers(k)
+        sh = shingles(pa.array(texts), p)
+        for i, text in enumerate(texts):
+            ws = text.split()
+            hashed = pl.Series(ws, dtype=pl.String).hash(seed=p.seed).to_numpy().astype(np.uint64)
+            grams = [hashed[s:s + k] for s in range(len(ws) - k + 1)] if len(ws) >= k else ([hashed] if ws else [])
+            expected = [int(mix64(np.array([sum((g * mult[:len(g)]).tolist()) % 2**64], np.uint64))[0]) for g in grams]
+            assert sh.hashes[sh.offsets[i]:sh.offsets[i + 1]].tolist() == expected, (k, text)
+
+
 def test_signatures_match_the_definition_and_estimate_jaccard():
     p = MinHashParams(num_perm=256, bands=32)
     a, b = p.coefficients()
