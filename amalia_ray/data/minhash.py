@@ -77,7 +77,9 @@ def simplify(texts: pa.Array) -> pa.Array:
     t = pc.utf8_lower(nfc(pc.fill_null(texts, "")))
     # polars' regex engine runs this replacement in about half the time of pyarrow's (RE2)
     kept = pl.Series(t).str.replace_all(_NOT_WORD, " ").to_arrow()
-    return pc.utf8_trim_whitespace(kept.cast(pa.string()) if kept.type != pa.large_string() else kept)
+    if kept.type not in (pa.string(), pa.large_string()):  # a string view, from some polars versions
+        kept = kept.cast(pa.large_string())
+    return pc.utf8_trim_whitespace(kept)
 
 
 def words(texts: pa.Array) -> tuple[pa.Array, np.ndarray]:
