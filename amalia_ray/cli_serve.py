@@ -128,6 +128,7 @@ def eval_(
     max_tokens: int = 32,
     limit: int | None = None,
     concurrency: int = 8,
+    prompts_per_request: Annotated[int, typer.Option(help="loglik: prompts per request (items kept whole)")] = 24,
     retries: int = 3,
     timeout: float = 120,
     api_key_env: Annotated[str, typer.Option(help="env var holding the server's API key")] = "AMALIA_API_KEY",
@@ -146,8 +147,8 @@ def eval_(
     try:
         task_cfg = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit)
         judge = JudgeConfig(model=judge_model, base_url=judge_base_url) if judge_model else None
-        settings = EvalConfig(tasks=[task_cfg], concurrency=concurrency, retries=retries, request_timeout_s=timeout,
-                              judge=judge)
+        settings = EvalConfig(tasks=[task_cfg], concurrency=concurrency, prompts_per_request=prompts_per_request,
+                              retries=retries, request_timeout_s=timeout, judge=judge)
     except ValidationError as e:
         raise AmaliaError(_options_error(e)) from None
     result = run_task(task_cfg, task, base_url=base_url, model=model, settings=settings, output=output,

@@ -7,9 +7,10 @@ Prints JSON.
 One checkpoint is served once with Ray Serve + vLLM (the embedded local Ray). The task is exported with
 `amalia export-lm-eval` so both harnesses score the same items with the same prompt; `--copies` repeats the items
 (new ids) to make the run long enough to time. Each round runs ours then lm-eval, after a warm-up of both; lm-eval
-gets the same number of concurrent requests as ours (`num_concurrent`), and is also timed at its default (1).
-Reported: wall time per harness (median of rounds), the speed-up, and whether the scores are identical (accuracy,
-acc_norm and the largest difference of any choice's log-likelihood).
+gets the same number of concurrent requests as ours (`num_concurrent`) at its default batch size (1 prompt per
+request); it is also timed with as many prompts per request as ours sends (`batch_size`), and at its default
+concurrency (1). Reported: wall time per harness (median of rounds), the speed-ups, and whether the scores are
+identical (accuracy, acc_norm and the largest difference of any choice's log-likelihood).
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ def main() -> None:
     def ours() -> dict:
         return run_task(task, items, base_url=url, model="bench", settings=settings)
 
-    def theirs(concurrent: int) -> dict:
+    def theirs(concurrent: int, batch: int = 1) -> dict:
         return lm_eval.simple_evaluate(
             model="local-completions", tasks=[task.name], task_manager=manager, log_samples=True,
             model_args=f"model=bench,base_url={url}/completions,tokenizer={args.checkpoint},"
-                       f"tokenizer_backend=huggingface,num_concurrent={concurrent},max_retries=3")
+                       f"tokenizer_backend=huggingface,num_concurrent={concurrent},max_retries=3,batch_size={batch}")
 
     def timed(fn, *a):
         t0 = time.perf_counter()
@@ -87,17 +88,18 @@ def main() -> None:
 
     try:
         ours(), theirs(args.concurrency)  # warm-up: engine caches, tokenizer loads
-        t_ours, t_theirs, t_default = [], [], []
+        t_ours, t_theirs, t_batched, t_default = [], [], [], []
         for _ in range(args.rounds):
             t, our_result = timed(ours)
             t_ours.append(t)
             t, their_result = timed(theirs, args.concurrency)
             t_theirs.append(t)
+            t, batched_result = timed(theirs, args.concurrency, settings.prompts_per_request)
+            t_batched.append(t)
         t_default.append(timed(theirs, 1)[0])
     finally:
         serve_app.stop()
         ray.shutdown()
-    scores = their_result["results"][task.name]
     their_ll = {str(s["doc"]["id"]): [r[0][0] for r in s["resps"]] for s in their_result["samples"][task.name]}
     max_diff = max(abs(a - b) for it in our_result["items"] for a, b in zip(it["logprobs"], their_ll[it["id"]]))
     ours_s, theirs_s = statistics.median(t_ours), statistics.median(t_theirs)
@@ -105,11 +107,15 @@ def main() -> None:
         "benchmark": "eval_vs_lmeval", "task": str(args.task), "items": our_result["n"],
         "choices": sum(len(it["logprobs"]) for it in our_result["items"]), "concurrency": args.concurrency,
         "ours_s": round(ours_s, 2), "lm_eval_s": round(theirs_s, 2), "speedup": round(theirs_s / ours_s, 2),
+        "lm_eval_batched_s": round(statistics.median(t_batched), 2), "lm_eval_batch_size": settings.prompts_per_request,
+        "speedup_vs_lm_eval_batched": round(statistics.median(t_batched) / ours_s, 2),
         "lm_eval_default_concurrency_s": round(t_default[0], 2),
         "speedup_vs_lm_eval_default": round(t_default[0] / ours_s, 2),
-        "rounds": {"ours_s": [round(t, 2) for t in t_ours], "lm_eval_s": [round(t, 2) for t in t_theirs]},
-        "identical_scores": our_result["scores"]["acc"] == scores["acc,none"]
-        and our_result["scores"]["acc_norm"] == scores["acc_norm,none"],
+        "rounds": {"ours_s": [round(t, 2) for t in t_ours], "lm_eval_s": [round(t, 2) for t in t_theirs],
+                   "lm_eval_batched_s": [round(t, 2) for t in t_batched]},
+        "identical_scores": all(our_result["scores"]["acc"] == r["results"][task.name]["acc,none"]
+                                and our_result["scores"]["acc_norm"] == r["results"][task.name]["acc_norm,none"]
+                                for r in (their_result, batched_result)),
         "acc": our_result["scores"]["acc"], "acc_norm": our_result["scores"]["acc_norm"],
         "max_loglik_diff": max_diff,
     }, indent=2))

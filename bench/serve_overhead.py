@@ -103,7 +103,7 @@ def main() -> None:
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.checkpoint),
          "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(args.ports[1]),
          "--max-model-len", str(engine.max_model_len), "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
-         "--dtype", engine.dtype, *(["--enforce-eager"] if engine.enforce_eager else [])],
+         "--dtype", engine.resolved_dtype(use_gpu=False), *(["--enforce-eager"] if engine.enforce_eager else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:

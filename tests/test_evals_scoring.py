@@ -56,7 +56,8 @@ class FakeModel:
                     top = [None] + [{t: lp, "·": -0.5} for t, lp in zip(tokens[1:], lps[1:-1])] + [{"x": -1.0}]
                     choices.append({"index": len(prompts) - 1 - i, "text": prompt + " x",
                                     "logprobs": {"token_logprobs": lps, "top_logprobs": top}})
-                return httpx.Response(200, json={"choices": choices})
+                usage = {"prompt_tokens": sum(len(p.split()) for p in prompts), "completion_tokens": len(prompts)}
+                return httpx.Response(200, json={"choices": choices, "usage": usage})
             return httpx.Response(200, json={"choices": [{"index": 0, "text": self.generate(prompts[0])}],
                                              "usage": {"prompt_tokens": len(prompts[0].split())}})
         finally:
@@ -76,12 +77,12 @@ class FakeModel:
         return " hmm"
 
 
-def run(fake, tmp_path, fmt, rows, **task):
+def run(fake, tmp_path, fmt, rows, prompts_per_request=24, **task):
     path = tmp_path / f"{fmt}.jsonl"
     path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows))
     cfg = EvalTaskConfig(name=fmt, path=str(path), format=fmt, **task)
-    settings = EvalConfig(tasks=[cfg], concurrency=3, retries=2, **({"judge": JudgeConfig(model="juiz")}
-                                                                     if fmt == "judge" else {}))
+    settings = EvalConfig(tasks=[cfg], concurrency=3, retries=2, prompts_per_request=prompts_per_request,
+                          **({"judge": JudgeConfig(model="juiz")} if fmt == "judge" else {}))
     out = tmp_path / "result.json"
     result = run_task(cfg, path, base_url="http://fake/v1", model="m", settings=settings, output=out,
                       transport=httpx.MockTransport(fake))
@@ -102,11 +103,40 @@ def test_loglik_picks_the_likeliest_choice_and_normalizes_by_characters(tmp_path
     assert result["scores"]["acc"] == 0.5 and result["scores"]["acc_stderr"] == pytest.approx(0.5)
     assert result["scores"]["chance"] == pytest.approx((1 / 3 + 1 / 2) / 2)
     assert [r["pred_norm"] for r in result["items"]] == [1, 1]
-    # per item: every context + choice in one request (echo), the context alone in another (its token count)
-    assert len(fake.requests) == 4 and all(r["temperature"] == 0 and r["max_tokens"] == 1 for r in fake.requests)
-    batched = [r["prompt"] for r in fake.requests if r.get("echo")]
-    assert ["Pergunta: Qual é a capital de Portugal?\nResposta: Lisboa" in p for p in batched] == [True, False]
+    # both items in one request: each item's context alone (its token count), then context + each choice
+    (request,) = fake.requests
+    assert request["temperature"] == 0 and request["max_tokens"] == 1 and request["echo"]
+    context = "Pergunta: Qual é a capital de Portugal?\nResposta:"
+    assert request["prompt"][:4] == [context, context + " Madrid", context + " Lisboa", context + " Roma"]
+    assert len(request["prompt"]) == 4 + 3
     assert first["greedy"] == [False, True, False]
+
+
+def test_items_are_grouped_whole_into_requests_and_come_back_in_order(tmp_path):
+    rows = [{"id": str(i), "question": f"pergunta {i}", "choices": ["Lisboa", "Porto", "Faro"][:2 + i % 2],
+             "answer": i % 2} for i in range(7)]
+    grouped, alone = FakeModel(liked={"Lisboa"}, delay=0.01), FakeModel(liked={"Lisboa"})
+    result = run(grouped, tmp_path, "mcq", rows, prompts_per_request=8)
+    # 3, 4, 3, 4, ... prompts per item: never split, at most 8 per request unless one item alone is bigger
+    assert [len(r["prompt"]) for r in grouped.requests] == [7, 7, 7, 3]
+    assert [r["id"] for r in result["items"]] == [str(i) for i in range(7)]
+    assert [r["pred"] for r in result["items"]] == [0] * 7
+    assert run(alone, tmp_path, "mcq", rows, prompts_per_request=1)["items"] == result["items"]
+    assert len(alone.requests) == 7
+
+
+def test_an_echo_without_the_generated_token_is_refused(tmp_path):
+    class NoGeneratedToken(FakeModel):
+        async def __call__(self, request):
+            response = await super().__call__(request)
+            body = json.loads(response.content)
+            for choice in body["choices"]:
+                for key in ("token_logprobs", "top_logprobs"):
+                    choice["logprobs"][key] = choice["logprobs"][key][:-1]
+            return httpx.Response(200, json=body)
+
+    with pytest.raises(AmaliaError, match="exactly one generated token"):
+        run(NoGeneratedToken(), tmp_path, "mcq", MC)
 
 
 def test_acc_norm_can_differ_from_acc(tmp_path):
@@ -186,8 +216,8 @@ def test_transient_errors_are_retried_and_others_are_not(tmp_path):
 def test_requests_in_flight_are_bounded(tmp_path):
     fake = FakeModel(delay=0.02)
     rows = [{"id": str(i), "question": f"q{i}", "choices": ["a", "b", "c"], "answer": 0} for i in range(10)]
-    result = run(fake, tmp_path, "mcq", rows)
-    assert result["n"] == 10 and fake.max_in_flight == 3
+    result = run(fake, tmp_path, "mcq", rows, prompts_per_request=4)  # one item (4 prompts) per request
+    assert result["n"] == 10 and len(fake.requests) == 10 and fake.max_in_flight == 3
 
 
 def test_lm_eval_export(tmp_path):

@@ -45,6 +45,11 @@ def test_serve_config_is_a_valid_serve_deploy_file(checkpoint, monkeypatch):
     assert [c.model_id for c in llm] == ["base", "sft"]
     assert llm[0].deployment_config["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3,
                                                               "target_ongoing_requests": 4}
+    # auto: fp32 on CPU (vLLM's own auto runs bf16 there, a scalar fallback without native bf16), bf16 on GPU
+    assert llm[0].engine_kwargs["dtype"] == "float32"
+    assert serve_app.llm_config("m", checkpoint, cfg, use_gpu=True)["engine_kwargs"]["dtype"] == "bfloat16"
+    pinned = ServeConfig.model_validate({"engine": {"dtype": "bfloat16"}})
+    assert serve_app.llm_config("m", checkpoint, pinned, use_gpu=False)["engine_kwargs"]["dtype"] == "bfloat16"
 
 
 def test_no_key_set_means_an_open_endpoint_and_a_bad_checkpoint_is_named(checkpoint, tmp_path, monkeypatch):

@@ -2,8 +2,10 @@
 the choice whose continuation tokens have the highest summed log-probability (acc), or the highest per character of
 the choice (acc_norm). As in lm-eval, context+continuation is tokenized whole and split after the context's own token
 count, and the one generated token (`max_tokens` 1) is dropped — so no local tokenizer is needed, the model is reached
-only over HTTP. Per item, one request carries every context+choice as a list of prompts, which the server runs as
-one batch, and a light one (no echo) counts the context's tokens."""
+only over HTTP. The context's token count comes from echoing the context alone. Items travel in groups: one request
+carries, for several items, each context and each context+choice as a list of prompts, which the server runs as one
+batch (an item's prompts never split across requests) — per-request overhead, not the model, is what costs most on a
+small served model."""
 
 from __future__ import annotations
 
@@ -31,22 +33,61 @@ def _continuation(choice: dict, n_ctx: int) -> tuple[float, bool]:
     return float(sum(token_logprobs)), greedy
 
 
-async def context_length(client: OpenAIClient, context: str) -> int:
-    """The context's own token count, from a plain completion (no echo: prompt log-probabilities are the costly
-    part of scoring, and this one needs none)."""
-    r = await client.post("/completions", {"prompt": context, "max_tokens": 1, "temperature": 0})
-    return r["usage"]["prompt_tokens"]
+def groups_of(items: list[MCItem], prompts_per_request: int) -> list[list[MCItem]]:
+    """Consecutive items whose prompts (the context, then context+choice for each choice) fit one request; an item
+    with more prompts than the cap goes alone."""
+    groups: list[list[MCItem]] = []
+    size = 0
+    for item in items:
+        n = 1 + len(item.choices)
+        if not groups or size + n > prompts_per_request:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    return groups
 
 
-async def score_item(client: OpenAIClient, item: MCItem) -> dict:
-    context = context_of(item)
-    prompts = [context + DELIMITER + c for c in item.choices]
-    n_ctx, r = await asyncio.gather(context_length(client, context), client.post(
-        "/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}))
+def _check_echo(items: list[MCItem], outputs: list[dict], usage: dict | None) -> None:
+    """Every echo must be its prompt's tokens then exactly one generated token, or the split after the context
+    would be off: checked against the server's own token counts when it reports them."""
+    counts = [(usage or {}).get(k) for k in ("prompt_tokens", "completion_tokens")]
+    if not all(isinstance(n, int) for n in counts):
+        return
+    echoed = sum(len(o["logprobs"]["token_logprobs"]) for o in outputs)
+    if usage["completion_tokens"] != len(outputs) or echoed != usage["prompt_tokens"] + usage["completion_tokens"]:
+        raise AmaliaError(
+            f"items {items[0].id}…{items[-1].id}: the server echoed {echoed} tokens for {len(outputs)} prompts of "
+            f"{usage['prompt_tokens']} tokens with {usage['completion_tokens']} generated; log-likelihood scoring "
+            "needs each prompt's tokens followed by exactly one generated token (max_tokens 1)")
+
+
+async def score_group(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
+    prompts = []
+    for item in items:
+        context = context_of(item)
+        prompts += [context] + [context + DELIMITER + c for c in item.choices]
+    r = await client.post("/completions",
+                          {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1})
     outputs = sorted(r["choices"], key=lambda c: c["index"])
     if len(outputs) != len(prompts):
-        raise AmaliaError(f"item {item.id}: {len(prompts)} prompts sent, {len(outputs)} completions returned")
-    scored = [_continuation(out, n_ctx) for out in outputs]
+        raise AmaliaError(f"items {items[0].id}…{items[-1].id}: {len(prompts)} prompts sent, "
+                          f"{len(outputs)} completions returned")
+    _check_echo(items, outputs, r.get("usage"))
+    rows, at = [], 0
+    for item in items:
+        n_ctx = len(outputs[at]["logprobs"]["token_logprobs"]) - 1  # the context's tokens, without the generated one
+        rows.append(_row(item, [_continuation(out, n_ctx) for out in outputs[at + 1:at + 1 + len(item.choices)]]))
+        at += 1 + len(item.choices)
+    return rows
+
+
+async def score_items(client: OpenAIClient, items: list[MCItem], prompts_per_request: int) -> list[dict]:
+    done = await asyncio.gather(*(score_group(client, g) for g in groups_of(items, prompts_per_request)))
+    return [row for rows in done for row in rows]
+
+
+def _row(item: MCItem, scored: list[tuple[float, bool]]) -> dict:
     logprobs = [lp for lp, _ in scored]
     normed = [lp / len(c) for lp, c in zip(logprobs, item.choices)]  # lm-eval divides by the choice's characters
     pred = max(range(len(logprobs)), key=logprobs.__getitem__)

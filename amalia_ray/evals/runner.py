@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -32,18 +33,21 @@ def metrics_of(task: EvalTaskConfig) -> tuple[str, ...]:
 
 
 def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClient | None, settings: EvalConfig):
+    """A coroutine function from the task's items to their rows, in item order."""
+    if task.format in CHOICE_FORMATS and task.scoring == "loglik":
+        return lambda items: loglik.score_items(client, items, settings.prompts_per_request)
     gen = {"max_tokens": task.max_tokens, "chat": task.chat}
     if task.format in CHOICE_FORMATS:
-        if task.scoring == "loglik":
-            return lambda item: loglik.score_item(client, item)
-        return lambda item: generate.score_mc_generation(client, item, **gen)
-    if task.format == "cloze":
-        return lambda item: generate.score_cloze(client, item, **gen)
-    if task.format == "variety":
-        return lambda item: generate.score_variety_of_generation(client, item, **gen)
-    j = settings.judge
-    return lambda item: judge.score_judged(client, judge_client, item, **gen, judge_chat=j.chat,
-                                           rubric=j.rubric or judge.DEFAULT_RUBRIC)
+        one = partial(generate.score_mc_generation, client, **gen)
+    elif task.format == "cloze":
+        one = partial(generate.score_cloze, client, **gen)
+    elif task.format == "variety":
+        one = partial(generate.score_variety_of_generation, client, **gen)
+    else:
+        j = settings.judge
+        one = partial(judge.score_judged, client, judge_client, **gen, judge_chat=j.chat,
+                      rubric=j.rubric or judge.DEFAULT_RUBRIC)
+    return lambda items: asyncio.gather(*(one(item) for item in items))
 
 
 def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str, settings: EvalConfig,
@@ -63,8 +67,7 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
                 judge_key = os.environ.get(j.api_key_env) if j.api_key_env else api_key
                 judge_client = OpenAIClient(j.base_url or base_url, j.model, api_key=judge_key, **client_args)
             try:
-                score = _scorer(task, client, judge_client, settings)
-                return await asyncio.gather(*(score(item) for item in items))
+                return list(await _scorer(task, client, judge_client, settings)(items))
             finally:
                 for c in (client, judge_client):
                     for k, n in (c.usage.items() if c else ()):

@@ -56,7 +56,7 @@ def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool)
         },
         "placement_group_config": {"bundles": [bundle]},
         "engine_kwargs": {
-            "dtype": engine.dtype,
+            "dtype": engine.resolved_dtype(use_gpu),
             "max_model_len": engine.max_model_len,
             "enforce_eager": engine.enforce_eager,
             "gpu_memory_utilization": engine.gpu_memory_utilization,

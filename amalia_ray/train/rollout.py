@@ -15,6 +15,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from amalia_ray.core.config import EngineConfig
 from amalia_ray.core.storage import jsonl_rows
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -49,9 +50,7 @@ class RolloutEngine:
 
 
 def start_engine(model_dir: str, engine: dict, seed: int, use_gpu: bool):
-    dtype = engine.get("dtype", "auto")
-    if dtype == "auto":  # as training: bf16 on GPU, fp32 on CPU (faster there)
-        dtype = "bfloat16" if use_gpu else "float32"
+    dtype = EngineConfig.model_validate(engine).resolved_dtype(use_gpu)
     actor = ray.remote(RolloutEngine).options(
         num_cpus=1, num_gpus=1 if use_gpu else 0,
         runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
