@@ -154,7 +154,8 @@ def eval_(
     result = run_task(task_cfg, task, base_url=base_url, model=model, settings=settings, output=output,
                       api_key=os.environ.get(api_key_env) or None)
     console.print_json(json.dumps({"task": result["task"], "format": result["format"], "method": result["method"],
-                                   "model": model, "n": result["n"], **result["scores"]}))
+                                   "model": model, "n": result["n"], **result["scores"],
+                                   **({"rejected": result["rejected"]} if result["rejected"] else {})}))
 
 
 @app.command("export-lm-eval")

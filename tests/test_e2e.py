@@ -473,6 +473,7 @@ def test_eval_command_line_contract(served, tmp_path):
     predictions, for a PHEB exam file, a variety task and an LLM-judged task."""
     env = {**os.environ, "AMALIA_API_KEY": served["key"]}
     tasks = Path(__file__).parent.parent / "evals" / "tasks"
+    cli_eval = [sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"]]
     for fmt, name, metric in [("pheb", "pheb_sample.json", "acc"), ("variety", "variety_sample.jsonl", "pt_pt")]:
         out = tmp_path / f"{fmt}.json"
         proc = subprocess.run([sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"],
@@ -483,6 +484,17 @@ def test_eval_command_line_contract(served, tmp_path):
         assert result["model"] == "pre-copy" and result["format"] == fmt and len(result["items"]) == result["n"] >= 8
         assert 0.0 <= result["scores"][metric] <= 1.0 and f"{metric}_stderr" in result["scores"]
     assert set(json.loads((tmp_path / "pheb.json").read_text())["by_subject"]) >= {"Matemática", "História"}
+    # an item over the served context (512 tokens) is refused by vLLM (400): reported, the others still scored
+    rows = [json.loads(ln) for ln in (tasks / "pt_mc_sample.jsonl").open()][:3]
+    rows[1]["question"] = "Qual é a palavra que se repete? " + "palavra " * 800
+    long_task = tmp_path / "long.jsonl"
+    long_task.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    proc = subprocess.run([*cli_eval, "--model", "pre", "--task", str(long_task), "--output", str(tmp_path / "l.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "l.json").read_text())
+    assert result["n"] == 2 and result["rejected"] == 1 and "HTTP 400" in result["items"][1]["rejected"]
+    assert [it["id"] for it in result["items"]] == [r["id"] for r in rows] and "rejected" in proc.stderr
     # ALBA-style: the served model answers, a served judge (here the same tiny model under its other id) grades
     proc = subprocess.run([sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"], "--model",
                            "pre", "--task", str(tasks / "judge_sample.jsonl"), "--format", "judge", "--judge-model",
@@ -496,7 +508,7 @@ def test_eval_command_line_contract(served, tmp_path):
 
 
 @pytest.mark.reliability
-def test_a_replica_killed_during_an_evaluation(served):
+def test_a_replica_killed_during_an_evaluation(served, tmp_path):
     """The vLLM replica serving `pre-copy` SIGKILLed, engine process and all, while an evaluation runs against it:
     Serve starts a new replica, the client retries the requests that failed, and every score and log-likelihood
     equals those of an undisturbed evaluation of the same task."""
@@ -505,10 +517,14 @@ def test_a_replica_killed_during_an_evaluation(served):
     from amalia_ray.core.config import EvalConfig, EvalTaskConfig
     from amalia_ray.evals.runner import run_task
 
-    task = EvalTaskConfig(name="mc", path=str(Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl"))
-    settings = EvalConfig(concurrency=2)  # slow enough that requests are in flight when the replica dies
+    sample = [json.loads(ln) for ln in (Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl").open()]
+    items = tmp_path / "mc.jsonl"  # the sample 8 times (new ids), one item per request, 2 in flight: a run of seconds
+    items.write_text("".join(json.dumps({**row, "id": f"{row['id']}-{k}"}) + "\n" for k in range(8) for row in sample))
+    task = EvalTaskConfig(name="mc", path=str(items))
+    settings = EvalConfig(concurrency=2, prompts_per_request=1)
     args = dict(base_url=served["url"], model="pre-copy", settings=settings, api_key=served["key"])
-    calm = run_task(task, Path(task.path), **args)
+    calm = run_task(task, items, **args)
+    assert calm["wall_time_s"] > 2.0, "the evaluation must still be running when the replica is killed after 1 s"
 
     def replica() -> psutil.Process:
         for p in psutil.Process(served["pid"]).children(recursive=True):
@@ -522,7 +538,7 @@ def test_a_replica_killed_during_an_evaluation(served):
 
     victim = replica()
     outcome: list = []
-    runner = threading.Thread(target=lambda: outcome.append(run_task(task, Path(task.path), **args)))
+    runner = threading.Thread(target=lambda: outcome.append(run_task(task, items, **args)))
     runner.start()
     time.sleep(1.0)
     for p in [*victim.children(recursive=True), victim]:  # the engine core dies with it, as in a node crash

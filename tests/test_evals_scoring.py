@@ -202,11 +202,42 @@ def test_judge_score_parsing(text, score):
     assert parse_score(text) == score
 
 
+class TooLong(FakeModel):
+    """Answers 400, as vLLM does for a prompt over the model's context, to any request holding a 'LONGO' prompt."""
+
+    async def __call__(self, request):
+        body = json.loads(request.content)
+        text = json.dumps(body.get("prompt") or body.get("messages"), ensure_ascii=False)
+        if "LONGO" in text:
+            self.requests.append({"path": request.url.path, "rejected": True, **body})
+            return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 512"}})
+        return await super().__call__(request)
+
+
+@pytest.mark.parametrize("fmt, task", [("mcq", {}), ("mcq", {"method": "generate"})])
+def test_an_item_the_server_refuses_is_reported_and_the_rest_still_scored(tmp_path, fmt, task):
+    rows = [{**MC[0], "id": "a"}, {**MC[1], "id": "b", "question": "LONGO " * 3}, {**MC[0], "id": "c"}]
+    fake = TooLong(liked={"Lisboa"})
+    result = run(fake, tmp_path, fmt, rows, **task)
+    assert result["n"] == 2 and result["rejected"] == 1
+    assert [r["id"] for r in result["items"]] == ["a", "b", "c"]
+    assert "maximum context length" in result["items"][1]["rejected"] and "acc" not in result["items"][1]
+    assert result["scores"]["acc"] == 1.0 and result["scores"]["chance"] == pytest.approx(1 / 3)
+    if not task:  # the group was refused whole, then sent again item by item
+        assert len(fake.requests[0]["prompt"]) == 4 + 3 + 4
+        assert sorted(len(r["prompt"]) for r in fake.requests[1:]) == [3, 4, 4]
+    with pytest.raises(AmaliaError, match="rejected every item, e.g. item b: .*maximum context length"):
+        run(TooLong(), tmp_path, fmt, rows[1:2], **task)
+
+
 def test_transient_errors_are_retried_and_others_are_not(tmp_path):
     fake = FakeModel(liked={"Lisboa"}, fail_first=2)
     assert run(fake, tmp_path, "mcq", MC[:1])["scores"]["acc"] == 1.0
-    with pytest.raises(AmaliaError, match="failed for model 'm': HTTP 400"):
-        run(FakeModel(fail_first=99, status=400), tmp_path, "mcq", MC[:1])
+    for status in (401, 404):  # the key or the model id: every request would fail alike
+        refused = FakeModel(fail_first=99, status=status)
+        with pytest.raises(AmaliaError, match=f"failed for model 'm': HTTP {status}"):
+            run(refused, tmp_path, "mcq", MC)
+        assert refused.calls == 1
     broken = FakeModel(fail_first=99, status=503)
     with pytest.raises(AmaliaError, match="HTTP 503"):
         run(broken, tmp_path, "mcq", MC[:1])

@@ -12,6 +12,11 @@ import httpx
 from amalia_ray.core.errors import AmaliaError
 
 TRANSIENT = {408, 429, 500, 502, 503, 504}
+REJECTED = {400, 413, 422}  # about this request's content (a prompt over the context), not the server or the key
+
+
+class RequestRejected(AmaliaError):
+    """The server refused this request's content (400/413/422): the caller may go on with other requests."""
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns everything else
 
 
@@ -48,6 +53,8 @@ class OpenAIClient:
                                 self.usage[k] += n
                         return body
                     error = f"HTTP {r.status_code}: {r.text[:300]}"
+                    if r.status_code in REJECTED:
+                        raise RequestRejected(f"{self.base_url}{path} rejected for model '{self.model}': {error}")
                     if r.status_code not in TRANSIENT:
                         break
                 if attempt < self.retries:

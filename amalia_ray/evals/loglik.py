@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.openai_client import OpenAIClient
+from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
+from amalia_ray.evals.metrics import rejected_row
 from amalia_ray.evals.tasks import MCItem
 
 TEMPLATE = "Pergunta: {question}\nResposta:"
@@ -83,8 +84,20 @@ async def score_group(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
 
 
 async def score_items(client: OpenAIClient, items: list[MCItem], prompts_per_request: int) -> list[dict]:
-    done = await asyncio.gather(*(score_group(client, g) for g in groups_of(items, prompts_per_request)))
+    done = await asyncio.gather(*(_group_or_each(client, g) for g in groups_of(items, prompts_per_request)))
     return [row for rows in done for row in rows]
+
+
+async def _group_or_each(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
+    """A group the server refuses is sent again item by item, so one item it cannot take (a prompt over the model's
+    context) is reported as rejected without losing the others."""
+    try:
+        return await score_group(client, items)
+    except RequestRejected as e:
+        if len(items) == 1:
+            return [rejected_row(items[0], e)]
+        done = await asyncio.gather(*(_group_or_each(client, [item]) for item in items))
+        return [row for rows in done for row in rows]
 
 
 def _row(item: MCItem, scored: list[tuple[float, bool]]) -> dict:

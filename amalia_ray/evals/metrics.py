@@ -27,9 +27,15 @@ def summarize(rows: list[dict], metrics: tuple[str, ...]) -> dict:
     return out
 
 
+def rejected_row(item, error: Exception) -> dict:
+    """An item the server refused (e.g. its prompt is over the model's context): kept in the result with the
+    server's message, left out of every score."""
+    return {"id": item.id, "rejected": str(error), "meta": getattr(item, "meta", {})}
+
+
 def by_group(rows: list[dict], key: str, metrics: tuple[str, ...]) -> dict:
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
-        if r.get("meta", {}).get(key) is not None:
+        if r.get("meta", {}).get(key) is not None and "rejected" not in r:
             groups[str(r["meta"][key])].append(r)
     return {g: {**summarize(rs, metrics), "n": len(rs)} for g, rs in sorted(groups.items())}

@@ -4,6 +4,7 @@ and every item's prediction. Requests run concurrently (bounded) with retries on
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from functools import partial
@@ -12,11 +13,14 @@ from pathlib import Path
 import httpx
 
 from amalia_ray.core.config import EvalConfig, EvalTaskConfig
-from amalia_ray.core.openai_client import OpenAIClient
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
 from amalia_ray.core.storage import write_json
 from amalia_ray.evals import generate, judge, loglik
-from amalia_ray.evals.metrics import by_group, summarize
+from amalia_ray.evals.metrics import by_group, rejected_row, summarize
 from amalia_ray.evals.tasks import CHOICE_FORMATS, load_task
+
+log = logging.getLogger("amalia_ray.evals")
 
 METRICS = {
     ("choice", "loglik"): ("acc", "acc_norm"),
@@ -47,7 +51,14 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
         j = settings.judge
         one = partial(judge.score_judged, client, judge_client, **gen, judge_chat=j.chat,
                       rubric=j.rubric or judge.DEFAULT_RUBRIC)
-    return lambda items: asyncio.gather(*(one(item) for item in items))
+
+    async def kept(item):  # an item the server refuses is reported, the others still scored
+        try:
+            return await one(item)
+        except RequestRejected as e:
+            return rejected_row(item, e)
+
+    return lambda items: asyncio.gather(*(kept(item) for item in items))
 
 
 def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str, settings: EvalConfig,
@@ -77,15 +88,23 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
 
     t0 = time.perf_counter()
     rows = asyncio.run(go())
+    rejected = [r for r in rows if "rejected" in r]
+    if rejected:
+        if len(rejected) == len(rows):
+            raise AmaliaError(f"task {task.name}: the server rejected every item, e.g. item {rejected[0]['id']}: "
+                              f"{rejected[0]['rejected']}")
+        log.warning(f"task {task.name}: {len(rejected)} of {len(rows)} items rejected by the server and left out "
+                    f"of the scores (in the result's items), e.g. item {rejected[0]['id']}: {rejected[0]['rejected']}")
     metrics = metrics_of(task)
     scores = summarize(rows, metrics)
     if task.format in CHOICE_FORMATS:
-        scores["chance"] = sum(1 / len(it.choices) for it in items) / len(items)
+        scored = [it for it, r in zip(items, rows) if "rejected" not in r]
+        scores["chance"] = sum(1 / len(it.choices) for it in scored) / len(scored)
     if any("invalid" in r for r in rows):
         scores["invalid"] = sum(bool(r.get("invalid")) for r in rows)
     result = {"task": task.name, "format": task.format, "method": task.scoring, "model": model, "base_url": base_url,
-              "task_path": str(task_path), "wall_time_s": time.perf_counter() - t0, "scores": scores, "n": len(rows),
-              "usage": usage}
+              "task_path": str(task_path), "wall_time_s": time.perf_counter() - t0, "scores": scores,
+              "n": len(rows) - len(rejected), "rejected": len(rejected), "usage": usage}
     if task.format == "pheb":
         result["by_subject"] = by_group(rows, "subject", metrics)
     if task.format == "judge":

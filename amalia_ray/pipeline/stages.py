@@ -153,6 +153,7 @@ def _serve_and_evaluate(p: Pipeline, models: dict[str, Path]) -> dict:
                                settings=r.eval, output=p.stage_dir("eval") / model_id / f"{task.name}.json",
                                api_key=serve_app.api_key(r.serve))
                 out["results"][f"{model_id}/{task.name}"] = {**res["scores"], "n": res["n"],
+                                                             "rejected": res["rejected"],
                                                              "metric": metrics_of(task)[0]}
                 out["tokens_processed"] += sum(res["usage"].values())
     finally:
