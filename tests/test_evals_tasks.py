@@ -37,6 +37,10 @@ def test_answer_forms_and_choice_dicts(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     assert [it.answer for it in load_task(path, "mcq")] == [2, 1, 0, 1]
+    numbered = {str(i): f"c{i}" for i in (10, 2, 1, 11, 3, 4, 5, 6, 7, 8, 9)}  # not "1", "10", "11", "2", …
+    path.write_text(json.dumps({"question": "q", "choices": numbered, "answer": "c10"}))
+    (item,) = load_task(path, "mcq")
+    assert item.choices == [f"c{i}" for i in range(1, 12)] and item.answer == 9
 
 
 def test_json_array_keeps_line_numbers(tmp_path):

@@ -150,8 +150,8 @@ def _text(row: dict, names: tuple[str, ...], where: str, required: bool = True) 
 
 def _choices(row: dict, where: str) -> list[str]:
     value = _field(row, CHOICES, where)
-    if isinstance(value, dict):  # {"A": "...", "B": "..."}
-        value = [value[k] for k in sorted(value)]
+    if isinstance(value, dict):  # {"A": "...", "B": "..."}, or numbered keys {"1": ..., …, "10": ...}
+        value = [value[k] for k in sorted(value, key=lambda k: (0, int(k), "") if k.isdigit() else (1, 0, k))]
     if not isinstance(value, list) or len(value) < 2 or not all(isinstance(c, str) and c.strip() for c in value):
         raise TaskError(f"{where}: field 'choices' must be a list (or A/B/… dict) of at least 2 non-empty strings")
     return value
