@@ -165,6 +165,9 @@ def test_multiple_choice_by_generation(tmp_path):
 @pytest.mark.parametrize("text, expected", [
     ("\\boxed{C}", 2), ("A resposta correta é (B).", 1), ("b) Lisboa", 1), ("Resposta: A", 0),
     ("Penso que é Lisboa.", 1), ("Não sei.", None), ("A ou B?", None), ("\\boxed{E}", None),
+    # reasoning models (R1's format): the answer after the reasoning, not a letter weighed inside it
+    ("<think>Não é A. Talvez C?</think> <answer>B</answer>", 1), ("<think>A ou C…</think>\nResposta: C", 2),
+    ("<think>Será A? Será", None), ("<answer>Roma</answer>", 2),
 ])
 def test_answer_extraction(text, expected):
     assert extract_choice(text, ["Madrid", "Lisboa", "Roma"]) == expected
@@ -175,6 +178,7 @@ def test_cloze_exact_match_on_the_first_generated_word(tmp_path):
     result = run(FakeModel(), tmp_path, "cloze", rows)
     assert [r["pred"] for r in result["items"]] == ["Lisboa", "hmm"]
     assert result["scores"]["exact_match"] == 0.5 and first_word("  «Olá», disse") == "Olá"
+    assert first_word("<think>Lisboa ou Porto</think> Porto.") == "Porto"
 
 
 def test_variety_rate_of_generations(tmp_path):

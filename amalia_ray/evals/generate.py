@@ -25,6 +25,21 @@ async def generate(client: OpenAIClient, prompt: str, *, max_tokens: int, chat: 
     return r["choices"][0]["text"]
 
 
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def final_answer(text: str) -> str:
+    """The part of a generation that gives the answer, for reasoning models (DeepSeek-R1's format, which our GRPO
+    stage rewards): inside the last `<answer>…</answer>`, else what follows `</think>`; a reasoning block that never
+    closed (the generation ran out of tokens mid-thought) gives no answer. Other text is the answer as it is."""
+    tagged = _ANSWER_TAG.findall(text)
+    if tagged:
+        return tagged[-1]
+    if "</think>" in text:
+        return text.rsplit("</think>", 1)[1]
+    return "" if "<think>" in text else text
+
+
 def mc_prompt(item: MCItem) -> str:
     return MC_TEMPLATE.format(question=item.question, options=lettered_options(item.choices))
 
@@ -32,6 +47,7 @@ def mc_prompt(item: MCItem) -> str:
 def extract_choice(text: str, choices: list[str]) -> int | None:
     """The chosen option in a generation, most explicit form first; None when it names none (or several)."""
     valid = LETTERS[:len(choices)]
+    text = final_answer(text)
     patterns = (
         r"\\boxed\{\s*\(?([A-Za-z])\)?\s*\}",  # \boxed{B}
         r"(?i:resposta|answer|op[çc][ãa]o|alternativa)(?:\s+(?i:correta|certa|final))?\s*(?:[:=]|(?i:é|is))?\s*"
@@ -58,7 +74,7 @@ async def score_mc_generation(client: OpenAIClient, item: MCItem, *, max_tokens:
 
 
 def first_word(text: str) -> str:
-    words = text.strip().split()
+    words = final_answer(text).strip().split()
     return words[0].strip(PUNCTUATION) if words else ""
 
 
@@ -72,7 +88,7 @@ async def score_cloze(client: OpenAIClient, item: ClozeItem, *, max_tokens: int,
 async def score_variety_of_generation(client: OpenAIClient, item: PromptItem, *, max_tokens: int,
                                       chat: bool) -> dict:
     text = await generate(client, item.prompt, max_tokens=max_tokens, chat=chat)
-    score = score_variety(text)
+    score = score_variety(final_answer(text))
     label = score.label()
     return {"id": item.id, "generation": text, "label": label, "pt_pt_score": score.pt_pt,
             "pt_cues": score.pt_cues, "br_cues": score.br_cues, "pt_pt": float(label == "pt-PT"),

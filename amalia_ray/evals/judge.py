@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from amalia_ray.core.openai_client import OpenAIClient
-from amalia_ray.evals.generate import generate
+from amalia_ray.evals.generate import final_answer, generate
 from amalia_ray.evals.tasks import PromptItem
 
 DEFAULT_RUBRIC = ("correção linguística em português europeu (ortografia, gramática, vocabulário), adequação e "
@@ -44,7 +44,7 @@ def parse_score(text: str) -> int | None:
 async def score_judged(client: OpenAIClient, judge: OpenAIClient, item: PromptItem, *, max_tokens: int,
                        chat: bool, judge_chat: bool = True, rubric: str = DEFAULT_RUBRIC) -> dict:
     answer = await generate(client, item.prompt, max_tokens=max_tokens, chat=chat)
-    verdict = await generate(judge, judge_prompt(item, answer, rubric), max_tokens=32, chat=judge_chat)
-    score = parse_score(verdict)
+    verdict = await generate(judge, judge_prompt(item, final_answer(answer), rubric), max_tokens=32, chat=judge_chat)
+    score = parse_score(final_answer(verdict))
     return {"id": item.id, "generation": answer, "judge_reply": verdict, "score": score,
             "invalid": score is None, "meta": item.meta}
