@@ -560,12 +560,16 @@ def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):
     from amalia_ray.data.tasks import arithmetic_tasks
 
     seeds = tmp_path / "seeds.jsonl"
-    write_jsonl(arithmetic_tasks(12, seed=3), seeds)
+    # and one seed over the served context (512 tokens): the server refuses it, it is quarantined, the rest expand
+    write_jsonl([*arithmetic_tasks(12, seed=3), {"id": "longo", "prompt": "Repete: " + "palavra " * 800}], seeds)
     common = {"base_url": served["url"], "model": "pre", "per_seed": 3, "max_tokens": 24, "api_key": served["key"]}
     everything = synthesize(seeds, tmp_path / "all.jsonl", **common)
     accepted = synthesize(seeds, tmp_path / "kept.jsonl", **common, reward="has_number")
     rows = read_jsonl(tmp_path / "all.jsonl")
-    assert everything["seeds"] == 12 and everything["sampled"] == 36 and len(rows) == everything["kept"] >= 18
+    assert everything["seeds"] == 13 and everything["sampled"] == 36 and len(rows) == everything["kept"] >= 18
+    assert everything["rejected_seeds"] == 1 and "longo" not in {r["seed_id"] for r in rows}
+    (refused,) = read_jsonl(Path(everything["rejected_file"]))
+    assert refused["seed_id"] == "longo" and "HTTP 400" in refused["error"]
     seed_prompts = {t["id"]: t["prompt"] for t in read_jsonl(seeds)}
     for row in rows:
         assert row["model"] == "pre" and row["reward"] is None

@@ -13,11 +13,11 @@ from amalia_ray.core.errors import AmaliaError
 
 TRANSIENT = {408, 429, 500, 502, 503, 504}
 REJECTED = {400, 413, 422}  # about this request's content (a prompt over the context), not the server or the key
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns everything else
 
 
 class RequestRejected(AmaliaError):
     """The server refused this request's content (400/413/422): the caller may go on with other requests."""
-logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns everything else
 
 
 class OpenAIClient:
