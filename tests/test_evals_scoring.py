@@ -138,6 +138,14 @@ def test_an_echo_without_the_generated_token_is_refused(tmp_path):
     with pytest.raises(AmaliaError, match="exactly one generated token"):
         run(NoGeneratedToken(), tmp_path, "mcq", MC)
 
+    class NoEcho(FakeModel):  # a server that ignores echo: completions without prompt log-probabilities
+        async def __call__(self, request):
+            body = json.loads((await super().__call__(request)).content)
+            return httpx.Response(200, json={**body, "choices": [{**c, "logprobs": None} for c in body["choices"]]})
+
+    with pytest.raises(AmaliaError, match="no prompt log-probabilities .*method: generate"):
+        run(NoEcho(), tmp_path, "mcq", MC)
+
 
 def test_acc_norm_can_differ_from_acc(tmp_path):
     rows = [{"question": "q", "choices": ["um dois tres quatro", "sim"], "answer": 0}]

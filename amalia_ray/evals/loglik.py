@@ -52,6 +52,11 @@ def groups_of(items: list[MCItem], prompts_per_request: int) -> list[list[MCItem
 def _check_echo(items: list[MCItem], outputs: list[dict], usage: dict | None) -> None:
     """Every echo must be its prompt's tokens then exactly one generated token, or the split after the context
     would be off: checked against the server's own token counts when it reports them."""
+    if not all(isinstance((o.get("logprobs") or {}).get("token_logprobs"), list) for o in outputs):
+        raise AmaliaError(
+            f"items {items[0].id}…{items[-1].id}: the server returned no prompt log-probabilities for `echo` + "
+            "`logprobs` on /v1/completions; log-likelihood scoring needs a server that echoes them (vLLM does), "
+            "or score the task by generation (method: generate)")
     counts = [(usage or {}).get(k) for k in ("prompt_tokens", "completion_tokens")]
     if not all(isinstance(n, int) for n in counts):
         return
