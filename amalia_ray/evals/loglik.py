@@ -101,8 +101,7 @@ async def _group_or_each(client: OpenAIClient, items: list[MCItem]) -> list[dict
     except RequestRejected as e:
         if len(items) == 1:
             return [rejected_row(items[0], e)]
-        done = await asyncio.gather(*(_group_or_each(client, [item]) for item in items))
-        return [row for rows in done for row in rows]
+        return await score_items(client, items, prompts_per_request=1)  # a group of one item each
 
 
 def _row(item: MCItem, scored: list[tuple[float, bool]]) -> dict:
