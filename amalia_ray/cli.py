@@ -104,8 +104,14 @@ def validate(recipe: RecipeArg = DEFAULT_RECIPE) -> None:
 
     loaded = load_recipe(recipe)
     r = loaded.recipe
+    base = ""
+    if r.model.base:
+        from amalia_ray.pipeline.stages import check_base_model
+
+        config = check_base_model(r, loaded.resolve)
+        base = f", base model {r.model.base} ({config.get('model_type')}, {config.get('max_position_embeddings')} positions)"
     console.print(f"[green]valid[/]: {recipe} — run '{r.run.name}', {len(r.data.sources)} source(s), "
-                  f"train stages {[s.name for s in r.train]}, {len(r.eval.tasks)} eval task(s)")
+                  f"train stages {[s.name for s in r.train]}, {len(r.eval.tasks)} eval task(s){base}")
 
 
 class _DefaultRunGroup(TyperGroup):

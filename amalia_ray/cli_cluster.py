@@ -76,20 +76,26 @@ def plan(
 
     from rich.table import Table
 
-    from amalia_ray.cluster.plan import parameter_count
+    from amalia_ray.cluster.plan import Dims, parameter_count
     from amalia_ray.cluster.plan import plan as make_plan
+    from amalia_ray.core.hf_model import recipe_config
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.core.recipe import load_recipe
 
-    r = load_recipe(recipe).recipe
-    plans = make_plan(r)
+    loaded = load_recipe(recipe)
+    r = loaded.recipe
+    # a base model's sizes come from its config.json: model.config_file beside the recipe, else fetched alone
+    hf_config = recipe_config(r.model, loaded.resolve) if r.model.base else None
+    dims = Dims.of(r, hf_config)
+    plans = make_plan(r, hf_config)
     if as_json:
         console.print_json(json.dumps([dataclasses.asdict(p) | {"memory_total_gb": p.total_memory_gb}
                                        for p in plans]))
     else:
-        params = parameter_count(r.model, r.tokenizer.vocab_size)[0]
+        params = parameter_count(dims)[0]
         hw = r.plan
-        table = Table(title=f"{recipe}: {params / 1e9:.2f} B parameters on {hw.gpu} "
+        model = f"{r.model.base} ({params / 1e9:.2f} B parameters)" if r.model.base else f"{params / 1e9:.2f} B parameters"
+        table = Table(title=f"{recipe}: {model} on {hw.gpu} "
                             f"({hw.peak_tflops:.0f} TFLOP/s peak, MFU {hw.mfu:.0%}, ${hw.usd_per_gpu_hour}/GPU-h, "
                             f"{hw.watts_per_gpu:.0f} W/GPU)")
         for col in ("stage", "GPUs", "seq", "tokens/step", "memory/GPU (GB)", "step (s)", "GPU-hours", "cost ($)",

@@ -23,19 +23,50 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amalia_ray.core.config import ModelConfig, PlanConfig, Recipe, TrainStageConfig
+from amalia_ray.core.config import PlanConfig, Recipe, TrainStageConfig
 
 GB = 1024**3
 
 
-def parameter_count(m: ModelConfig, vocab_size: int) -> tuple[int, int]:
-    """(total parameters, parameters of one decoder block) of the Llama the recipe builds."""
-    head_dim = m.hidden_size // m.num_heads
-    kv_dim = m.num_kv_heads * head_dim
-    attention = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * kv_dim
-    block = attention + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
-    embeddings = vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    return m.num_layers * block + embeddings + m.hidden_size, block
+@dataclass(frozen=True)
+class Dims:
+    """The sizes the plan needs, from the recipe's dimensions or a base model's config.json."""
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    max_positions: int
+
+    @classmethod
+    def of(cls, recipe: Recipe, hf_config: dict | None = None) -> Dims:
+        """`hf_config`: the base model's config (model.from); a recipe without one builds a Llama of its own."""
+        m = recipe.model
+        if hf_config is None:
+            if m.base:
+                raise ValueError("a base model's config.json is needed to plan it")
+            return cls(m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads, m.num_kv_heads,
+                       m.hidden_size // m.num_heads, recipe.tokenizer.vocab_size, m.tie_word_embeddings,
+                       m.max_position_embeddings)
+        c = {**hf_config.get("text_config", {}), **hf_config} if "hidden_size" in hf_config else \
+            hf_config.get("text_config", {})
+        heads = c["num_attention_heads"]
+        return cls(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads,
+                   c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads,
+                   c["vocab_size"], bool(c.get("tie_word_embeddings", False)), c.get("max_position_embeddings", 0))
+
+
+def parameter_count(d: Dims) -> tuple[int, int]:
+    """(total parameters, parameters of one decoder block): q/k/v/o projections, gated MLP, two norms per block
+    (extra norms some families add are a few thousand parameters of billions)."""
+    q_dim, kv_dim = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    attention = 2 * d.hidden * q_dim + 2 * d.hidden * kv_dim
+    block = attention + 3 * d.hidden * d.ffn + 2 * d.hidden
+    embeddings = d.vocab * d.hidden * (1 if d.tied else 2)
+    return d.layers * block + embeddings + d.hidden, block
 
 
 @dataclass(frozen=True)
@@ -60,25 +91,26 @@ class StagePlan:
         return sum(self.memory_gb.values())
 
 
-def plan_stage(stage: TrainStageConfig, recipe: Recipe) -> StagePlan:
-    m, hw = recipe.model, recipe.plan
-    vocab = recipe.tokenizer.vocab_size
-    params, block = parameter_count(m, vocab)
+def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None) -> StagePlan:
+    m, hw = dims or Dims.of(recipe), recipe.plan
+    vocab = m.vocab
+    params, block = parameter_count(m)
     gpus = stage.worker_range[1]
-    seq = stage.seq_len or (recipe.pack.seq_len if stage.objective == "pretrain" else m.max_position_embeddings)
+    seq = stage.seq_len or (recipe.pack.seq_len if stage.objective == "pretrain" else m.max_positions)
     per_pair = 2 if stage.objective == "dpo" else 1
     tokens_micro = stage.micro_batch_size * seq * per_pair
-    kv_dim = m.num_kv_heads * (m.hidden_size // m.num_heads)
-    per_token_layer = 2 * (8 * m.hidden_size + 2 * kv_dim + 4 * m.intermediate_size)
+    kv_dim = m.kv_heads * m.head_dim
+    per_token_layer = 2 * (8 * m.hidden + 2 * kv_dim + 4 * m.ffn)
     if stage.activation_checkpointing:
-        activations = tokens_micro * (m.num_layers * 2 * m.hidden_size + per_token_layer)
+        activations = tokens_micro * (m.layers * 2 * m.hidden + per_token_layer)
     else:
-        activations = tokens_micro * m.num_layers * per_token_layer
+        activations = tokens_micro * m.layers * per_token_layer
     memory = {
         "params+grads+adam (sharded)": 16 * params / gpus / GB,
         "gathered layers": 4 * block / GB,
         "activations": activations / GB,
         "logits": 6 * tokens_micro * vocab / GB,
+        **attention_memory(stage, recipe, m, seq),
         "headroom": hw.headroom_gb,
     }
     total = sum(memory.values())
@@ -86,7 +118,7 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe) -> StagePlan:
     advice = "" if fits else _advice(stage, memory, hw)
 
     tokens_per_step = stage.global_batch_size * seq * per_pair
-    flops_per_token = (8 if stage.activation_checkpointing else 6) * params + 6 * m.num_layers * m.hidden_size * seq
+    flops_per_token = (8 if stage.activation_checkpointing else 6) * params + 6 * m.layers * m.hidden * seq
     if stage.objective == "dpo":
         flops_per_token += 2 * params  # the reference pass over the same pairs
     step_flops = tokens_per_step * flops_per_token
@@ -101,6 +133,22 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe) -> StagePlan:
                      tokens / gpu_hours, implied)
 
 
+def attention_memory(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int) -> dict[str, float]:
+    """What the attention kernel keeps beyond FlashAttention's nothing: with packed documents (pretraining with
+    document_masking, packed SFT) sdpa gets a boolean block-diagonal mask of seq² per sequence; eager also keeps each
+    layer's bf16 attention probabilities, heads × seq² per sequence, for the backward pass."""
+    kernel = recipe.model.attn_implementation
+    sequences = stage.micro_batch_size * (2 if stage.objective == "dpo" else 1)
+    packed = stage.objective == "sft" or (stage.objective == "pretrain" and stage.document_masking)
+    out = {}
+    if kernel != "flash_attention_2" and packed:
+        out["attention mask"] = sequences * seq * seq / GB
+    if kernel == "eager":
+        kept = 1 if stage.activation_checkpointing else m.layers
+        out["attention scores"] = kept * sequences * m.heads * seq * seq * 2 / GB
+    return out
+
+
 def _advice(stage: TrainStageConfig, memory: dict[str, float], hw: PlanConfig) -> str:
     biggest = max(memory, key=memory.get)
     over = sum(memory.values()) - hw.gpu_memory_gb
@@ -113,10 +161,13 @@ def _advice(stage: TrainStageConfig, memory: dict[str, float], hw: PlanConfig) -
         tips.append("shard over more GPUs (num_workers)")
     if biggest == "logits" and stage.micro_batch_size == 1:
         tips.append("use a shorter seq_len or a chunked loss")
+    if biggest in ("attention mask", "attention scores"):
+        tips.append("set model.attn_implementation: flash_attention_2 (packed documents without a seq² mask)")
     tips = tips or ["use GPUs with more memory, or more of them"]
     return (f"needs {sum(memory.values()):.1f} GB per GPU, {over:.1f} GB over the {hw.gpu_memory_gb:.0f} GB of a "
             f"{hw.gpu} ({biggest} is the largest part): " + "; ".join(tips))
 
 
-def plan(recipe: Recipe) -> list[StagePlan]:
-    return [plan_stage(s, recipe) for s in recipe.train]
+def plan(recipe: Recipe, hf_config: dict | None = None) -> list[StagePlan]:
+    dims = Dims.of(recipe, hf_config)
+    return [plan_stage(s, recipe, dims) for s in recipe.train]

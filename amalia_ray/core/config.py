@@ -179,10 +179,22 @@ DEFAULT_CHAT_TEMPLATE = (
 
 
 class TokenizerConfig(Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    from_: Literal["model"] | None = Field(
+        None, alias="from", description="model: use the base model's own tokenizer and chat template (model.from); "
+        "no tokenizer is trained. null: train a byte-level BPE tokenizer on the curated corpus")
     kind: Literal["byte_bpe"] = "byte_bpe"
-    vocab_size: int = Field(4096, ge=300, le=262144)
-    min_frequency: int = Field(2, ge=1)
-    chat_template: str = DEFAULT_CHAT_TEMPLATE
+    vocab_size: int = Field(4096, ge=300, le=262144, description="byte_bpe: vocabulary size to train")
+    min_frequency: int = Field(2, ge=1, description="byte_bpe: least count of a merge")
+    chat_template: str = Field(DEFAULT_CHAT_TEMPLATE, description="Jinja chat template of a trained tokenizer; with "
+                               "from: model it replaces the base's only when set here (or when the base has none)")
+
+    @model_validator(mode="after")
+    def _trained_or_base(self) -> TokenizerConfig:
+        if self.from_ and (clash := {"kind", "vocab_size", "min_frequency"} & self.model_fields_set):
+            raise ValueError(f"tokenizer: from: model keeps the base model's vocabulary; remove {sorted(clash)}")
+        return self
 
 
 class PackConfig(Strict):
@@ -190,7 +202,24 @@ class PackConfig(Strict):
     validation_fraction: float = Field(0.05, ge=0, lt=0.5)
 
 
+DIMENSIONS = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "max_position_embeddings", "rope_theta", "tie_word_embeddings")
+
+
 class ModelConfig(Strict):
+    """Either a base model to start from (`from`: its config gives the architecture and sizes), or the dimensions of
+    a new Llama trained from random weights."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    from_: str | None = Field(
+        None, alias="from", description="a Hugging Face causal LM to start from: hub id (e.g. utter-project/EuroLLM-9B) "
+        "or local folder (as save_pretrained writes it); its config.json gives architecture, sizes and RoPE")
+    revision: str | None = Field(None, description="from: a hub branch, tag or commit (default: main)")
+    trust_remote_code: bool = Field(False, description="from: allow the model repository's own Python code")
+    config_file: str | None = Field(
+        None, description="from: a copy of the base model's config.json (relative to the recipe) that `amalia plan` "
+        "and `amalia validate` read instead of fetching it, so they work offline")
     architecture: Literal["llama"] = "llama"
     hidden_size: int = Field(256, ge=8)
     intermediate_size: int = Field(768, ge=8)
@@ -200,9 +229,29 @@ class ModelConfig(Strict):
     max_position_embeddings: int = Field(512, ge=8)
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    rope_scaling: dict[str, Any] | None = Field(
+        None, description="RoPE scaling for context extension, in the architecture's config.json terms, e.g. "
+        "{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 8192} (also linear, dynamic, llama3); "
+        "max_position_embeddings follows factor × the original unless set")
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = Field(
+        "sdpa", description="attention kernel of training (transformers' name); packed documents attend only within "
+        "themselves with each (flash_attention_2: varlen via position ids; needs the flash-attn package and a GPU)")
+
+    @property
+    def base(self) -> str | None:
+        return self.from_
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
+        if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
+            raise ValueError("model.rope_scaling needs rope_type (linear, dynamic, yarn, llama3, ...)")
+        if self.from_:
+            if given := [f for f in DIMENSIONS if f in self.model_fields_set]:
+                raise ValueError(f"model: from names a base model whose config.json gives the dimensions; remove "
+                                 f"{given} (or drop from to build a new model)")
+            return self
+        if self.revision or self.config_file or self.trust_remote_code:
+            raise ValueError("model: revision, config_file and trust_remote_code apply to a base model (from)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
@@ -503,6 +552,18 @@ class Recipe(Strict):
         if unknown := set(self.plan.reported_gpu_hours) - set(names):
             raise ValueError(f"plan.reported_gpu_hours names unknown train stage(s) {sorted(unknown)}; "
                              f"stages: {names}")
+        if self.model.base and self.tokenizer.from_ != "model":
+            raise ValueError("model.from starts from a base model, whose embeddings fit its own tokenizer: set "
+                             "tokenizer: {from: model}")
+        if self.tokenizer.from_ == "model" and not self.model.base:
+            raise ValueError("tokenizer.from: model needs a base model (model.from)")
+        if self.model.base and "base" in names:
+            raise ValueError("train stage name 'base' is taken by the base model (model.from) in serving and reports")
+        if self.model.base:
+            for stage in self.train:
+                if stage.proxy.model:
+                    raise ValueError(f"train stage '{stage.name}': proxy.model resizes a new model; a base model's "
+                                     "dimensions are fixed (model.from)")
         for stage in self.train:
             if stage.proxy.model:
                 try:
@@ -515,7 +576,8 @@ class Recipe(Strict):
                 if unknown := set(phase.weights) - sources:
                     raise ValueError(f"train stage '{stage.name}': curriculum names unknown source(s) "
                                      f"{sorted(unknown)}; data.sources are {sorted(sources)}")
-        if self.pack.seq_len > self.model.max_position_embeddings:
+        # a base model's positions limit comes from its config.json, checked once the model is at hand
+        if not self.model.base and self.pack.seq_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"pack.seq_len {self.pack.seq_len} exceeds model.max_position_embeddings "
                 f"{self.model.max_position_embeddings}"

@@ -34,7 +34,7 @@ from amalia_ray.data.steps import (
     is_validation,
     keep_first_per_hash,
 )
-from amalia_ray.data.tokenizer import train_tokenizer
+from amalia_ray.data.tokenizer import base_tokenizer, train_tokenizer
 
 
 def input_files(cfg: DataConfig, resolve) -> list[str]:
@@ -118,10 +118,16 @@ def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, partitions: int, r
     return joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"]).materialize()
 
 
-def build_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig) -> dict:
-    """Trains as a Ray task so the work lands on the cluster, not the submitting machine."""
+def build_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig, base_model_dir: Path | None = None,
+                    trust_remote_code: bool = False) -> dict:
+    """Trains (or, with a base model, copies its tokenizer) as a Ray task so the work lands on the cluster, not the
+    submitting machine."""
     tmp = fresh_dir(out_dir)
-    stats = ray.get(ray.remote(num_cpus=1)(train_tokenizer).remote(corpus_dir, tmp, cfg))
+    if base_model_dir is not None:
+        task = ray.remote(num_cpus=1)(base_tokenizer).remote(base_model_dir, tmp, cfg, trust_remote_code)
+    else:
+        task = ray.remote(num_cpus=1)(train_tokenizer).remote(corpus_dir, tmp, cfg)
+    stats = ray.get(task)
     commit_dir(tmp, out_dir)
     return stats
 

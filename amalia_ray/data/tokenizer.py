@@ -1,4 +1,5 @@
-"""Train a byte-level BPE tokenizer with `tokenizers` and save it as HF files (with a chat template)."""
+"""The run's tokenizer as HF files (with a chat template): a byte-level BPE trained with `tokenizers`, or a base
+model's own tokenizer kept as it is."""
 
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig) -> di
     hf.chat_template = cfg.chat_template
     hf.save_pretrained(str(out_dir))
     return {"vocab_size": tok.get_vocab_size()}
+
+
+def base_tokenizer(model_dir: Path, out_dir: Path, cfg: TokenizerConfig, trust_remote_code: bool = False) -> dict:
+    """The base model's tokenizer files and chat template, unchanged; the recipe's chat_template replaces the
+    base's only when the recipe sets one, or when the base has none (base models often ship without)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    if "chat_template" in cfg.model_fields_set or not tok.chat_template:
+        tok.chat_template = cfg.chat_template
+    tok.save_pretrained(str(out_dir))
+    return {"vocab_size": len(tok), "from": str(model_dir), "chat_template": "recipe" if tok.chat_template ==
+            cfg.chat_template else "base model"}

@@ -78,45 +78,66 @@ def _headline(r: dict) -> tuple[str, float | None, float | None]:
 
 
 def evaluation_section(run_dir: Path, metrics: dict) -> list[str]:
-    """One row per task, one column per checkpoint (the run's stages, in order): its headline score ± stderr."""
-    results = metrics["results"]
+    """One row per task, one column per checkpoint (the base model when there is one, then the run's stages in
+    order): its headline score ± stderr, and each stage's change against the base model."""
+    results, base = metrics["results"], metrics.get("base_model")
     models, tasks = _split(results)
     rows = []
     for task in tasks:
         first = _first(results, models, task)
         metric = _headline(first)[0]
+        base_value = _headline(results.get(f"{base}/{task}", {}))[1] if base else None
         cells = []
         for m in models:
             _, value, se = _headline(results.get(f"{m}/{task}", {}))
-            cells.append("" if value is None else f"{value:.3f}" + (f" ± {se:.3f}" if se is not None else ""))
+            cell = "" if value is None else f"{value:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+            if value is not None and base_value is not None and m != base:
+                cell += f" ({value - base_value:+.3f})"
+            cells.append(cell)
         rows.append([task, metric, *cells, first.get("chance"), first.get("n")])
+    against = f"; in brackets each stage's change against the base model {base}" if base else ""
     parts = ["## Evaluation", "", f"Served at {metrics.get('base_url')} with Ray Serve + vLLM; scored over HTTP "
-             "(mean ± standard error).", "", _table(["task", "metric", *models, "chance", "n"], rows), ""]
-    png = plot_evaluation(run_dir, results)
+             f"(mean ± standard error{against}).", "", _table(["task", "metric", *models, "chance", "n"], rows), ""]
+    png = plot_evaluation(run_dir, results, base)
     if png:
         parts += [f"![evaluation]({png.name})", ""]
     return parts
 
 
-def plot_evaluation(run_dir: Path, results: dict) -> Path | None:
+def plot_evaluation(run_dir: Path, results: dict, base: str | None = None) -> Path | None:
+    """Scores per task and checkpoint; with a base model, a second panel of each stage's change against it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models, tasks = _split(results)
-    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks) * max(1, len(models)) / 2), 4))
-    width = 0.8 / len(models)
-    for i, m in enumerate(models):
-        values = [_headline(results.get(f"{m}/{t}", {}))[1:] for t in tasks]
-        ax.bar([j + i * width for j in range(len(tasks))], [v or 0.0 for v, _ in values], width,
-               yerr=[se or 0.0 for _, se in values], capsize=3, label=m)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))],
-                  [f"{t}\n({_headline(_first(results, models, t))[0]})" for t in tasks])
-    ax.set_ylabel("score")
-    ax.set_title(f"Evaluation — {run_dir.name}")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="small")
+    base = base if base in models else None
+    panels = 2 if base and len(models) > 1 else 1
+    width_in = max(5, 1.6 * len(tasks) * max(1, len(models)) / 2)
+    fig, axes = plt.subplots(panels, 1, figsize=(width_in, 4 * panels), squeeze=False)
+    labels = [f"{t}\n({_headline(_first(results, models, t))[0]})" for t in tasks]
+
+    def bars(ax, series: list[str], value_of, ylabel: str) -> None:
+        width = 0.8 / len(series)
+        for i, m in enumerate(series):
+            values = [value_of(m, t) for t in tasks]
+            ax.bar([j + i * width for j in range(len(tasks))], [v or 0.0 for v, _ in values], width,
+                   yerr=[se or 0.0 for _, se in values], capsize=3, label=m)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], labels)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+
+    bars(axes[0][0], models, lambda m, t: _headline(results.get(f"{m}/{t}", {}))[1:], "score")
+    axes[0][0].set_title(f"Evaluation — {run_dir.name}")
+    if panels == 2:
+        def change(m, t):
+            value, base_value = (_headline(results.get(f"{x}/{t}", {}))[1] for x in (m, base))
+            return (value - base_value if value is not None and base_value is not None else None), None
+
+        bars(axes[1][0], [m for m in models if m != base], change, f"change against {base}")
+        axes[1][0].axhline(0, color="black", linewidth=0.8)
     out = run_dir / "eval.png"
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+from amalia_ray.core import hf_model
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data import stage as data_stage
 from amalia_ray.evals.runner import metrics_of, run_task
 from amalia_ray.evals.tasks import load_task
 from amalia_ray.serve import app as serve_app
+from amalia_ray.train.model import check_config, config_from_dict
 from amalia_ray.train.stage import run_train_stage
 
 if TYPE_CHECKING:
@@ -34,8 +36,10 @@ def preflight(p: Pipeline, needs_serving: bool) -> None:
         if not path.is_file():
             raise AmaliaError(f"eval.tasks[{i}].path: task file not found: {path}")
         load_task(path, task.format, task.limit)
+    if r.model.base:
+        check_base_model(r, p.loaded.resolve)
     judge = r.eval.judge
-    served = [p.model_id(s.name) for s in r.train]
+    served = [p.model_id(s.name) for s in r.train] + ([p.model_id("base")] if r.model.base else [])
     if judge and judge.base_url is None and judge.model not in served:
         raise AmaliaError(f"eval.judge.model '{judge.model}' is not one of the run's served checkpoints {served}; "
                           "name one of them, or set eval.judge.base_url to reach another server")
@@ -44,6 +48,42 @@ def preflight(p: Pipeline, needs_serving: bool) -> None:
         eval_rec = p.manifest.stages.get("eval")
         if p.force or eval_rec is None or eval_rec.status != "completed":
             serve_app.check_port_free(r.serve.host, r.serve.port)
+
+
+def check_base_model(recipe, resolve) -> dict:
+    """The base model's architecture can be trained and its positions hold every stage's sequences: read from its
+    config.json alone (model.config_file, or the one file fetched), before any weights are. Returns that config."""
+    m = recipe.model
+    source = None if m.config_file or not m.trust_remote_code else str(
+        hf_model.resolve(m.base, m.revision, hf_model.CONFIG_FILES))
+    config = hf_model.recipe_config(m, resolve)
+    check_config(config, m.trust_remote_code, source)
+    limit = config_from_dict(config, m.trust_remote_code, source).max_position_embeddings
+    lengths = {"pack.seq_len": recipe.pack.seq_len,
+               **{f"train stage '{s.name}' seq_len": s.seq_len for s in recipe.train if s.seq_len}}
+    if too_long := {k: v for k, v in lengths.items() if v > limit}:
+        raise AmaliaError(f"{', '.join(f'{k} {v}' for k, v in too_long.items())} exceed(s) the base model's "
+                          f"max_position_embeddings {limit}: shorten them, or extend the context (model.rope_scaling)")
+    return config
+
+
+def base_model_dir(p: Pipeline) -> Path | None:
+    """The base model's local folder (fetched into the Hugging Face cache the first time), None for a new model."""
+    m = p.recipe.model
+    if not m.base:
+        return None
+    if getattr(p, "_base_dir", None) is None:
+        p._base_dir = hf_model.resolve(m.base, m.revision)
+    return p._base_dir
+
+
+def starting_checkpoint(p: Pipeline, index: int) -> Path | None:
+    """What train stage `index` starts from: the previous stage's export, the base model for the first stage, or
+    nothing (random weights: init_from scratch, or the first stage of a new model)."""
+    stage = p.recipe.train[index]
+    if stage.init_from != "previous":
+        return None
+    return p.checkpoint_of(p.recipe.train[index - 1].name) if index else base_model_dir(p)
 
 
 def logical_cpus_needed(r) -> int:
@@ -80,8 +120,13 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
                         lambda: data_stage.curate(r.data, p.loaded.resolve, d("data")), cpus,
                         held=lambda m: cluster_cpus)
     if "tokenizer" in names:
-        yield StageSpec("tokenizer", [r.tokenizer], {"corpus": d("data") / "kept"}, {"tokenizer": d("tokenizer")},
-                        lambda: data_stage.build_tokenizer(d("data"), d("tokenizer"), r.tokenizer), {"CPU": 1},
+        base = base_model_dir(p)
+        # a base model's tokenizer depends on its tokenizer files only, not on the corpus or its weights
+        sources = {f"base:{f.name}": f for f in sorted(base.iterdir()) if f.is_file() and f.suffix != ".safetensors"
+                   } if base else {"corpus": d("data") / "kept"}
+        yield StageSpec("tokenizer", [r.tokenizer], sources, {"tokenizer": d("tokenizer")},
+                        lambda: data_stage.build_tokenizer(d("data"), d("tokenizer"), r.tokenizer, base,
+                                                           r.model.trust_remote_code), {"CPU": 1},
                         held=lambda m: {"CPU": 1})
     if "pack" in names:
         weights = {s.name: s.weight for s in r.data.sources}
@@ -90,11 +135,10 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
                         {"packed": d("pack")},
                         lambda: data_stage.pack(d("data"), d("tokenizer"), d("pack"), r.pack, weights, r.run.seed),
                         cpus, held=lambda m: cluster_cpus, tokens=lambda m: m.get("tokens_packed"))
-    previous: str | None = None
-    for stage in r.train:
+    for index, stage in enumerate(r.train):
         if stage.name not in names:
             break
-        init = p.checkpoint_of(previous) if previous and stage.init_from == "previous" else None
+        init = starting_checkpoint(p, index)
         data = {"dataset": p.loaded.resolve(stage.dataset)} if stage.dataset else {"packed": d("pack")}
         inputs = {**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})}
         gpu = use_gpu(p)
@@ -105,9 +149,10 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
              "placement": stage.placement},
             held=_train_held(stage, gpu, p.cluster_info["billable_cpus"]), tokens=lambda m: m.get("tokens_trained"),
         )
-        previous = stage.name
     if "eval" in names and r.eval.tasks:
-        models = {p.model_id(s.name): p.checkpoint_of(s.name) for s in r.train}
+        # a base model is served beside the stages trained from it, so the report shows what each stage changed
+        base = {p.model_id("base"): base_model_dir(p)} if r.model.base else {}
+        models = {**base, **{p.model_id(s.name): p.checkpoint_of(s.name) for s in r.train}}
         tasks = {f"task:{t.name}": p.loaded.resolve(t.path) for t in r.eval.tasks}
         replicas = len(models) * r.serve.min_replicas
         # a vLLM replica holds its actor's CPUs and its engine's (or one GPU)
@@ -134,7 +179,8 @@ def _train_body(p: Pipeline, stage, init: Path | None, gpu: bool):
             stage, p.recipe.model,
             data_dir=p.loaded.resolve(stage.dataset) if stage.dataset else p.stage_dir("pack"),
             tokenizer_dir=p.stage_dir("tokenizer"),
-            init_hf_dir=init, stage_dir=p.stage_dir(stage.name), ray_run_name=f"{stage.name}-{fingerprint}",
+            init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
+            ray_run_name=f"{stage.name}-{fingerprint}",
             seed=p.recipe.run.seed, use_gpu=gpu,
             **({"storage_path": p.store.path(f"{stage.name}/ray"), "storage_filesystem": p.store.fs} if p.store else {}),
         )
@@ -145,7 +191,8 @@ def _serve_and_evaluate(p: Pipeline, models: dict[str, Path]) -> dict:
     """Serve every trained checkpoint side by side, score each task on each over HTTP, then stop serving."""
     r = p.recipe
     base_url = serve_app.start(models, r.serve, use_gpu(p))
-    out: dict = {"base_url": base_url, "results": {}, "tokens_processed": 0}
+    out: dict = {"base_url": base_url, "results": {}, "tokens_processed": 0,
+                 **({"base_model": p.model_id("base")} if r.model.base else {})}
     try:
         for model_id in models:
             for task in r.eval.tasks:

@@ -97,7 +97,7 @@ def run_sweep(p: Pipeline, stage_name: str, space: SweepSpace) -> Path:
     if previous and stage.proxy.model:
         raise AmaliaError(f"train stage '{stage_name}' starts from '{previous}''s checkpoint, which a proxy with "
                           "another model shape (proxy.model) cannot load: sweep it with proxy.model empty")
-    model = ModelConfig.model_validate({**r.model.model_dump(), **stage.proxy.model})
+    model = ModelConfig.model_validate({**r.model.model_dump(), **stage.proxy.model}) if stage.proxy.model else r.model
     reported = REPORTED[stage.objective] | ({f"val_loss/{s}" for s in sources} if stage.objective == "pretrain"
                                             else set())
     if space.metric not in reported:
@@ -115,11 +115,14 @@ def run_sweep(p: Pipeline, stage_name: str, space: SweepSpace) -> Path:
 
     with stages.cluster(p):
         trainable = functools.partial(
-            _trial, base=trial_stage.model_dump(mode="json"), model=model.model_dump(mode="json"),
+            _trial, base=trial_stage.model_dump(mode="json"),
+            model=model.model_dump(mode="json", by_alias=True, exclude_unset=True),
             data_dir=str(p.loaded.resolve(stage.dataset) if stage.dataset else p.stage_dir("pack")),
             tokenizer_dir=str(p.stage_dir("tokenizer")),
-            init_hf_dir=str(p.checkpoint_of(previous)) if previous else None, trials_dir=str(out / "trials"),
-            seed=r.run.seed, hf_config=hf_config_dict(model, p.stage_dir("tokenizer")), use_gpu=stages.use_gpu(p),
+            init_hf_dir=str(init) if (init := stages.starting_checkpoint(p, index)) else None,
+            trials_dir=str(out / "trials"), seed=r.run.seed,
+            hf_config=hf_config_dict(model, p.stage_dir("tokenizer"), stages.base_model_dir(p)),
+            use_gpu=stages.use_gpu(p),
             space=space.model_dump(mode="json"), weights={s.name: s.weight for s in r.data.sources})
         results = _fit(trainable, space, trial_stage, out, p.cluster_info["billable_cpus"])
         summary = _summarize(results, space, stage, trial_stage, p, out)

@@ -1,4 +1,4 @@
-"""Checkpoints: DCP shards of model and optimizer plus a small train state; HF safetensors export.
+"""Checkpoints: DCP shards of model and optimizer plus a small train state (the HF export is hf_weights.py).
 
 Every rank writes its own DCP shard into its own local folder and hands it to `ray.train.report`, which gathers
 all ranks' files into one checkpoint folder in the run's storage. Loading reshards, so a checkpoint written by N
@@ -9,21 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from amalia_ray.core.storage import hash_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TRAIN_STATE = "train_state.json"
 CHECKSUMS = "checksums_rank{rank}.json"
@@ -104,27 +97,3 @@ def load(folder: Path, model, optimizer) -> dict:
     if rng.exists():
         torch.set_rng_state(torch.load(rng, weights_only=True))
     return json.loads((folder / TRAIN_STATE).read_text())
-
-
-def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path) -> None:
-    """Gather the full weights (a collective: every rank calls this) and let rank 0 write a HF checkpoint that
-    transformers and vLLM load: config.json, model.safetensors, generation_config.json and the tokenizer files."""
-    from transformers import GenerationConfig, LlamaForCausalLM
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with torch.device("meta"):
-        plain = LlamaForCausalLM(hf_config)
-    plain.load_state_dict({k.replace("_checkpoint_wrapped_module.", ""): v for k, v in full.items()}, assign=True)
-    plain.save_pretrained(str(tmp), safe_serialization=True)
-    GenerationConfig(
-        bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id, pad_token_id=hf_config.pad_token_id
-    ).save_pretrained(str(tmp))
-    for f in Path(tokenizer_dir).iterdir():
-        if f.is_file():
-            shutil.copy2(f, tmp / f.name)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)

@@ -93,10 +93,10 @@ class GRPO:
         engine = {**self.engine_config, "max_model_len": self.seq_len}
         self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu)
         if self.kl_coef > 0:
-            from transformers import LlamaForCausalLM
+            from transformers import AutoModelForCausalLM
 
             init_dir = self.work_dir / "rollout-init"
-            self.reference = LlamaForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device).eval()
+            self.reference = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device).eval()
             self.reference.requires_grad_(False)
 
     def rollout(self, model, prompt_rows: np.ndarray) -> np.ndarray:

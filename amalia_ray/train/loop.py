@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from amalia_ray.train import checkpoint
+from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
 from amalia_ray.train.metrics import TensorBoard, flops_per_token, matmul_peak_flops, memory_gb
+from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives import build_objective
 from amalia_ray.train.parallel import apply_fsdp, resolve_precision
 
@@ -90,7 +92,6 @@ def validation_losses(model, objective, micro: int, rank: int, world: int,
 
 def train_loop(config: dict) -> None:
     import ray.train
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     stage = config["stage"]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -100,19 +101,18 @@ def train_loop(config: dict) -> None:
     stage_dir = Path(config["stage_dir"])
     metrics_path = stage_dir / "metrics.jsonl"
 
-    hf_config = LlamaConfig.from_dict(config["hf_config"])
+    init_dir = config.get("init_hf_dir")
+    remote_code = config.get("trust_remote_code", False)
+    hf_config = config_from_dict(config["hf_config"], remote_code, source=init_dir)
     seq_len = stage.get("seq_len") or hf_config.max_position_embeddings
     objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]), seq_len,
                                 work_dir=stage_dir, seed=config["seed"], use_gpu=device.type == "cuda")
     # the measured ceiling for MFU: every worker's matmul FLOP/s in its precision, summed
     peak_flops = _all_reduce_sum(matmul_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32))[0]
-    torch.manual_seed(config["seed"])
-    model = LlamaForCausalLM(hf_config).to(device)
-    if config.get("init_hf_dir"):
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(str(Path(config["init_hf_dir"]) / "model.safetensors")), strict=False)
-    apply_fsdp(model, precision, stage["activation_checkpointing"], stage.get("compile", False))
+    # a new model from the seed, or a base model / the previous stage read shard by shard into each rank
+    model = build(hf_config, device,
+                  lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"], stage.get("compile", False)),
+                  init_dir=Path(init_dir) if init_dir else None, seed=config["seed"], trust_remote_code=remote_code)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=stage["lr"], betas=tuple(stage["betas"]), weight_decay=stage["weight_decay"]
     )
@@ -217,5 +217,6 @@ def train_loop(config: dict) -> None:
 
     if board:
         board.close()
-    checkpoint.export_hf(model, hf_config, Path(config["export_dir"]), Path(config["tokenizer_dir"]))
+    export_hf(model, hf_config, Path(config["export_dir"]), Path(config["tokenizer_dir"]),
+              config.get("generation_config"), config.get("export_dtype"))
     dist.barrier()

@@ -18,8 +18,6 @@ import torch.distributed as dist
 from amalia_ray.core.config import EngineConfig
 from amalia_ray.core.storage import jsonl_rows
 
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
 
 class RolloutEngine:
     def __init__(self, model_dir: str, dtype: str, max_model_len: int, gpu_memory_utilization: float,
@@ -62,12 +60,9 @@ def start_engine(model_dir: str, engine: dict, seed: int, use_gpu: bool):
 def hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A training state dict under the names of the HF checkpoint (wrappers of activation checkpointing and
     torch.compile removed)."""
-    out = {}
-    for name, tensor in state.items():
-        for prefix in WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
-        out[name] = tensor
-    return out
+    from amalia_ray.train.hf_weights import plain_name
+
+    return {plain_name(name): tensor for name, tensor in state.items()}
 
 
 def read_tasks(path: Path) -> list[dict]:
@@ -96,7 +91,7 @@ def encode_prompt(tok, prompt) -> list[int]:
 def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, seed: int, use_gpu: bool):
     """Export the model's current weights as a HF folder (a collective: every rank calls this) and start an engine
     on it from rank 0; None on the other ranks."""
-    from amalia_ray.train.checkpoint import export_hf
+    from amalia_ray.train.hf_weights import export_hf
 
     init_dir = work_dir / "rollout-init"
     export_hf(model, model.config, init_dir, tokenizer_dir)

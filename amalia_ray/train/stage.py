@@ -8,7 +8,7 @@ from pathlib import Path
 
 from amalia_ray.core.config import ModelConfig, TrainStageConfig
 from amalia_ray.train.loop import train_loop
-from amalia_ray.train.model import llama_config
+from amalia_ray.train.model import base_config, llama_config
 from amalia_ray.train.progress import StageProgress
 
 
@@ -32,12 +32,33 @@ def _plain(error: Exception) -> Exception:
     return error
 
 
-def hf_config_dict(model_cfg: ModelConfig, tokenizer_dir: Path) -> dict:
+def hf_config_dict(model_cfg: ModelConfig, tokenizer_dir: Path, base_dir: Path | None = None) -> dict:
+    """The transformers config of the model a stage trains: the base model's own (with the recipe's RoPE scaling and
+    attention kernel), or a new Llama of the recipe's dimensions sized to the trained tokenizer."""
     from transformers import AutoTokenizer
 
+    from amalia_ray.core.errors import AmaliaError
+
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if model_cfg.base:
+        if base_dir is None:
+            raise ValueError("a base model's folder is needed to read its config")
+        config = base_config(model_cfg, base_dir)
+        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        if vocab and len(tok) > vocab:
+            raise AmaliaError(f"the tokenizer in {tokenizer_dir} has {len(tok)} tokens, the base model's embeddings "
+                              f"{vocab}: use the base model's own tokenizer (tokenizer: {{from: model}})")
+        return config
     eos_ids = [tok.eos_token_id] + [i for i in tok.convert_tokens_to_ids(["<|end|>"]) if i != tok.unk_token_id]
-    return llama_config(model_cfg, len(tok), tok.bos_token_id, eos_ids, tok.pad_token_id).to_dict()
+    return {**llama_config(model_cfg, len(tok), tok.bos_token_id, eos_ids, tok.pad_token_id).to_dict(),
+            "attn_implementation": model_cfg.attn_implementation}
+
+
+def generation_config_of(folder: Path | None) -> dict | None:
+    """A checkpoint's own generation settings (EOS ids, sampling defaults), kept by the export; None if it has none."""
+    if folder is None or not (Path(folder) / "generation_config.json").is_file():
+        return None
+    return json.loads((Path(folder) / "generation_config.json").read_text())
 
 
 def run_train_stage(
@@ -52,6 +73,7 @@ def run_train_stage(
     seed: int,
     use_gpu: bool,
     hf_config: dict | None = None,
+    base_dir: Path | None = None,
     storage_path: str | None = None,
     storage_filesystem=None,
     callbacks: list | None = None,
@@ -59,7 +81,11 @@ def run_train_stage(
 ) -> dict:
     """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
     the latest checkpoint Ray Train recorded for it. Checkpoints go to `storage_path` (a path inside the pyarrow
-    `storage_filesystem`, e.g. a bucket prefix), by default `stage_dir/ray`."""
+    `storage_filesystem`, e.g. a bucket prefix), by default `stage_dir/ray`. `init_hf_dir` is the checkpoint the
+    stage starts from (a base model's folder or the previous stage's export; None: random weights); `base_dir` the
+    base model whose config gives the architecture (model.from)."""
+    from amalia_ray.train.hf_weights import stored_dtype
+
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -69,10 +95,14 @@ def run_train_stage(
         train_loop,
         train_loop_config={
             "stage": stage.model_dump(mode="json"),
-            "hf_config": hf_config or hf_config_dict(model_cfg, tokenizer_dir),
+            "hf_config": hf_config or hf_config_dict(model_cfg, tokenizer_dir, base_dir),
+            "trust_remote_code": model_cfg.trust_remote_code,
             "data_dir": str(data_dir),
             "tokenizer_dir": str(tokenizer_dir),
             "init_hf_dir": str(init_hf_dir) if init_hf_dir else None,
+            # the export keeps the starting checkpoint's dtype and generation settings (a new model: fp32, its ids)
+            "export_dtype": stored_dtype(Path(init_hf_dir)) if init_hf_dir else None,
+            "generation_config": generation_config_of(init_hf_dir or base_dir),
             "stage_dir": str(stage_dir),
             "export_dir": str(export_dir),
             "seed": seed,

@@ -1,0 +1,152 @@
+"""Hugging Face checkpoints in and out of FSDP2: each rank reads only its own rows of each tensor from the
+safetensors files (single file or sharded with an index), names checked strictly; export gathers the full weights
+once and writes a folder transformers and vLLM load, in the dtype the checkpoint came in."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from amalia_ray.core.errors import AmaliaError
+
+INDEX = "model.safetensors.index.json"
+# activation checkpointing's and torch.compile's wrappers: part of the training module's names, not a checkpoint's
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def plain_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    from safetensors import safe_open
+
+    index = folder / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise AmaliaError(f"{folder}: no safetensors weights (model.safetensors or {INDEX}); convert a PyTorch .bin "
+                          "checkpoint with transformers' save_pretrained first")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            out.update({name: f for name in handle.keys()})
+    return out
+
+
+def check_names(model, available: set[str], folder: Path) -> dict[str, str]:
+    """Model state name -> the checkpoint name it loads from. Tied weights (one tensor under two names, e.g. an LM
+    head tied to the embeddings) need one of their names only. Any missing or unexpected name fails with the names."""
+    by_tensor: dict[int, list[str]] = defaultdict(list)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        by_tensor[id(tensor)].append(plain_name(name))
+    plan, missing = {}, []
+    for names in by_tensor.values():
+        found = [n for n in names if n in available]
+        if not found:
+            missing.append(names[0])
+        for n in names:
+            plan[n] = found[0] if found else n
+    unexpected = sorted(available - set(plan))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} weight(s) the model has but the checkpoint lacks: {sorted(missing)[:8]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} weight(s) in the checkpoint the model does not have: {unexpected[:8]}")
+        raise AmaliaError(f"{folder}: the checkpoint does not match the model's architecture "
+                          f"({getattr(model.config, 'model_type', '?')}): " + "; ".join(parts))
+    return plan
+
+
+@torch.no_grad()
+def load_sharded(model, folder: Path) -> None:
+    """Fill the model's (FSDP2-sharded, materialized but uninitialized) parameters from `folder`'s safetensors:
+    this rank reads only the rows of its own shard of each tensor, converted to the parameter's dtype."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    files = weight_files(folder)
+    plan = check_names(model, set(files), folder)
+    targets = {plain_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    seen: set[int] = set()
+    for name, tensor in targets.items():
+        if id(tensor) not in seen:  # a tied tensor is filled once
+            seen.add(id(tensor))
+            by_file[files[plan[name]]].append(name)
+    for file, names in sorted(by_file.items()):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in names:
+                target, stored = targets[name], handle.get_slice(plan[name])
+                if tuple(stored.get_shape()) != tuple(target.shape):
+                    raise AmaliaError(f"{file.name}: '{plan[name]}' has shape {tuple(stored.get_shape())}, the model "
+                                      f"expects {tuple(target.shape)} (config.json and weights disagree)")
+                if isinstance(target, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                          target.placements)
+                    local = target.to_local()
+                    if local.numel():
+                        local.copy_(stored[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+                else:
+                    target.copy_(stored[:] if len(target.shape) else handle.get_tensor(plan[name]))
+
+
+SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_dtype(folder: Path) -> str | None:
+    """The dtype the checkpoint's floating-point weights are stored in (torch's name), None if it has none."""
+    from safetensors import safe_open
+
+    for name, file in sorted(weight_files(folder).items()):
+        with safe_open(str(file), framework="pt") as handle:
+            if (kind := handle.get_slice(name).get_dtype()) in SAFETENSORS_FLOATS:
+                return SAFETENSORS_FLOATS[kind]
+    return None
+
+
+def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path, generation_config: dict | None = None,
+              dtype: str | None = None) -> None:
+    """Gather the full weights (a collective: every rank calls this) and let rank 0 write a HF checkpoint that
+    transformers and vLLM load: config.json, safetensors weights (in `dtype`: a base model's own, so loading and
+    exporting untrained weights is bit-identical), generation_config.json and the tokenizer files (chat template
+    included)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    cast = getattr(torch, dtype) if dtype else None
+    state = {plain_name(k): (v.to(cast) if cast is not None and v.is_floating_point() else v) for k, v in full.items()}
+    plain.load_state_dict(state, assign=True, strict=False)
+    plain.tie_weights()
+    if cast is not None:
+        plain.config.dtype = cast
+    plain.save_pretrained(str(tmp), safe_serialization=True)
+    config = dict(generation_config or {})
+    GenerationConfig(**config).save_pretrained(str(tmp)) if config else GenerationConfig(
+        bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
+        pad_token_id=hf_config.pad_token_id).save_pretrained(str(tmp))
+    for f in Path(tokenizer_dir).iterdir():
+        if f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)

@@ -1,0 +1,190 @@
+"""Starting from a Hugging Face model: the recipe's `model.from` / `tokenizer.from`, strict and sharded weight
+loading into FSDP2 (each rank reads its own rows), bit-identical export, RoPE scaling, and clear errors offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+from amalia_ray.core.config import ModelConfig, Recipe
+from amalia_ray.core.errors import AmaliaError
+from tests.base_models import FAMILIES, FAQ, make_base_model
+from tests.conftest import DEMO_RECIPE, free_port
+
+pytestmark = pytest.mark.skipif(not FAQ.exists(), reason="debian-faq-pt not installed (make corpus)")
+
+
+def _recipe(**sections) -> dict:
+    data = yaml.safe_load(DEMO_RECIPE.read_text())
+    data["train"] = data["train"][:1]
+    data["train"][0].pop("proxy")
+    data.update(sections)
+    return data
+
+
+def test_a_base_model_replaces_the_dimensions_and_brings_its_tokenizer():
+    r = Recipe.model_validate(_recipe(model={"from": "org/model", "revision": "v1"}, tokenizer={"from": "model"}))
+    assert r.model.base == "org/model" and r.model.revision == "v1" and r.tokenizer.from_ == "model"
+    with pytest.raises(ValueError, match=r"remove \['hidden_size'\]"):
+        Recipe.model_validate(_recipe(model={"from": "org/model", "hidden_size": 64}, tokenizer={"from": "model"}))
+    with pytest.raises(ValueError, match="set tokenizer: {from: model}"):
+        Recipe.model_validate(_recipe(model={"from": "org/model"}))
+    with pytest.raises(ValueError, match="needs a base model"):
+        Recipe.model_validate(_recipe(tokenizer={"from": "model"}))
+    with pytest.raises(ValueError, match="keeps the base model's vocabulary"):
+        Recipe.model_validate(_recipe(model={"from": "m"}, tokenizer={"from": "model", "vocab_size": 1000}))
+    with pytest.raises(ValueError, match="apply to a base model"):
+        ModelConfig.model_validate({"revision": "main"})
+
+
+def test_a_hub_model_missing_offline_is_one_clear_line(monkeypatch, tmp_path):
+    from amalia_ray.core import hf_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(AmaliaError) as e:
+        hf_model.resolve("nobody-here/no-such-model")
+    message = str(e.value)
+    assert "nobody-here/no-such-model" in message and "HF_HUB_OFFLINE" in message and str(tmp_path) in message
+    assert "\n" not in message
+    with pytest.raises(AmaliaError, match="no config.json"):
+        hf_model.resolve(str(tmp_path))
+
+
+def test_an_architecture_training_cannot_shard_names_the_supported_ones():
+    from transformers import BertConfig
+
+    from amalia_ray.train.model import check_config
+
+    with pytest.raises(AmaliaError, match="supported: llama, qwen2, qwen3, mistral, gemma2, gemma3_text"):
+        check_config(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2).to_dict())
+    for family in FAMILIES:  # every tested family passes the same check, on the meta device
+        import transformers
+
+        cls, extra, _ = FAMILIES[family]
+        check_config(getattr(transformers, cls)(hidden_size=64, num_attention_heads=4, **extra).to_dict())
+
+
+def test_rope_scaling_extends_the_context_once():
+    from amalia_ray.core.hf_model import with_overrides
+
+    base = {"model_type": "llama", "max_position_embeddings": 4096, "rope_theta": 10000.0}
+    cfg = ModelConfig.model_validate({"from": "x", "rope_scaling": {"rope_type": "yarn", "factor": 8.0,
+                                                                    "original_max_position_embeddings": 4096}})
+    once = with_overrides(base, cfg)
+    assert once["max_position_embeddings"] == 32768
+    assert once["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 8.0,
+                                       "original_max_position_embeddings": 4096}
+    assert with_overrides(once, cfg)["max_position_embeddings"] == 32768  # a later stage's export: not again
+    from amalia_ray.train.model import config_from_dict
+
+    config = config_from_dict(once)
+    assert config.rope_parameters["rope_type"] == "yarn" and config.max_position_embeddings == 32768
+
+
+def test_checkpoint_names_are_checked_strictly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from amalia_ray.train.hf_weights import load_sharded
+    from amalia_ray.train.model import base_config, config_from_dict, instantiate, materialize
+
+    folder = make_base_model(tmp_path / "m", "llama", shard_size=None, with_tokenizer=False)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    del weights["model.norm.weight"]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = config_from_dict(base_config(ModelConfig.model_validate({"from": str(folder)}), folder))
+    model = instantiate(config, empty=True)
+    materialize(model, torch.device("cpu"))
+    with pytest.raises(AmaliaError) as e:
+        load_sharded(model, folder)
+    assert "lacks: ['model.norm.weight']" in str(e.value)
+    assert "does not have: ['model.layers.0.mlp.extra.weight']" in str(e.value)
+
+
+def _load_on_ranks(rank: int, world: int, port: int, folders: list[str], out: str) -> None:
+    """Each family through FSDP2 on `world` gloo ranks: built on meta, read shard by shard, a forward pass, and the
+    export written straight back (0 steps)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from amalia_ray.train.hf_weights import export_hf, stored_dtype
+    from amalia_ray.train.model import base_config, build, config_from_dict
+    from amalia_ray.train.parallel import apply_fsdp
+
+    ids = torch.arange(48).view(2, 24) * 7 % 600
+    for folder in map(Path, folders):
+        config = config_from_dict(base_config(ModelConfig.model_validate({"from": str(folder)}), folder))
+        model = build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "fp32", activation_checkpointing=True),
+                      init_dir=folder, seed=0)
+        logits = model(input_ids=ids).logits.detach()
+        if rank == 0:
+            torch.save(logits, Path(out) / f"{folder.name}.pt")
+        export_hf(model, config, Path(out) / folder.name, folder, None, stored_dtype(folder))
+    dist.destroy_process_group()
+
+
+def test_every_family_loads_sharded_into_fsdp2_and_exports_bit_identical(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folders = [make_base_model(tmp_path / family, family) for family in FAMILIES]
+    assert len(list(folders[0].glob("model-*-of-*.safetensors"))) > 1  # the hub's sharded layout, with an index
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_load_on_ranks, args=(2, free_port(), [str(f) for f in folders], str(out)), nprocs=2)
+    ids = torch.arange(48).view(2, 24) * 7 % 600
+    for folder in folders:
+        reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        assert torch.equal(reference(input_ids=ids).logits, torch.load(out / f"{folder.name}.pt")), folder.name
+
+        def tensors(f: Path) -> dict:
+            return {k: v for shard in sorted(f.glob("*.safetensors")) for k, v in load_file(str(shard)).items()}
+
+        before, after = tensors(folder), tensors(out / folder.name)
+        assert before.keys() == after.keys(), folder.name
+        assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+        exported = json.loads((out / folder.name / "config.json").read_text())
+        assert exported["model_type"] == json.loads((folder / "config.json").read_text())["model_type"]
+        assert (out / folder.name / "chat_template.jinja").exists() or "chat_template" in json.loads(
+            (out / folder.name / "tokenizer_config.json").read_text())
+
+
+def _rss_while_loading(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from amalia_ray.train.model import base_config, build, config_from_dict
+    from amalia_ray.train.parallel import apply_fsdp
+
+    config = config_from_dict(base_config(ModelConfig.model_validate({"from": folder}), Path(folder)))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "fp32", False), init_dir=Path(folder), seed=0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"before": before, "peak": peak}))
+    dist.destroy_process_group()
+
+
+def test_no_worker_holds_the_whole_model_while_loading(tmp_path):
+    """2 workers load a ~110 M-parameter model (440 MB in fp32): each worker's peak memory grows by well under the
+    full model, since it allocates and reads only its half."""
+    folder = make_base_model(tmp_path / "big", "llama", hidden=1024, layers=6, vocab=16000, shard_size="50MB",
+                             with_tokenizer=False)
+    full_fp32 = 4 * sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(
+        __import__("transformers").AutoConfig.from_pretrained(str(folder))).parameters())
+    out = tmp_path / "rss"
+    out.mkdir()
+    mp.spawn(_rss_while_loading, args=(2, free_port(), str(folder), str(out)), nprocs=2)
+    for rank in range(2):
+        r = json.loads((out / f"rank{rank}.json").read_text())
+        grew = r["peak"] - r["before"]
+        assert grew < 0.7 * full_fp32, f"rank {rank} grew {grew / 1e6:.0f} MB loading a {full_fp32 / 1e6:.0f} MB model"
