@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 from pathlib import Path
 
 import pytest
@@ -159,6 +158,11 @@ def test_every_family_loads_sharded_into_fsdp2_and_exports_bit_identical(tmp_pat
             (out / folder.name / "tokenizer_config.json").read_text())
 
 
+def _status_kb(field: str) -> int:
+    line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(field + ":"))
+    return int(line.split()[1])
+
+
 def _rss_while_loading(rank: int, world: int, port: int, folder: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -167,16 +171,18 @@ def _rss_while_loading(rank: int, world: int, port: int, folder: str, out: str) 
     from amalia_ray.train.parallel import apply_fsdp
 
     config = config_from_dict(base_config(ModelConfig.model_validate({"from": folder}), Path(folder)))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Path("/proc/self/clear_refs").write_text("5")  # the kernel's peak resident size starts again from now
+    before = _status_kb("VmRSS") * 1024
     build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "fp32", False), init_dir=Path(folder), seed=0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_kb("VmHWM") * 1024
     Path(out, f"rank{rank}.json").write_text(json.dumps({"before": before, "peak": peak}))
     dist.destroy_process_group()
 
 
 def test_no_worker_holds_the_whole_model_while_loading(tmp_path):
-    """2 workers load a ~110 M-parameter model (440 MB in fp32): each worker's peak memory grows by well under the
-    full model, since it allocates and reads only its half."""
+    """2 workers load a 90 M-parameter model (358 MB in fp32, stored in bf16): each worker's peak resident memory
+    grows by its half of the fp32 parameters plus the file pages it reads (0.62 of the model measured), never the
+    whole model (a rank that built or read it whole would grow by more than 1.0)."""
     folder = make_base_model(tmp_path / "big", "llama", hidden=1024, layers=6, vocab=16000, shard_size="50MB",
                              with_tokenizer=False)
     full_fp32 = 4 * sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(
@@ -187,4 +193,5 @@ def test_no_worker_holds_the_whole_model_while_loading(tmp_path):
     for rank in range(2):
         r = json.loads((out / f"rank{rank}.json").read_text())
         grew = r["peak"] - r["before"]
-        assert grew < 0.7 * full_fp32, f"rank {rank} grew {grew / 1e6:.0f} MB loading a {full_fp32 / 1e6:.0f} MB model"
+        assert 0.3 * full_fp32 < grew < 0.75 * full_fp32, \
+            f"rank {rank} grew {grew / 1e6:.0f} MB loading a {full_fp32 / 1e6:.0f} MB model (its half: ~0.5)"
