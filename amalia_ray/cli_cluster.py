@@ -78,14 +78,14 @@ def plan(
 
     from amalia_ray.cluster.plan import Dims, parameter_count
     from amalia_ray.cluster.plan import plan as make_plan
-    from amalia_ray.core.hf_model import recipe_config
+    from amalia_ray.core.hf_model import anchored, recipe_config
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.core.recipe import load_recipe
 
     loaded = load_recipe(recipe)
     r = loaded.recipe
     # a base model's sizes come from its config.json: model.config_file beside the recipe, else fetched alone
-    hf_config = recipe_config(r.model, loaded.resolve) if r.model.base else None
+    hf_config = recipe_config(anchored(r.model, loaded.resolve), loaded.resolve) if r.model.base else None
     dims = Dims.of(r, hf_config)
     plans = make_plan(r, hf_config)
     if as_json:

@@ -8,7 +8,8 @@ import yaml
 from typer.testing import CliRunner
 
 from amalia_ray.cli import app
-from amalia_ray.cluster.plan import parameter_count, plan, plan_stage
+from amalia_ray.cluster.plan import Dims, parameter_count, plan, plan_stage
+from amalia_ray.core.hf_model import recipe_config
 from amalia_ray.core.errors import RecipeError
 from amalia_ray.core.recipe import load_recipe
 from tests.conftest import DEMO_RECIPE, ROOT
@@ -16,27 +17,37 @@ from tests.conftest import DEMO_RECIPE, ROOT
 AMALIA_9B = ROOT / "recipes" / "amalia-9b.yaml"
 
 
+def _dims(path):
+    loaded = load_recipe(path)
+    r = loaded.recipe
+    return r, Dims.of(r, recipe_config(r.model, loaded.resolve) if r.model.base else None)
+
+
 @pytest.mark.parametrize("path", [AMALIA_9B, DEMO_RECIPE])
 def test_parameter_count_matches_transformers(path):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-    r = load_recipe(path).recipe
+    r, dims = _dims(path)
     m = r.model
-    cfg = LlamaConfig(vocab_size=r.tokenizer.vocab_size, hidden_size=m.hidden_size,
-                      intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
-                      num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-                      tie_word_embeddings=m.tie_word_embeddings)
+    if m.base:  # the base model's own config.json, shipped beside the recipe
+        cfg = AutoConfig.from_pretrained(str(path.parent / m.config_file))
+    else:
+        cfg = LlamaConfig(vocab_size=r.tokenizer.vocab_size, hidden_size=m.hidden_size,
+                          intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
+                          num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+                          tie_word_embeddings=m.tie_word_embeddings)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
     block = sum(p.numel() for p in model.model.layers[0].parameters())
-    assert parameter_count(m, r.tokenizer.vocab_size) == (sum(p.numel() for p in model.parameters()), block)
+    assert parameter_count(dims) == (sum(p.numel() for p in model.parameters()), block)
 
 
 def test_amalia_9b_recipe_fits_and_states_the_mfu_the_seeds_imply():
-    r = load_recipe(AMALIA_9B).recipe
-    assert parameter_count(r.model, r.tokenizer.vocab_size)[0] == pytest.approx(9.15e9, rel=0.01)
-    stages = {p.stage: p for p in plan(r)}
+    r, dims = _dims(AMALIA_9B)
+    assert r.model.base == "utter-project/EuroLLM-9B" and r.tokenizer.from_ == "model"
+    assert parameter_count(dims)[0] == pytest.approx(9.15e9, rel=0.01)
+    stages = {p.stage: p for p in plan(r, recipe_config(r.model, load_recipe(AMALIA_9B).resolve))}
     assert all(p.fits for p in stages.values())
     sft = stages["sft"]
     assert r.train[1].steps == 14_000 and sft.gpus == 64
@@ -48,13 +59,13 @@ def test_amalia_9b_recipe_fits_and_states_the_mfu_the_seeds_imply():
 
 
 def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():
-    r = load_recipe(AMALIA_9B).recipe
+    r, dims = _dims(AMALIA_9B)
     stage = r.train[1]
-    base = plan_stage(stage, r)
-    double = plan_stage(stage.model_copy(update={"num_workers": 128}), r)
+    base = plan_stage(stage, r, dims)
+    double = plan_stage(stage.model_copy(update={"num_workers": 128}), r, dims)
     key = "params+grads+adam (sharded)"
     assert double.memory_gb[key] == pytest.approx(base.memory_gb[key] / 2)
-    no_ac = plan_stage(stage.model_copy(update={"activation_checkpointing": False}), r)
+    no_ac = plan_stage(stage.model_copy(update={"activation_checkpointing": False}), r, dims)
     assert no_ac.memory_gb["activations"] > 10 * base.memory_gb["activations"]
     assert no_ac.step_time_s == pytest.approx(base.step_time_s * 6 / 8, rel=0.05)  # no forward recompute
 
@@ -62,6 +73,7 @@ def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():
 def test_a_stage_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
     data = yaml.safe_load(AMALIA_9B.read_text())
     data["train"][0]["activation_checkpointing"] = False
+    data["model"]["config_file"] = str(AMALIA_9B.parent / data["model"]["config_file"])
     for task in data["eval"]["tasks"]:
         task["path"] = str((AMALIA_9B.parent / task["path"]).resolve())
     path = tmp_path / "big.yaml"
@@ -79,3 +91,17 @@ def test_reported_hours_must_name_a_stage(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(RecipeError, match=r"reported_gpu_hours names unknown train stage\(s\) \['rlhf'\]"):
         load_recipe(path)
+
+
+def test_plan_counts_what_the_attention_kernel_keeps():
+    """Packed documents: sdpa gets a seq² boolean mask per sequence, eager also keeps every layer's attention
+    probabilities, flash_attention_2 neither (varlen by position ids)."""
+    r, dims = _dims(AMALIA_9B)
+    sft = r.train[1]  # packed conversations, seq 4096, one sequence per micro-batch, activation checkpointing
+    memory = {}
+    for kernel in ("flash_attention_2", "sdpa", "eager"):
+        recipe = r.model_copy(update={"model": r.model.model_copy(update={"attn_implementation": kernel})})
+        memory[kernel] = plan_stage(sft, recipe, dims).memory_gb
+    assert "attention mask" not in memory["flash_attention_2"] and "attention scores" not in memory["sdpa"]
+    assert memory["sdpa"]["attention mask"] == pytest.approx(4096 ** 2 / 1024 ** 3)
+    assert memory["eager"]["attention scores"] == pytest.approx(32 * 4096 ** 2 * 2 / 1024 ** 3)

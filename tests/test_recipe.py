@@ -24,7 +24,7 @@ def test_unknown_field_names_yaml_path_line_and_allowed_fields():
         parse_recipe(text, "demo.yaml")
     msg = str(e.value)
     assert f"demo.yaml:{line}: model.hiden_size: unknown field 'hiden_size'" in msg
-    assert "allowed: architecture, hidden_size" in msg
+    assert "allowed: from, revision, trust_remote_code, config_file, architecture, hidden_size" in msg
 
 
 def test_bad_choice_lists_allowed_values():

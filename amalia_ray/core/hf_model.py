@@ -98,3 +98,12 @@ def recipe_config(cfg: ModelConfig, resolve=lambda p: p) -> dict:
     recipe-relative config_file into a path)."""
     config_file = str(resolve(cfg.config_file)) if cfg.config_file else None
     return with_overrides(read_config(cfg.base, cfg.revision, config_file), cfg)
+
+
+def anchored(cfg: ModelConfig, resolve) -> ModelConfig:
+    """`cfg` with a local `from` path taken relative to the recipe's folder (as every path in a recipe is); a hub
+    id is left as it is."""
+    ref = cfg.base
+    if ref and (ref.startswith((".", "/", "~")) or Path(resolve(ref)).is_dir()):
+        return cfg.model_copy(update={"from_": str(resolve(str(Path(ref).expanduser())))})
+    return cfg

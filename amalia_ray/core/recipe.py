@@ -83,7 +83,7 @@ def format_validation_error(err: ValidationError, source: str, lines: dict[tuple
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             owner = _model_at(loc[:-1])
-            allowed = ", ".join(owner.model_fields) if owner else "?"
+            allowed = ", ".join(f.alias or name for name, f in owner.model_fields.items()) if owner else "?"
             msg = f"unknown field '{loc[-1]}' (allowed: {allowed})"
         elif e["type"] == "missing":
             msg = "required field is missing"

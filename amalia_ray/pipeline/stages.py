@@ -53,7 +53,7 @@ def preflight(p: Pipeline, needs_serving: bool) -> None:
 def check_base_model(recipe, resolve) -> dict:
     """The base model's architecture can be trained and its positions hold every stage's sequences: read from its
     config.json alone (model.config_file, or the one file fetched), before any weights are. Returns that config."""
-    m = recipe.model
+    m = hf_model.anchored(recipe.model, resolve)
     source = None if m.config_file or not m.trust_remote_code else str(
         hf_model.resolve(m.base, m.revision, hf_model.CONFIG_FILES))
     config = hf_model.recipe_config(m, resolve)
@@ -69,7 +69,7 @@ def check_base_model(recipe, resolve) -> dict:
 
 def base_model_dir(p: Pipeline) -> Path | None:
     """The base model's local folder (fetched into the Hugging Face cache the first time), None for a new model."""
-    m = p.recipe.model
+    m = hf_model.anchored(p.recipe.model, p.loaded.resolve)
     if not m.base:
         return None
     if getattr(p, "_base_dir", None) is None:

@@ -43,7 +43,7 @@ def config_from_dict(config_dict: dict, trust_remote_code: bool = False, source:
 
     if trust_remote_code and source:  # the model's own config class lives in its repository
         extra = {k: v for k, v in config_dict.items() if k not in ("auto_map", "architectures", "model_type")}
-        return AutoConfig.from_pretrained(source, trust_remote_code=True, **extra)
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **extra)
     d = dict(config_dict)
     attn = d.pop("attn_implementation", None)
     config = AutoConfig.for_model(d.pop("model_type"), **d)
