@@ -10,8 +10,7 @@ class RecipeError(AmaliaError):
 
 
 class NotImplementedYet(AmaliaError):
-    """A capability that is planned but not built yet; says which issue tracks it."""
+    """A capability that is not built yet, said as such (exit code 3)."""
 
-    def __init__(self, what: str, issue: int | None = None):
-        where = f" (tracked in issue #{issue})" if issue else ""
-        super().__init__(f"{what} is not implemented yet{where}")
+    def __init__(self, what: str):
+        super().__init__(f"{what} is not implemented yet")

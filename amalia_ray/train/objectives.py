@@ -130,7 +130,7 @@ def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = No
                     work_dir: Path | None = None, seed: int = 0, use_gpu: bool = False):
     name = stage["objective"]
     if name not in OBJECTIVES:
-        raise NotImplementedYet(f"training objective '{name}'", 4)
+        raise NotImplementedYet(f"training objective '{name}'")
     if name == "sft":
         return SFT(data_dir, tokenizer_dir, seq_len)
     if name == "dpo" and stage.get("on_policy"):
