@@ -195,3 +195,32 @@ def test_no_worker_holds_the_whole_model_while_loading(tmp_path):
         grew = r["peak"] - r["before"]
         assert 0.3 * full_fp32 < grew < 0.75 * full_fp32, \
             f"rank {rank} grew {grew / 1e6:.0f} MB loading a {full_fp32 / 1e6:.0f} MB model (its half: ~0.5)"
+
+
+def test_a_hub_snapshot_is_recorded_by_its_commit_not_reread(tmp_path):
+    """A stage's fingerprint names a cached hub model by its commit instead of hashing its weights every run; any
+    other folder (a local model, the previous stage's export) is still hashed."""
+    from amalia_ray.core.hf_model import snapshot_commit
+    from amalia_ray.pipeline.stages import by_content
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "models--utter-project--EuroLLM-9B" / "snapshots" / commit
+    local = tmp_path / "my-model"
+    assert snapshot_commit(snapshot) == f"utter-project/EuroLLM-9B@{commit}"
+    assert snapshot_commit(local) is None and snapshot_commit(snapshot.parent / "main") is None
+    hashed, named = by_content({"init_checkpoint": snapshot, "tokenizer": local})
+    assert hashed == {"tokenizer": local} and named == {"init_checkpoint": f"utter-project/EuroLLM-9B@{commit}"}
+
+
+def test_flash_attention_off_a_cuda_node_is_one_clear_line():
+    """What a GPU node without flash-attn (or a CPU worker) meets: the recipe field named, not transformers'
+    ImportError from inside the model's constructor."""
+    from transformers import LlamaConfig
+
+    from amalia_ray.train.model import build, config_from_dict
+
+    config = config_from_dict({**LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                                             vocab_size=64).to_dict(), "attn_implementation": "flash_attention_2"})
+    with pytest.raises(AmaliaError, match="attn_implementation flash_attention_2 needs CUDA GPUs and the flash-attn "
+                                          "package on every training node .device cpu"):
+        build(config, torch.device("cpu"), lambda m: None, init_dir=None, seed=0)

@@ -8,6 +8,7 @@ model (tokenizer, training workers, serving, `amalia plan`) resolves the same re
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from amalia_ray.core.config import ModelConfig
@@ -56,6 +57,16 @@ def resolve(ref: str, revision: str | None = None, patterns: list[str] | None = 
                               "(huggingface-cli download), or name a local folder") from None
         raise AmaliaError(f"base model {where}: could not be downloaded into {HF_HUB_CACHE} "
                           f"({type(e).__name__}: {e})") from None
+
+
+def snapshot_commit(folder: Path) -> str | None:
+    """`org/name@commit` when `folder` is a Hugging Face cache snapshot (…/models--org--name/snapshots/<commit>),
+    whose content that commit fixes; None for any other folder (its files must be read to know what it holds)."""
+    parts = Path(folder).parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--") and \
+            re.fullmatch(r"[0-9a-f]{40}", parts[-1]):
+        return parts[-3].removeprefix("models--").replace("--", "/", 1) + "@" + parts[-1]
+    return None
 
 
 def read_config(ref: str, revision: str | None = None, config_file: str | None = None) -> dict:

@@ -15,7 +15,7 @@ from amalia_ray.data import stage as data_stage
 from amalia_ray.evals.runner import metrics_of, run_task
 from amalia_ray.evals.tasks import load_task
 from amalia_ray.serve import app as serve_app
-from amalia_ray.train.model import check_config, config_from_dict
+from amalia_ray.train.model import check_config
 from amalia_ray.train.stage import run_train_stage
 
 if TYPE_CHECKING:
@@ -57,8 +57,7 @@ def check_base_model(recipe, resolve) -> dict:
     source = None if m.config_file or not m.trust_remote_code else str(
         hf_model.resolve(m.base, m.revision, hf_model.CONFIG_FILES))
     config = hf_model.recipe_config(m, resolve)
-    check_config(config, m.trust_remote_code, source)
-    limit = config_from_dict(config, m.trust_remote_code, source).max_position_embeddings
+    limit = check_config(config, m.trust_remote_code, source).max_position_embeddings
     lengths = {"pack.seq_len": recipe.pack.seq_len,
                **{f"train stage '{s.name}' seq_len": s.seq_len for s in recipe.train if s.seq_len}}
     if too_long := {k: v for k, v in lengths.items() if v > limit}:
@@ -84,6 +83,13 @@ def starting_checkpoint(p: Pipeline, index: int) -> Path | None:
     if stage.init_from != "previous":
         return None
     return p.checkpoint_of(p.recipe.train[index - 1].name) if index else base_model_dir(p)
+
+
+def by_content(inputs: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
+    """The inputs whose files are hashed into a stage's fingerprint, and those a hub snapshot names by its commit
+    (recorded in the stage's config instead: a 9B base model is 18 GB to read for what its commit already says)."""
+    named = {k: commit for k, v in inputs.items() if (commit := hf_model.snapshot_commit(v))}
+    return {k: v for k, v in inputs.items() if k not in named}, named
 
 
 def logical_cpus_needed(r) -> int:
@@ -140,10 +146,11 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
             break
         init = starting_checkpoint(p, index)
         data = {"dataset": p.loaded.resolve(stage.dataset)} if stage.dataset else {"packed": d("pack")}
-        inputs = {**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})}
+        inputs, named = by_content(
+            {**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})})
         gpu = use_gpu(p)
         yield StageSpec(
-            stage.name, [stage, r.model, r.run.seed], inputs, {"checkpoint": p.checkpoint_of(stage.name)},
+            stage.name, [stage, r.model, r.run.seed, *([named] if named else [])], inputs, {"checkpoint": p.checkpoint_of(stage.name)},
             _train_body(p, stage, init, gpu),
             {"workers": stage.num_workers, "CPU_per_worker": stage.cpus_per_worker, "GPU_per_worker": int(gpu),
              "placement": stage.placement},
@@ -158,7 +165,8 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
         # a vLLM replica holds its actor's CPUs and its engine's (or one GPU)
         serve_held = {"CPU": min(2 * replicas * r.serve.cpus_per_replica, p.cluster_info["billable_cpus"]),
                       "GPU": replicas if use_gpu(p) else 0}
-        yield StageSpec("eval", [r.eval, r.serve], {**{f"model:{k}": v for k, v in models.items()}, **tasks},
+        inputs, named = by_content({**{f"model:{k}": v for k, v in models.items()}, **tasks})
+        yield StageSpec("eval", [r.eval, r.serve, *([named] if named else [])], inputs,
                         {"results": d("eval")}, lambda: _serve_and_evaluate(p, models),
                         {"replicas": r.serve.min_replicas, "CPU_per_replica": r.serve.cpus_per_replica},
                         held=lambda m: serve_held, tokens=lambda m: m.get("tokens_processed"))

@@ -141,10 +141,9 @@ def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path, generation_c
     if cast is not None:
         plain.config.dtype = cast
     plain.save_pretrained(str(tmp), safe_serialization=True)
-    config = dict(generation_config or {})
-    GenerationConfig(**config).save_pretrained(str(tmp)) if config else GenerationConfig(
-        bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
-        pad_token_id=hf_config.pad_token_id).save_pretrained(str(tmp))
+    # the starting checkpoint's own generation settings, else the config's special token ids
+    ids = {k: getattr(hf_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    GenerationConfig(**(generation_config or ids)).save_pretrained(str(tmp))
     for f in Path(tokenizer_dir).iterdir():
         if f.is_file():
             shutil.copy2(f, tmp / f.name)

@@ -108,14 +108,16 @@ def check_shardable(model) -> None:
         raise AmaliaError(unsupported(getattr(model.config, "model_type", type(model).__name__)))
 
 
-def check_config(config_dict: dict, trust_remote_code: bool = False, source: str | None = None) -> None:
-    """Fail before any work starts when the architecture cannot be trained: built on the meta device (no memory)."""
+def check_config(config_dict: dict, trust_remote_code: bool = False, source: str | None = None):
+    """Fail before any work starts when the architecture cannot be trained: built on the meta device (no memory).
+    Returns the transformers config."""
     # the attention kernel is the worker nodes' concern (flash-attn is installed on GPU nodes, not where a recipe
     # is checked): the architecture is checked with the default one
     config_dict = {**config_dict, "attn_implementation": "sdpa"}
     with torch.device("meta"):
         config = config_from_dict(config_dict, trust_remote_code, source)
         instantiate(config, empty=False, trust_remote_code=trust_remote_code)
+    return config
 
 
 def materialize(model, device: torch.device) -> None:
@@ -129,11 +131,26 @@ def materialize(model, device: torch.device) -> None:
         module._buffers[attr] = value.to(device)
 
 
+def check_attention(kernel: str | None, device: torch.device) -> None:
+    """flash_attention_2 runs on CUDA with the flash-attn package; anywhere else it fails here in one line instead
+    of inside transformers' model construction."""
+    if kernel != "flash_attention_2":
+        return
+    from transformers.utils import is_flash_attn_2_available
+
+    if device.type != "cuda" or not is_flash_attn_2_available():
+        found = f"device {device.type}, flash-attn {'installed' if is_flash_attn_2_available() else 'not installed'}"
+        raise AmaliaError(f"model.attn_implementation flash_attention_2 needs CUDA GPUs and the flash-attn package on "
+                          f"every training node ({found}); use sdpa elsewhere")
+
+
 def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: int,
           trust_remote_code: bool = False):
     """The training model, sharded by `shard(model)`: random weights from `seed` for a new model, or the
     checkpoint in `init_dir` (a base model or the previous stage's export) read shard by shard into each rank."""
     from amalia_ray.train.hf_weights import load_sharded
+
+    check_attention(getattr(config, "_attn_implementation", None), device)
 
     if init_dir is None:
         torch.manual_seed(seed)
