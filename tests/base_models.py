@@ -25,14 +25,14 @@ TEMPLATES = {
 SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>",
             "[INST]", "[/INST]", "<start_of_turn>", "<end_of_turn>"]
 
-# family -> (config class name, extra config fields, chat template style)
+# family -> (config class name, chat template style)
 FAMILIES = {
-    "llama": ("LlamaConfig", {}, "llama"),
-    "qwen2": ("Qwen2Config", {}, "chatml"),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}, "chatml"),
-    "mistral": ("MistralConfig", {}, "mistral"),
-    "gemma2": ("Gemma2Config", {"head_dim": 16}, "gemma"),
-    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16}, "gemma"),
+    "llama": ("LlamaConfig", "llama"),
+    "qwen2": ("Qwen2Config", "chatml"),
+    "qwen3": ("Qwen3Config", "chatml"),
+    "mistral": ("MistralConfig", "mistral"),
+    "gemma2": ("Gemma2Config", "gemma"),
+    "gemma3_text": ("Gemma3TextConfig", "gemma"),
 }
 
 
@@ -58,19 +58,20 @@ def family_tokenizer(out: Path, style: str):
     return hf
 
 
-def make_base_model(out: Path, family: str, *, hidden: int = 64, layers: int = 2, vocab: int = 640,
-                    shard_size: str | None = "60KB", dtype: str = "bfloat16", seed: int = 0,
+def make_base_model(out: Path, family: str, *, hidden: int = 128, layers: int = 2, vocab: int = 640,
+                    shard_size: str | None = "200KB", dtype: str = "bfloat16", seed: int = 0,
                     with_tokenizer: bool = True) -> Path:
-    """A random `family` checkpoint in `out` (sharded when `shard_size` is given), its tokenizer beside it."""
+    """A random `family` checkpoint in `out` (sharded when `shard_size` is given), its tokenizer beside it. Heads are
+    hidden / 4 wide: vLLM's CPU attention serves head sizes of 32 and up (32, 64, 80, …), not 16."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
-    cls, extra, style = FAMILIES[family]
+    cls, style = FAMILIES[family]
     config = getattr(transformers, cls)(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, **extra)
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     out.mkdir(parents=True, exist_ok=True)

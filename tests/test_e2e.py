@@ -155,6 +155,51 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run,
     assert abs(dpo[-1]["rewards/chosen"]) > 1e-3, "the policy moved away from its reference"
 
 
+def test_post_training_a_base_model_serves_the_base_beside_it(demo_run, recipe_path):
+    """The demo's pretrained export as a Hugging Face base model (model.from, tokenizer.from: model): its tokenizer
+    is copied, not trained; sft starts from its weights; the eval stage serves the base beside the sft stage and the
+    report states each task's change against the base. The curated corpus is the demo run's (its manifest record
+    and folder carried over), so only what the base model changes runs again."""
+    from amalia_ray.data.conversations import write_faq_conversations
+
+    demo, _ = demo_run
+    base = demo.checkpoint_of("pretrain")
+    chats = recipe_path.parent / "base-faq-chat.jsonl"
+    write_faq_conversations(Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"), chats)
+    data = yaml.safe_load(recipe_path.read_text())
+    data["run"]["name"] = "e2e-base"
+    data["model"] = {"from": str(base)}
+    data["tokenizer"] = {"from": "model"}
+    data["train"] = [{"name": "sft", "objective": "sft", "dataset": str(chats), "seq_len": 256, "steps": 2,
+                      "global_batch_size": 8, "micro_batch_size": 4, "warmup_steps": 0, "lr": 0.001,
+                      "num_workers": 2, "checkpoint_every": 2}]
+    data["eval"]["tasks"] = [t for t in data["eval"]["tasks"] if t["format"] == "mcq"]
+    path = recipe_path.parent / "base.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    run_dir = demo.run_dir.parent / "e2e-base"
+    shutil.copytree(demo.run_dir / "data", run_dir / "data")
+    manifest = json.loads((demo.run_dir / "manifest.json").read_text())
+    manifest.update(run_name="e2e-base", stages={"data": manifest["stages"]["data"]})
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+
+    pipeline = Pipeline(load_recipe(path))
+    report = pipeline.run()
+    stages = pipeline.manifest.stages
+    assert stages["data"].attempts == manifest["stages"]["data"]["attempts"], "the corpus was not curated again"
+    assert stages["tokenizer"].metrics["from"] == str(base) and "base:tokenizer.json" in stages["tokenizer"].inputs
+    assert stages["sft"].inputs["init_checkpoint"] == stages["eval"].inputs["model:e2e-base-base"]
+    results = stages["eval"].metrics["results"]
+    assert stages["eval"].metrics["base_model"] == "e2e-base-base"
+    assert {"e2e-base-base/pt-mc-sample", "e2e-base-sft/pt-mc-sample"} <= set(results)
+    change = results["e2e-base-sft/pt-mc-sample"]["acc"] - results["e2e-base-base/pt-mc-sample"]["acc"]
+    text = report.read_text()
+    assert "change against the base model e2e-base-base" in text and f"({change:+.3f})" in text
+    assert (pipeline.run_dir / "eval.png").exists()
+    exported = json.loads((pipeline.checkpoint_of("sft") / "config.json").read_text())
+    assert exported["model_type"] == "llama" and exported["vocab_size"] == json.loads(
+        (base / "config.json").read_text())["vocab_size"]
+
+
 def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):
     """The R1-Zero chain, pretrain -> grpo on generated Portuguese arithmetic: completions sampled by the vLLM
     rollout engine every step, rule-based rewards, group advantages, k3 KL to the pretrained model."""

@@ -1,7 +1,7 @@
 """Post-training a base model of each supported family, end to end: 2 FSDP2 workers on Ray Train run SFT steps
 from a random checkpoint written as the hub publishes it (its own tokenizer and chat template), the first step's
-loss equals a single-process transformers forward on the same batch, and every export loads in transformers with
-the base's architecture, chat template, generation settings and dtype."""
+loss equals a single-process transformers forward on the same batch, every export loads in transformers with the
+base's architecture, chat template, generation settings and dtype, and answers over HTTP from Ray Serve + vLLM."""
 
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ import math
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from amalia_ray.core.config import ModelConfig, TrainStageConfig
+from amalia_ray.core.config import ModelConfig, ServeConfig, TrainStageConfig
 from tests.base_models import FAMILIES, FAQ, make_base_model
-from tests.conftest import read_jsonl
+from tests.conftest import free_port, read_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not FAQ.exists(), reason="make corpus")]
 SEED = 7
-# A Ray Train stage costs about two minutes here: the suite trains a Llama and a Gemma 3 (tied embeddings, its own
-# turn markers) through Ray Train; AMALIA_TEST_FAMILIES=all runs every family. Loading, a forward
-# pass and the export of every family under FSDP2 are in test_base_model.py either way.
-TRAINED = list(FAMILIES) if os.environ.get("AMALIA_TEST_FAMILIES") == "all" else ["llama", "gemma3_text"]
+# Every family trains through Ray Train (about 26 s each here); serving costs a vLLM engine per model (about 95 s
+# for two), so the suite serves a Llama and a Gemma 3 (tied embeddings, its own turn markers) and
+# AMALIA_TEST_FAMILIES=all serves all six. Loading, a forward pass and the export of every family under FSDP2 are
+# also in test_base_model.py.
+SERVED = list(FAMILIES) if os.environ.get("AMALIA_TEST_FAMILIES") == "all" else ["llama", "gemma3_text"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def trained(ray_cluster, tmp_path_factory):
                              global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-3,
                              checkpoint_every=2, log_every=1)
     out = {}
-    for family in TRAINED:
+    for family in FAMILIES:
         base = make_base_model(tmp / "bases" / family, family)
         model = ModelConfig.model_validate({"from": str(base)})
         metrics = run_train_stage(stage, model, data_dir=chats, tokenizer_dir=base, init_hf_dir=base, base_dir=base,
@@ -63,7 +65,7 @@ def _first_step_loss(base: Path, chats: Path, stage: TrainStageConfig) -> float:
     return loss_sum.item() / count
 
 
-@pytest.mark.parametrize("family", TRAINED)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_sft_from_a_base_model_matches_transformers_and_exports_its_architecture(trained, family):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,3 +83,31 @@ def test_sft_from_a_base_model_matches_transformers_and_exports_its_architecture
     model = AutoModelForCausalLM.from_pretrained(str(export))
     assert model.dtype == torch.bfloat16, "exported in the base model's own dtype"
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_every_family_export_is_served_by_vllm_over_http(trained):
+    """The exports side by side in one Serve application (two at a time: each vLLM engine on CPU reserves its
+    share of RAM), each answering a completion and a chat turn rendered with its own chat template."""
+    from amalia_ray.serve import app as serve_app
+
+    _, _, runs = trained
+    exports = [(f"{family}-sft", runs[family][1] / "hf") for family in SERVED]
+    for i in range(0, len(exports), 2):
+        models = dict(exports[i:i + 2])
+        cfg = ServeConfig(port=free_port(), engine={"max_model_len": 256, "gpu_memory_utilization": 0.1})
+        base_url = serve_app.start(models, cfg, use_gpu=False)
+        try:
+            listed = {m["id"] for m in httpx.get(f"{base_url}/models", timeout=30).json()["data"]}
+            assert set(models) <= listed
+            for model_id in models:
+                r = httpx.post(f"{base_url}/completions", timeout=120,
+                               json={"model": model_id, "prompt": "O Debian é", "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, (model_id, r.text[:300])
+                assert r.json()["usage"]["completion_tokens"] >= 1
+                r = httpx.post(f"{base_url}/chat/completions", timeout=120, json={
+                    "model": model_id, "messages": [{"role": "user", "content": "O que é o Debian?"}],
+                    "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, (model_id, r.text[:300])
+                assert r.json()["usage"]["prompt_tokens"] > 5, "the prompt went through the chat template"
+        finally:
+            serve_app.stop()
