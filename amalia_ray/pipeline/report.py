@@ -122,8 +122,9 @@ def plot_evaluation(run_dir: Path, results: dict, base: str | None = None) -> Pa
         width = 0.8 / len(series)
         for i, m in enumerate(series):
             values = [value_of(m, t) for t in tasks]
+            errors = [se or 0.0 for _, se in values] if any(se for _, se in values) else None
             ax.bar([j + i * width for j in range(len(tasks))], [v or 0.0 for v, _ in values], width,
-                   yerr=[se or 0.0 for _, se in values], capsize=3, label=m)
+                   yerr=errors, capsize=3, label=m)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], labels)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
