@@ -224,3 +224,14 @@ def test_flash_attention_off_a_cuda_node_is_one_clear_line():
     with pytest.raises(AmaliaError, match="attn_implementation flash_attention_2 needs CUDA GPUs and the flash-attn "
                                           "package on every training node .device cpu"):
         build(config, torch.device("cpu"), lambda m: None, init_dir=None, seed=0)
+
+
+def test_the_embedded_cluster_has_room_to_serve_the_base_beside_its_stages():
+    from amalia_ray.pipeline.stages import logical_cpus_needed
+
+    data = _recipe()
+    data["train"].append({**data["train"][0], "name": "more"})
+    new = Recipe.model_validate(data)
+    based = Recipe.model_validate({**data, "model": {"from": "org/model"}, "tokenizer": {"from": "model"}})
+    # a vLLM replica holds its actor's CPU and its engine's: two stages, or two stages and the base, plus 4
+    assert logical_cpus_needed(new) == 2 * 2 + 4 and logical_cpus_needed(based) == 2 * 3 + 4

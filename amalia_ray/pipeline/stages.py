@@ -96,7 +96,8 @@ def logical_cpus_needed(r) -> int:
     """Logical CPUs the recipe's widest step holds at once: serving every trained model side by side (a vLLM
     replica holds its actor's CPU and its engine bundle's) plus the ingress and slack, or the widest training stage
     plus its rollout engine and controller."""
-    serve = 2 * len(r.train) * r.serve.cpus_per_replica * r.serve.max_replicas + 4
+    served = len(r.train) + (1 if r.model.base else 0)  # a base model is served beside its stages
+    serve = 2 * served * r.serve.cpus_per_replica * r.serve.max_replicas + 4
     train = max((s.worker_range[1] * s.cpus_per_worker + 3 for s in r.train), default=0)
     return max(serve if r.eval.tasks else 0, train)
 
