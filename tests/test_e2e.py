@@ -157,10 +157,13 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run,
 
 def test_a_base_model_continued_and_post_trained_then_served_beside_its_stages(demo_run, recipe_path):
     """The demo's pretrained export as a Hugging Face base model (model.from, tokenizer.from: model): its tokenizer
-    is copied, not trained, and packs the corpus; continued pretraining starts from its weights, then dpo from that
+    is extended by tokens learned from the corpus and packs it; continued pretraining starts from its weights (the
+    embeddings grown), then dpo from that
     (sft from a base of every family: test_e2e_base_models.py); the eval stage serves the base beside the stages
     and the report states each task's change against the base. The curated corpus is the demo run's (its manifest record and folder carried over), so
     only what the base model changes runs again."""
+    from transformers import AutoTokenizer
+
     from amalia_ray.data.conversations import mismatched_answer_pairs, write_faq_conversations, write_jsonl
 
     demo, _ = demo_run
@@ -171,7 +174,7 @@ def test_a_base_model_continued_and_post_trained_then_served_beside_its_stages(d
     data = yaml.safe_load(recipe_path.read_text())
     data["run"]["name"] = "e2e-base"
     data["model"] = {"from": str(base)}
-    data["tokenizer"] = {"from": "model"}
+    data["tokenizer"] = {"from": "model", "add_tokens": 24}  # extended by tokens learned from the corpus
     common = {"steps": 2, "global_batch_size": 8, "micro_batch_size": 4, "warmup_steps": 0, "num_workers": 2,
               "checkpoint_every": 2}
     data["train"] = [{"name": "pretrain", "objective": "pretrain", "lr": 0.001, **common},
@@ -191,6 +194,7 @@ def test_a_base_model_continued_and_post_trained_then_served_beside_its_stages(d
     stages = pipeline.manifest.stages
     assert stages["data"].attempts == manifest["stages"]["data"]["attempts"], "the corpus was not curated again"
     assert stages["tokenizer"].metrics["from"] == str(base) and "base:tokenizer.json" in stages["tokenizer"].inputs
+    assert stages["tokenizer"].metrics["tokens_added"] == 24 and "corpus" in stages["tokenizer"].inputs
     assert stages["pretrain"].inputs["init_checkpoint"] == stages["eval"].inputs["model:e2e-base-base"]
     for name in ("pretrain", "dpo"):
         history = read_jsonl(pipeline.run_dir / name / "metrics.jsonl")
@@ -209,7 +213,8 @@ def test_a_base_model_continued_and_post_trained_then_served_beside_its_stages(d
     assert (pipeline.run_dir / "eval.png").exists()
     exported = json.loads((pipeline.checkpoint_of("dpo") / "config.json").read_text())
     assert exported["model_type"] == "llama" and exported["vocab_size"] == json.loads(
-        (base / "config.json").read_text())["vocab_size"]
+        (base / "config.json").read_text())["vocab_size"] + 24 == len(
+        AutoTokenizer.from_pretrained(str(pipeline.checkpoint_of("dpo")))), "embeddings grown with the vocabulary"
 
 
 def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):

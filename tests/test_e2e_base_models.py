@@ -85,6 +85,31 @@ def test_sft_from_a_base_model_matches_transformers_and_exports_its_architecture
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
+def test_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained, tmp_path):
+    """GRPO continues a Qwen 3 export (its own chat template renders the prompts): the rollout engine is vLLM's
+    Qwen 3, weights pushed into it in place each step; the first step's policy is its reference."""
+    from amalia_ray.data.conversations import write_jsonl
+    from amalia_ray.data.tasks import arithmetic_tasks
+    from amalia_ray.train.stage import run_train_stage
+
+    _, _, runs = trained
+    base, sft_dir, _ = runs["qwen3"]
+    tasks = tmp_path / "arithmetic.jsonl"
+    write_jsonl(arithmetic_tasks(32, seed=0), tasks)
+    stage = TrainStageConfig(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
+                             global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
+                             checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,
+                             kl_coef=0.05, rewards=["format", "exact_answer"])
+    run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=tasks, tokenizer_dir=base,
+                    init_hf_dir=sft_dir / "hf", base_dir=base, stage_dir=tmp_path / "grpo", ray_run_name="grpo-qwen3",
+                    seed=SEED, use_gpu=False, progress=False)
+    history = read_jsonl(tmp_path / "grpo" / "metrics.jsonl")
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(math.isfinite(h["loss"]) and 0 < h["completion_length"] <= 12 for h in history)
+    assert history[0]["kl"] < 1e-6, "the first rollout's policy is the reference"
+    assert json.loads((tmp_path / "grpo" / "hf" / "config.json").read_text())["model_type"] == "qwen3"
+
+
 def test_every_family_export_is_served_by_vllm_over_http(trained):
     """The exports side by side in one Serve application (two at a time: each vLLM engine on CPU reserves its
     share of RAM), each answering a completion and a chat turn rendered with its own chat template."""

@@ -56,6 +56,10 @@ def test_amalia_9b_recipe_fits_and_states_the_mfu_the_seeds_imply():
     assert stages["dpo"].implied_mfu == pytest.approx(r.plan.mfu * stages["dpo"].gpu_hours / 768)
     assert stages["pretrain"].implied_mfu is None
     assert sft.energy_kwh == pytest.approx(sft.gpu_hours * 0.7) and sft.cost_usd == pytest.approx(sft.gpu_hours * 2.5)
+    # an extended vocabulary is planned with its larger embeddings and LM head
+    extended = r.model_copy(update={"tokenizer": r.tokenizer.model_copy(update={"add_tokens": 1000})})
+    grown = Dims.of(extended, recipe_config(r.model, load_recipe(AMALIA_9B).resolve))
+    assert parameter_count(grown)[0] - parameter_count(dims)[0] == 1000 * dims.hidden * (1 if dims.tied else 2)
 
 
 def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():

@@ -54,9 +54,12 @@ class Dims:
         c = {**hf_config.get("text_config", {}), **hf_config} if "hidden_size" in hf_config else \
             hf_config.get("text_config", {})
         heads = c["num_attention_heads"]
+        added = recipe.tokenizer.add_tokens  # an extended vocabulary grows the embeddings (at most by this many)
+        added = len(added) if isinstance(added, list) else added or 0
         return cls(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads,
                    c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads,
-                   c["vocab_size"], bool(c.get("tie_word_embeddings", False)), c.get("max_position_embeddings", 0))
+                   c["vocab_size"] + added, bool(c.get("tie_word_embeddings", False)),
+                   c.get("max_position_embeddings", 0))
 
 
 def parameter_count(d: Dims) -> tuple[int, int]:

@@ -189,11 +189,24 @@ class TokenizerConfig(Strict):
     min_frequency: int = Field(2, ge=1, description="byte_bpe: least count of a merge")
     chat_template: str = Field(DEFAULT_CHAT_TEMPLATE, description="Jinja chat template of a trained tokenizer; with "
                                "from: model it replaces the base's only when set here (or when the base has none)")
+    add_tokens: Annotated[int, Field(ge=1, le=262144)] | list[str] | None = Field(
+        None, description="from: model: extend the base's vocabulary with N tokens learned from the curated corpus "
+        "(new BPE merges ranked after the base's), or with this list of tokens; the embeddings and LM head grow "
+        "to match, their new rows starting at the mean of the base's rows")
 
     @model_validator(mode="after")
     def _trained_or_base(self) -> TokenizerConfig:
         if self.from_ and (clash := {"kind", "vocab_size", "min_frequency"} & self.model_fields_set):
             raise ValueError(f"tokenizer: from: model keeps the base model's vocabulary; remove {sorted(clash)}")
+        if self.add_tokens is not None and not self.from_:
+            raise ValueError("tokenizer.add_tokens extends a base model's tokenizer (from: model); a trained "
+                             "tokenizer's size is tokenizer.vocab_size")
+        if isinstance(self.add_tokens, list):
+            if not self.add_tokens or any(not t for t in self.add_tokens):
+                raise ValueError("tokenizer.add_tokens: a list of non-empty tokens")
+            if len(set(self.add_tokens)) != len(self.add_tokens):
+                dup = sorted({t for t in self.add_tokens if self.add_tokens.count(t) > 1})
+                raise ValueError(f"tokenizer.add_tokens: listed more than once: {dup[:8]}")
         return self
 
 

@@ -120,13 +120,14 @@ def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, partitions: int, r
 
 def build_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig, base_model_dir: Path | None = None,
                     trust_remote_code: bool = False) -> dict:
-    """Trains (or, with a base model, copies its tokenizer) as a Ray task so the work lands on the cluster, not the
-    submitting machine."""
+    """Trains (or, with a base model, copies and optionally extends its tokenizer) on the curated corpus's kept
+    documents, as a Ray task so the work lands on the cluster, not the submitting machine."""
     tmp = fresh_dir(out_dir)
+    kept = corpus_dir / "kept"
     if base_model_dir is not None:
-        task = ray.remote(num_cpus=1)(base_tokenizer).remote(base_model_dir, tmp, cfg, trust_remote_code)
+        task = ray.remote(num_cpus=1)(base_tokenizer).remote(base_model_dir, tmp, cfg, trust_remote_code, kept)
     else:
-        task = ray.remote(num_cpus=1)(train_tokenizer).remote(corpus_dir, tmp, cfg)
+        task = ray.remote(num_cpus=1)(train_tokenizer).remote(kept, tmp, cfg)
     stats = ray.get(task)
     commit_dir(tmp, out_dir)
     return stats

@@ -10,6 +10,8 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from amalia_ray.core.config import TokenizerConfig
+from amalia_ray.core.vocabulary import write_extension
+from amalia_ray.data.vocab_extension import extend
 
 BOS, EOS, PAD = "<|bos|>", "<|endoftext|>", "<|pad|>"
 CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -50,14 +52,23 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig) -> di
     return {"vocab_size": tok.get_vocab_size()}
 
 
-def base_tokenizer(model_dir: Path, out_dir: Path, cfg: TokenizerConfig, trust_remote_code: bool = False) -> dict:
-    """The base model's tokenizer files and chat template, unchanged; the recipe's chat_template replaces the
-    base's only when the recipe sets one, or when the base has none (base models often ship without)."""
+def base_tokenizer(model_dir: Path, out_dir: Path, cfg: TokenizerConfig, trust_remote_code: bool = False,
+                   corpus_dir: Path | None = None) -> dict:
+    """The base model's tokenizer files and chat template, unchanged unless the recipe extends the vocabulary
+    (tokenizer.add_tokens, learned from `corpus_dir` or listed); the recipe's chat_template replaces the base's only
+    when the recipe sets one, or when the base has none (base models often ship without)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     if "chat_template" in cfg.model_fields_set or not tok.chat_template:
         tok.chat_template = cfg.chat_template
+    extension = None
+    if cfg.add_tokens is not None:
+        tok, extension = extend(tok, cfg.add_tokens, lambda: iter_texts(corpus_dir))
     tok.save_pretrained(str(out_dir))
+    if extension:
+        write_extension(out_dir, extension)
     return {"vocab_size": len(tok), "from": str(model_dir), "chat_template": "recipe" if tok.chat_template ==
-            cfg.chat_template else "base model"}
+            cfg.chat_template else "base model",
+            **({"tokens_added": len(extension["added"]), "tokens_requested": extension["requested"]}
+               if extension else {})}

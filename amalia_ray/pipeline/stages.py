@@ -128,9 +128,12 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
                         held=lambda m: cluster_cpus)
     if "tokenizer" in names:
         base = base_model_dir(p)
-        # a base model's tokenizer depends on its tokenizer files only, not on the corpus or its weights
-        sources = {f"base:{f.name}": f for f in sorted(base.iterdir()) if f.is_file() and f.suffix != ".safetensors"
-                   } if base else {"corpus": d("data") / "kept"}
+        # a base model's tokenizer depends on its tokenizer files, not its weights; on the corpus only when tokens
+        # are learned from it
+        corpus = {"corpus": d("data") / "kept"}
+        learned = corpus if isinstance(r.tokenizer.add_tokens, int) else {}
+        sources = {**{f"base:{f.name}": f for f in sorted(base.iterdir())
+                      if f.is_file() and f.suffix != ".safetensors"}, **learned} if base else corpus
         yield StageSpec("tokenizer", [r.tokenizer], sources, {"tokenizer": d("tokenizer")},
                         lambda: data_stage.build_tokenizer(d("data"), d("tokenizer"), r.tokenizer, base,
                                                            r.model.trust_remote_code), {"CPU": 1},

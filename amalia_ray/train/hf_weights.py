@@ -72,9 +72,11 @@ def check_names(model, available: set[str], folder: Path) -> dict[str, str]:
 
 
 @torch.no_grad()
-def load_sharded(model, folder: Path) -> None:
+def load_sharded(model, folder: Path, new_token_ids: list[int] | None = None) -> None:
     """Fill the model's (FSDP2-sharded, materialized but uninitialized) parameters from `folder`'s safetensors:
-    this rank reads only the rows of its own shard of each tensor, converted to the parameter's dtype."""
+    this rank reads only the rows of its own shard of each tensor, converted to the parameter's dtype. With
+    `new_token_ids` (an extended vocabulary) the embeddings and LM head may have more rows than the checkpoint:
+    those tokens' rows start at the mean of the checkpoint's rows."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -82,6 +84,8 @@ def load_sharded(model, folder: Path) -> None:
     files = weight_files(folder)
     plan = check_names(model, set(files), folder)
     targets = {plain_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
+    vocab_sized = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                   if m is not None} if new_token_ids else set()
     by_file: dict[Path, list[str]] = defaultdict(list)
     seen: set[int] = set()
     for name, tensor in targets.items():
@@ -92,6 +96,9 @@ def load_sharded(model, folder: Path) -> None:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in names:
                 target, stored = targets[name], handle.get_slice(plan[name])
+                if id(target) in vocab_sized:
+                    _load_vocab_rows(target, stored, new_token_ids, f"{file.name}: '{plan[name]}'")
+                    continue
                 if tuple(stored.get_shape()) != tuple(target.shape):
                     raise AmaliaError(f"{file.name}: '{plan[name]}' has shape {tuple(stored.get_shape())}, the model "
                                       f"expects {tuple(target.shape)} (config.json and weights disagree)")
@@ -103,6 +110,40 @@ def load_sharded(model, folder: Path) -> None:
                         local.copy_(stored[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
                 else:
                     target.copy_(stored[:] if len(target.shape) else handle.get_tensor(plan[name]))
+
+
+def _load_vocab_rows(target, stored, new_ids: list[int], where: str) -> None:
+    """An embedding or LM-head matrix whose vocabulary grew: the checkpoint's rows where it has them, then each new
+    token's row set to the mean of the checkpoint's other rows — summed over the rows each rank holds and added up
+    across ranks, so no rank reads the whole matrix."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    rows, cols = stored.get_shape()
+    if target.shape[1] != cols or target.shape[0] < rows or not set(range(rows, target.shape[0])) <= set(new_ids):
+        raise AmaliaError(f"{where} has shape {(rows, cols)}, the model expects {tuple(target.shape)} with "
+                          f"{len(new_ids)} new token(s) (config.json, weights and tokenizer disagree)")
+    if isinstance(target, DTensor):
+        (n, _), (start, _) = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        local, sharded = target.to_local(), any(isinstance(p, Shard) for p in target.placements)
+    else:
+        (n, start), local, sharded = (target.shape[0], 0), target, False
+    new = torch.zeros(n, dtype=torch.bool)
+    new[[i - start for i in new_ids if start <= i < start + n]] = True
+    end = min(start + n, rows)
+    if end > start:
+        local[: end - start].copy_(stored[start:end])
+    old = ~new[: max(end - start, 0)]
+    total = local[: max(end - start, 0)][old.to(local.device)].double().sum(0) if end > start else \
+        torch.zeros(cols, dtype=torch.float64, device=local.device)
+    count = torch.tensor([float(old.sum())], dtype=torch.float64, device=local.device)
+    if sharded:
+        group = target.device_mesh.get_group()
+        dist.all_reduce(total, group=group)
+        dist.all_reduce(count, group=group)
+    if new.any():
+        local[new.to(local.device)] = (total / count).to(local.dtype)
 
 
 SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}

@@ -112,7 +112,8 @@ def train_loop(config: dict) -> None:
     # a new model from the seed, or a base model / the previous stage read shard by shard into each rank
     model = build(hf_config, device,
                   lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"], stage.get("compile", False)),
-                  init_dir=Path(init_dir) if init_dir else None, seed=config["seed"], trust_remote_code=remote_code)
+                  init_dir=Path(init_dir) if init_dir else None, seed=config["seed"], trust_remote_code=remote_code,
+                  new_token_ids=config.get("new_token_ids"))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=stage["lr"], betas=tuple(stage["betas"]), weight_decay=stage["weight_decay"]
     )

@@ -145,9 +145,10 @@ def check_attention(kernel: str | None, device: torch.device) -> None:
 
 
 def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: int,
-          trust_remote_code: bool = False):
+          trust_remote_code: bool = False, new_token_ids: list[int] | None = None):
     """The training model, sharded by `shard(model)`: random weights from `seed` for a new model, or the
-    checkpoint in `init_dir` (a base model or the previous stage's export) read shard by shard into each rank."""
+    checkpoint in `init_dir` (a base model or the previous stage's export) read shard by shard into each rank,
+    the rows of `new_token_ids` (an extended vocabulary) starting at the mean of the checkpoint's."""
     from amalia_ray.train.hf_weights import load_sharded
 
     check_attention(getattr(config, "_attn_implementation", None), device)
@@ -160,5 +161,5 @@ def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: i
     model = instantiate(config, empty=True, trust_remote_code=trust_remote_code)
     shard(model)
     materialize(model, device)
-    load_sharded(model, Path(init_dir))
+    load_sharded(model, Path(init_dir), new_token_ids)
     return model

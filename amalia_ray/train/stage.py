@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from amalia_ray.core.config import ModelConfig, TrainStageConfig
+from amalia_ray.core.vocabulary import read_extension
 from amalia_ray.train.loop import train_loop
 from amalia_ray.train.model import base_config, llama_config
 from amalia_ray.train.progress import StageProgress
@@ -44,10 +45,14 @@ def hf_config_dict(model_cfg: ModelConfig, tokenizer_dir: Path, base_dir: Path |
         if base_dir is None:
             raise ValueError("a base model's folder is needed to read its config")
         config = base_config(model_cfg, base_dir)
-        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+        sized = config if "vocab_size" in config else config.get("text_config") or {}
+        vocab = sized.get("vocab_size")
         if vocab and len(tok) > vocab:
-            raise AmaliaError(f"the tokenizer in {tokenizer_dir} has {len(tok)} tokens, the base model's embeddings "
-                              f"{vocab}: use the base model's own tokenizer (tokenizer: {{from: model}})")
+            if not read_extension(tokenizer_dir):
+                raise AmaliaError(f"the tokenizer in {tokenizer_dir} has {len(tok)} tokens, the base model's "
+                                  f"embeddings {vocab}: use the base model's own tokenizer (tokenizer: "
+                                  "{from: model}), extended with tokenizer.add_tokens if it needs more")
+            sized["vocab_size"] = len(tok)  # the embeddings and LM head grow to the extended vocabulary
         return config
     eos_ids = [tok.eos_token_id] + [i for i in tok.convert_tokens_to_ids(["<|end|>"]) if i != tok.unk_token_id]
     return {**llama_config(model_cfg, len(tok), tok.bos_token_id, eos_ids, tok.pad_token_id).to_dict(),
@@ -100,6 +105,9 @@ def run_train_stage(
             "data_dir": str(data_dir),
             "tokenizer_dir": str(tokenizer_dir),
             "init_hf_dir": str(init_hf_dir) if init_hf_dir else None,
+            # starting from the base with an extended vocabulary: these embedding and LM-head rows are new
+            "new_token_ids": (read_extension(tokenizer_dir) or {}).get("new_ids", [])
+            if init_hf_dir is not None and init_hf_dir == base_dir else [],
             # the export keeps the starting checkpoint's dtype and generation settings (a new model: fp32, its ids)
             "export_dtype": stored_dtype(Path(init_hf_dir)) if init_hf_dir else None,
             "generation_config": generation_config_of(init_hf_dir or base_dir),

@@ -1,0 +1,97 @@
+"""Extending a base model's vocabulary. A given list of tokens is added as whole tokens; N tokens learned from the
+corpus are added as new BPE merges ranked after all of the base's, so text keeps the base's segmentation except
+where a new merge joins two of its pieces (what vocabulary-extension work on Llama and Mistral tokenizers does).
+The record of which ids are new goes beside the tokenizer (core.vocabulary)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+
+from amalia_ray.core.errors import AmaliaError
+
+WORD_START = "▁"  # SentencePiece-style tokenizers mark a word's start with it (in the normalizer)
+
+
+def extend(tok, add_tokens: int | list[str], texts: Callable[[], Iterator[list[str]]]):
+    """`tok` (a transformers fast tokenizer) with `add_tokens` more tokens; returns (tokenizer, record)."""
+    base_len = len(tok)
+    if isinstance(add_tokens, list):
+        added = readable = [t for t in add_tokens if t not in tok.get_vocab()]
+        tok.add_tokens(added)
+    else:
+        tok, added, readable = _with_learned_merges(tok, add_tokens, texts)
+    return tok, {"base_tokens": base_len, "tokens": len(tok), "new_ids": tok.convert_tokens_to_ids(added),
+                 "added": readable, "requested": add_tokens if isinstance(add_tokens, int) else len(add_tokens)}
+
+
+def _with_learned_merges(tok, n: int, texts: Callable[[], Iterator[list[str]]]):
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise AmaliaError(f"tokenizer.add_tokens: {n} learns BPE merges from the corpus, but the base model's "
+                          f"tokenizer is {model.get('type')}; give the tokens to add as a list instead")
+    vocab: dict[str, int] = model["vocab"]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    ranks = {pair: i for i, pair in enumerate(merges)}
+    next_id = max([*vocab.values(), *(t["id"] for t in spec.get("added_tokens", []))]) + 1
+    added: list[str] = []
+    for a, b in _corpus_merges(tok.backend_tokenizer, n, texts):
+        token = a + b
+        if token in vocab:
+            continue
+        # the new token must be reachable: as the base (and the merges added so far) segment it, two pieces
+        pieces = _segment(token, vocab, ranks)
+        if pieces is None or len(pieces) != 2:
+            continue
+        ranks[tuple(pieces)] = len(merges)
+        merges.append(tuple(pieces))
+        vocab[token] = next_id
+        next_id += 1
+        added.append(token)
+        if len(added) == n:
+            break
+    model["merges"] = [list(m) for m in merges]
+    tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    # as text: byte-level tokens decode through the tokenizer, SentencePiece-style ones by their ▁
+    readable = tok.convert_tokens_to_string if _byte_level(spec) else (lambda ts: ts[0].replace(WORD_START, " "))
+    return tok, added, [readable([t]) for t in added]
+
+
+def _corpus_merges(base, n: int, texts: Callable[[], Iterator[list[str]]]) -> Iterable[tuple[str, str]]:
+    """The merges a BPE trained on the corpus with the base's normalizer and pre-tokenizer learns, most frequent
+    first: the candidates for new tokens (most of the first ones are the base's own already)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    byte_level = _byte_level(json.loads(base.to_str()))
+    learner = Tokenizer(models.BPE())
+    learner.normalizer = base.normalizer
+    # without a pre-tokenizer (SentencePiece style: spaces become ▁ in the normalizer) words start at ▁
+    learner.pre_tokenizer = base.pre_tokenizer or pre_tokenizers.Split(WORD_START, behavior="merged_with_next")
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + 8 * n + 2000, min_frequency=2, show_progress=False,
+                                  initial_alphabet=alphabet)
+    learner.train_from_iterator(texts(), trainer=trainer)
+    learned = json.loads(learner.to_str())["model"]["merges"]
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned]
+
+
+def _byte_level(spec: dict) -> bool:
+    return "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
+
+
+def _segment(word: str, vocab: dict[str, int], ranks: dict[tuple[str, str], int]) -> list[str] | None:
+    """BPE applied to one pre-tokenized word: the lowest-ranked merge first, until none applies. None when a
+    character is not in the vocabulary (the base would fall back to bytes there)."""
+    pieces = list(word)
+    if any(p not in vocab for p in pieces):
+        return None
+    while len(pieces) > 1:
+        pair = min(zip(pieces, pieces[1:]), key=lambda p: ranks.get(p, len(ranks) + 1))
+        if pair not in ranks:
+            break
+        i = next(i for i in range(len(pieces) - 1) if (pieces[i], pieces[i + 1]) == pair)
+        pieces[i:i + 2] = [pair[0] + pair[1]]
+    return pieces
