@@ -45,12 +45,21 @@ def sentencepiece_style_tokenizer(out: Path):
     return hf
 
 
-@pytest.mark.parametrize("style", ["byte_level", "sentencepiece"])
+def qwen_style_tokenizer(out: Path):
+    """Byte-level, loaded through a tokenizer class that rebuilds its backend from vocabulary and merges and keeps
+    its special token outside the BPE vocabulary (as Qwen's and Llama 3's are)."""
+    family_tokenizer(out, "chatml")
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+
+
+@pytest.mark.parametrize("style", ["byte_level", "qwen_class", "sentencepiece"])
 def test_tokens_learned_from_the_corpus_shorten_it_and_keep_the_base_segmentation(tmp_path, style):
     from transformers import AutoTokenizer
 
-    base = family_tokenizer(tmp_path / "base", "llama") if style == "byte_level" else \
-        sentencepiece_style_tokenizer(tmp_path / "base")
+    make = {"byte_level": lambda out: family_tokenizer(out, "llama"), "qwen_class": qwen_style_tokenizer,
+            "sentencepiece": sentencepiece_style_tokenizer}[style]
+    make(tmp_path / "base")
     base = AutoTokenizer.from_pretrained(str(tmp_path / "base"))
     paragraphs = faq_paragraphs()
     text = "\n\n".join(paragraphs[:300])
@@ -62,7 +71,9 @@ def test_tokens_learned_from_the_corpus_shorten_it_and_keep_the_base_segmentatio
     assert len(extended) == len(base) + 40 and record["new_ids"] == list(range(len(base), len(base) + 40))
     before, after = base(text)["input_ids"], extended(text)["input_ids"]
     assert len(after) < 0.99 * len(before), "the learned tokens are frequent in the corpus"
-    assert extended.decode(after) == base.decode(before), "the same text, fewer tokens"
+    assert extended.decode(after) == base.decode(before) == text, "the same text, fewer tokens"
+    assert {t: i for t, i in base.get_vocab().items()} == {t: i for t, i in extended.get_vocab().items()
+                                                           if i not in record["new_ids"]}, "base ids unchanged"
     assert set(record["new_ids"]) & set(after), "new tokens are reachable by the tokenizer, not just listed"
     # a word with none of the new tokens keeps the base's tokens
     untouched = [w for w in ("xylophone", "kwzq") if not set(extended(w)["input_ids"]) & set(record["new_ids"])]

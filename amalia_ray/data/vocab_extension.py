@@ -34,9 +34,16 @@ def _with_learned_merges(tok, n: int, texts: Callable[[], Iterator[list[str]]]):
         raise AmaliaError(f"tokenizer.add_tokens: {n} learns BPE merges from the corpus, but the base model's "
                           f"tokenizer is {model.get('type')}; give the tokens to add as a list instead")
     vocab: dict[str, int] = model["vocab"]
+    # tokenizers gives an added token missing from the model's vocabulary the id after the model's last; special
+    # tokens (Llama 3's, Qwen's) sit there, so they enter the vocabulary at their ids before new tokens follow them
+    for added_token in spec.get("added_tokens", []):
+        vocab.setdefault(added_token["content"], added_token["id"])
+    if sorted(vocab.values()) != list(range(len(vocab))):
+        raise AmaliaError("tokenizer.add_tokens: the base model's token ids are not contiguous, so learned tokens "
+                          "have no free ids; give the tokens to add as a list instead")
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     ranks = {pair: i for i, pair in enumerate(merges)}
-    next_id = max([*vocab.values(), *(t["id"] for t in spec.get("added_tokens", []))]) + 1
+    next_id = len(vocab)
     added: list[str] = []
     for a, b in _corpus_merges(tok.backend_tokenizer, n, texts):
         token = a + b
