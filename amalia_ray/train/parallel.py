@@ -6,6 +6,12 @@ from __future__ import annotations
 import torch
 
 
+def process_group_backend(use_gpu: bool) -> str:
+    """The workers' torch.distributed backend. On GPUs NCCL is registered for CUDA tensors only, yet the loop also
+    reduces metrics, gathers objects and plans checkpoints with CPU tensors: those go through gloo."""
+    return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """bf16 on GPU; fp32 on CPU, where fp32 matmul is faster than bf16 on the machines we measured."""
     if precision != "auto":

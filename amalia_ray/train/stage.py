@@ -92,7 +92,9 @@ def run_train_stage(
     from amalia_ray.train.hf_weights import stored_dtype
 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from amalia_ray.train.parallel import process_group_backend
 
     stage_dir.mkdir(parents=True, exist_ok=True)
     export_dir = stage_dir / "hf"
@@ -115,6 +117,7 @@ def run_train_stage(
             "export_dir": str(export_dir),
             "seed": seed,
         },
+        torch_config=TorchConfig(backend=process_group_backend(use_gpu)),
         scaling_config=ScalingConfig(
             num_workers=stage.num_workers,
             use_gpu=use_gpu,

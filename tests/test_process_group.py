@@ -1,0 +1,80 @@
+"""The workers' process group on GPU nodes: NCCL is registered for CUDA tensors only, so the loop's CPU-side
+collectives (metric sums, gathered objects, the mean rows of a grown vocabulary) would stop the first step with "No
+backend type associated with device type cpu". Reproduced here with gloo standing in for NCCL on the `cuda` device
+type: the same collectives fail under a CUDA-only backend and run under the one training configures for GPUs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from amalia_ray.train.parallel import process_group_backend
+from tests.conftest import free_port
+
+
+def _collectives(rank: int, world: int, port: int, backend: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    from amalia_ray.train.loop import _all_reduce, _all_reduce_sum
+
+    try:
+        sums = _all_reduce_sum(1.0, float(rank))
+        peak = _all_reduce([float(rank)], dist.ReduceOp.MAX)
+        nodes: list = [None] * world
+        dist.all_gather_object(nodes, f"node-{rank}")
+        payload = [{"rollout": rank}]
+        dist.broadcast_object_list(payload, src=0)
+        result = repr((sums, peak, nodes, payload))
+    except RuntimeError as e:
+        result = f"error: {e}"
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(result)
+    dist.destroy_process_group()
+
+
+def _run(backend: str, tmp_path) -> str:
+    out = tmp_path / f"{backend.replace(':', '_').replace(',', '_')}.txt"
+    mp.spawn(_collectives, args=(2, free_port(), backend, str(out)), nprocs=2)
+    return out.read_text()
+
+
+def test_cpu_collectives_need_a_cpu_backend_beside_nccl(tmp_path):
+    # plain "nccl" registers a backend for cuda alone: what the loop's CPU tensors meet on a GPU cluster
+    assert "No backend type associated with device type cpu" in _run("cuda:gloo", tmp_path)
+    gpu_backend = process_group_backend(use_gpu=True)
+    assert gpu_backend == "cpu:gloo,cuda:nccl" and process_group_backend(use_gpu=False) == "gloo"
+    # the GPU configuration with gloo standing in for NCCL (no GPU here): every CPU collective goes through
+    assert _run(gpu_backend.replace("nccl", "gloo"), tmp_path) == repr(
+        ([2.0, 1.0], [1.0], ["node-0", "node-1"], [{"rollout": 0}]))
+
+
+def test_training_passes_the_backend_to_ray_train(monkeypatch, tmp_path):
+    """run_train_stage hands Ray Train the backend above (Ray's default on GPUs is plain nccl)."""
+    import ray.train.torch
+
+    from amalia_ray.core.config import ModelConfig, TrainStageConfig
+    from amalia_ray.train import stage as stage_module
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", capture)
+    monkeypatch.setattr(stage_module, "hf_config_dict", lambda *a, **k: {})
+    for use_gpu in (True, False):
+        with pytest.raises(Stop):
+            stage_module.run_train_stage(TrainStageConfig(name="pretrain", objective="pretrain", steps=10), ModelConfig(),
+                                         data_dir=tmp_path,
+                                         tokenizer_dir=tmp_path, init_hf_dir=None, stage_dir=tmp_path / "s",
+                                         ray_run_name="r", seed=0, use_gpu=use_gpu, progress=False)
+        assert seen["torch_config"].backend == process_group_backend(use_gpu)
