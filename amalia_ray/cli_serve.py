@@ -22,6 +22,11 @@ def serve(
     min_replicas: int = 1,
     max_replicas: int = 1,
     target_ongoing_requests: int = 16,
+    gpus_per_replica: Annotated[int, typer.Option(help="GPUs per replica, the model split over them (tensor "
+                                                  "parallel; 0: one GPU where the cluster has GPUs)")] = 0,
+    pipeline_parallel_size: Annotated[int, typer.Option(help="pipeline stages per replica (GPUs)")] = 1,
+    device: Annotated[str, typer.Option(help="auto (GPU when the cluster has one; for --config-out: GPU when "
+                                        "--gpus-per-replica is set), cpu or cuda")] = "auto",
     api_key_env: Annotated[str, typer.Option(help="env var holding the API key: when set, requests need "
                                              "'Authorization: Bearer <key>'")] = "AMALIA_API_KEY",
     config_out: Annotated[Path | None, typer.Option("--config-out", help="write a Serve config YAML for "
@@ -55,13 +60,17 @@ def serve(
     names = name or [c.resolve().name if c.name != "hf" else c.resolve().parent.name for c in checkpoints]
     if len(names) != len(checkpoints):
         raise AmaliaError(f"{len(names)} --name values for {len(checkpoints)} checkpoints")
+    if device not in ("auto", "cpu", "cuda"):
+        raise AmaliaError(f"--device {device}: one of auto, cpu, cuda")
     cfg = ServeConfig(host=host, port=port, min_replicas=min_replicas, max_replicas=max_replicas,
-                      target_ongoing_requests=target_ongoing_requests, api_key_env=api_key_env)
+                      target_ongoing_requests=target_ongoing_requests, api_key_env=api_key_env,
+                      gpus_per_replica=gpus_per_replica, pipeline_parallel_size=pipeline_parallel_size)
     models = dict(zip(names, checkpoints))
     if config_out:
-        config_out.write_text(yaml.safe_dump(serve_app.serve_config(models, cfg, use_gpu=False), sort_keys=False))
-        console.print(f"wrote {config_out}: `serve deploy {config_out}` on a cluster with this package installed "
-                      "(set a GPU in placement_group_config.bundles for GPU replicas)")
+        use_gpu = device == "cuda" or (device == "auto" and gpus_per_replica > 0)
+        config_out.write_text(yaml.safe_dump(serve_app.serve_config(models, cfg, use_gpu), sort_keys=False))
+        console.print(f"wrote {config_out} ({'GPU' if use_gpu else 'CPU'} replicas): `serve deploy {config_out}` "
+                      "on a cluster with this package installed")
         return
     serve_app.require_vllm()
     serve_app.check_port_free(host, port)
@@ -69,7 +78,7 @@ def serve(
         console.print(f"[yellow]no API key[/]: {api_key_env} is not set, so the endpoint is open to anyone who can "
                       f"reach {host}:{port}")
     with ray_session():
-        url = serve_app.start(models, cfg, cluster_has_gpu())
+        url = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()))
         if on_cluster:
             console.print(f"[green]deployed[/] {', '.join(names)} at {url} (stop: amalia serve --stop)")
             return

@@ -131,3 +131,37 @@ def test_a_well_formed_body_passes_the_guard():
     ok = guarded_client(None).post("/v1/completions", json={"model": "m", "prompt": [{"role": "user",
                                                                                            "content": "olá"}]})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("gpus, stages", [(1, 1), (2, 1), (8, 1), (8, 2)])
+def test_gpu_replicas_split_the_model_over_their_gpus(checkpoint, gpus, stages):
+    """One bundle per GPU, the replica in the first; vLLM's tensor × pipeline parallel degree equals the GPUs the
+    placement group holds (Ray's LLMConfig expands the same bundles), tensor parallel kept inside one node."""
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+    cfg = ServeConfig(gpus_per_replica=gpus, pipeline_parallel_size=stages, cpus_per_replica=4)
+    config = serve_app.serve_config({"m": checkpoint}, cfg, use_gpu=True)
+    llm = LLMConfig.model_validate(config["applications"][0]["args"]["llm_configs"][0])
+    engine = llm.get_engine_config()
+    assert (engine.tensor_parallel_degree, engine.pipeline_parallel_degree) == (gpus // stages, stages)
+    assert engine.num_devices == gpus == sum(b.get("GPU", 0) for b in engine.placement_bundles)
+    assert all(b["GPU"] == 1 for b in engine.placement_bundles) and engine.placement_bundles[0]["CPU"] == 4
+    assert engine.placement_strategy == ("STRICT_PACK" if stages == 1 else "PACK")
+
+
+def test_the_config_writer_writes_gpu_replicas_when_asked(checkpoint, tmp_path):
+    from typer.testing import CliRunner
+
+    from amalia_ray.cli import app
+
+    runner = CliRunner()
+    for args, gpus, tp in [([], 0, None), (["--gpus-per-replica", "2"], 2, 2), (["--device", "cuda"], 1, 1)]:
+        out = tmp_path / "serve.yaml"
+        result = runner.invoke(app, ["serve", str(checkpoint), "--config-out", str(out), *args])
+        assert result.exit_code == 0, result.output
+        llm = yaml.safe_load(out.read_text())["applications"][0]["args"]["llm_configs"][0]
+        assert sum(b.get("GPU", 0) for b in llm["placement_group_config"]["bundles"]) == gpus
+        assert llm["engine_kwargs"].get("tensor_parallel_size") == tp
+    result = runner.invoke(app, ["serve", str(checkpoint), "--config-out", str(out), "--gpus-per-replica", "3",
+                                 "--pipeline-parallel-size", "2"])
+    assert result.exit_code == 1 and "not a multiple of pipeline_parallel_size" in result.output

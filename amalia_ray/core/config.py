@@ -438,7 +438,11 @@ class ServeConfig(Strict):
     target_ongoing_requests: int = Field(16, ge=1, description="autoscaling: requests in flight per replica it "
                                          "aims for before adding a replica")
     cpus_per_replica: int = Field(1, ge=1)
-    gpus_per_replica: int = Field(0, ge=0)
+    gpus_per_replica: int = Field(0, ge=0, description="GPUs per replica on a GPU cluster (0: 1): the model is split "
+                                  "over them, tensor parallel within a node (vLLM's tensor_parallel_size = "
+                                  "gpus_per_replica / pipeline_parallel_size)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="GPU replicas: pipeline stages, which may sit on "
+                                        "different nodes (a model too large for one node's GPUs)")
     engine: EngineConfig = EngineConfig()
     startup_timeout_s: float = Field(900, gt=0)
     api_key_env: str = Field("AMALIA_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
@@ -452,6 +456,9 @@ class ServeConfig(Strict):
     def _replicas(self) -> ServeConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
+        if max(1, self.gpus_per_replica) % self.pipeline_parallel_size:
+            raise ValueError(f"gpus_per_replica {self.gpus_per_replica} is not a multiple of pipeline_parallel_size "
+                             f"{self.pipeline_parallel_size}")
         return self
 
 

@@ -47,21 +47,29 @@ def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool)
     if not (checkpoint / "config.json").is_file():
         raise AmaliaError(f"not a HF checkpoint (no config.json): {checkpoint}")
     engine = cfg.engine
-    bundle = {"CPU": cfg.cpus_per_replica, **({"GPU": max(1, cfg.gpus_per_replica)} if use_gpu else {})}
     return {
         "model_loading_config": {"model_id": model_id, "model_source": str(checkpoint.resolve())},
         "deployment_config": {
             "autoscaling_config": {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
                                    "target_ongoing_requests": cfg.target_ongoing_requests}
         },
-        "placement_group_config": {"bundles": [bundle]},
-        "engine_kwargs": {
-            "dtype": engine.resolved_dtype(use_gpu),
-            "max_model_len": engine.max_model_len,
-            "enforce_eager": engine.enforce_eager,
-            "gpu_memory_utilization": engine.gpu_memory_utilization,
-        },
+        **replica_placement(cfg, use_gpu),
     }
+
+
+def replica_placement(cfg: ServeConfig, use_gpu: bool) -> dict:
+    """The replica's placement group and engine settings. On GPUs, one bundle per GPU (vLLM starts a worker in
+    each; the replica itself sits in the first) and the model split over them: tensor parallel inside a node
+    (STRICT_PACK), pipeline stages allowed across nodes (PACK)."""
+    engine = cfg.engine
+    kwargs = {"dtype": engine.resolved_dtype(use_gpu), "max_model_len": engine.max_model_len,
+              "enforce_eager": engine.enforce_eager, "gpu_memory_utilization": engine.gpu_memory_utilization}
+    if not use_gpu:
+        return {"placement_group_config": {"bundles": [{"CPU": cfg.cpus_per_replica}]}, "engine_kwargs": kwargs}
+    gpus, stages = max(1, cfg.gpus_per_replica), cfg.pipeline_parallel_size
+    bundles = [{"CPU": cfg.cpus_per_replica, "GPU": 1}] + [{"CPU": 1, "GPU": 1}] * (gpus - 1)
+    return {"placement_group_config": {"bundles": bundles, "strategy": "STRICT_PACK" if stages == 1 else "PACK"},
+            "engine_kwargs": {**kwargs, "tensor_parallel_size": gpus // stages, "pipeline_parallel_size": stages}}
 
 
 def api_key(cfg: ServeConfig) -> str | None:
