@@ -40,7 +40,7 @@ def faq_paragraphs() -> list[str]:
     return [p for p in gzip.open(FAQ, "rt", encoding="utf-8").read().split("\n\n") if len(p) > 40]
 
 
-def family_tokenizer(out: Path, style: str):
+def family_tokenizer(out: Path, style: str, vocab_size: int = 600):
     """A byte-level BPE trained on the Debian FAQ with the family's special tokens and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -48,7 +48,7 @@ def family_tokenizer(out: Path, style: str):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<bos>", "<eos>", *SPECIALS],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>", *SPECIALS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(faq_paragraphs(), trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",

@@ -1,7 +1,8 @@
 """Run by tests/test_multinode.py in its own process: a three-node Ray cluster on this machine
 (`ray.cluster_utils.Cluster`: a head with the job server, and two worker nodes that each fit one training worker),
 a recipe submitted to it as a Ray job (`amalia submit`) running data → tokenizer → pack → pretrain → serve + eval,
-and one worker node removed once training has passed its first checkpoint.
+one worker node removed once training has passed its first checkpoint, and a node added back once the one worker
+left has checkpointed.
 
     python -m tests.multinode_job RECIPE RUN_DIR OUT_DIR
 """
@@ -20,10 +21,10 @@ from tests.conftest import free_port
 WORKER_NODE_CPUS = 3  # one training worker of 2 CPUs per node; serving (2 CPUs a replica) fits on one node
 
 
-def _registered_two_worker_checkpoint(run_dir: Path) -> int | None:
-    """The step of a checkpoint that two workers wrote and Ray Train has registered (so a restart resumes from it,
-    not from an earlier one-worker checkpoint). The stage may start with one worker — what the cluster had free
-    just then — and grow to two."""
+def _registered_checkpoint(run_dir: Path, world_size: int, after: int = 0) -> int | None:
+    """The step of the newest checkpoint that `world_size` workers wrote after step `after` and Ray Train has
+    registered (so a restart resumes from it, not from an earlier one). The stage may start with one worker —
+    what the cluster had free just then — and grow to two."""
     try:
         rec = json.loads((run_dir / "manifest.json").read_text())["stages"]["pretrain"]
         if rec["status"] != "running":
@@ -32,8 +33,13 @@ def _registered_two_worker_checkpoint(run_dir: Path) -> int | None:
         results = json.loads(snapshot.read_text())["checkpoint_results"]
     except (OSError, KeyError, json.JSONDecodeError):
         return None
-    steps = [r["metrics"]["step"] for r in results if r.get("metrics", {}).get("world_size") == 2]
+    steps = [r["metrics"]["step"] for r in results
+             if r.get("metrics", {}).get("world_size") == world_size and r["metrics"]["step"] > after]
     return max(steps) if steps else None
+
+
+def _last_step(metrics: Path) -> int:
+    return max(json.loads(ln)["step"] for ln in metrics.read_text().splitlines() if ln)
 
 
 def main(recipe: Path, run_dir: Path, out: Path) -> None:
@@ -46,9 +52,11 @@ def main(recipe: Path, run_dir: Path, out: Path) -> None:
             "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
             "runtime_env_agent_port": free_port()}
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    nodes = [cluster.add_node(num_cpus=WORKER_NODE_CPUS, dashboard_agent_listen_port=free_port(),
-                              metrics_export_port=free_port(), runtime_env_agent_port=free_port())
-             for _ in range(2)]
+    def add_worker_node():
+        return cluster.add_node(num_cpus=WORKER_NODE_CPUS, dashboard_agent_listen_port=free_port(),
+                                metrics_export_port=free_port(), runtime_env_agent_port=free_port())
+
+    nodes = [add_worker_node() for _ in range(2)]
     cluster.wait_for_nodes()
     address = f"http://127.0.0.1:{dashboard}"
     result: dict = {"address": address}
@@ -68,10 +76,13 @@ def main(recipe: Path, run_dir: Path, out: Path) -> None:
             status = client.get_job_status(job_id)
             if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
                 break
-            if "removed_at_step" not in result and _registered_two_worker_checkpoint(run_dir):
-                steps = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines() if ln]
-                result["removed_at_step"] = max(steps)
+            if "removed_at_step" not in result and _registered_checkpoint(run_dir, 2):
+                result["removed_at_step"] = _last_step(metrics)
                 cluster.remove_node(nodes[1])  # the Train controller sits with the job's driver on the head
+            elif ("added_at_step" not in result and "removed_at_step" in result
+                  and _registered_checkpoint(run_dir, 1, after=result["removed_at_step"])):
+                result["added_at_step"] = _last_step(metrics)
+                add_worker_node()  # capacity frees up again: the stage grows back to two workers
             time.sleep(0.5)
         result["status"] = str(client.get_job_status(job_id).value)
         result["logs"] = client.get_job_logs(job_id)[-6000:]

@@ -80,6 +80,16 @@ def test_tokens_learned_from_the_corpus_shorten_it_and_keep_the_base_segmentatio
     assert all(extended(w)["input_ids"] == base(w)["input_ids"] for w in untouched) and untouched
 
 
+def test_a_base_trained_on_the_same_corpus_still_gets_new_tokens(tmp_path):
+    """Its vocabulary already holds the corpus's most frequent merges: learning goes further until n are new."""
+    from transformers import AutoTokenizer
+
+    family_tokenizer(tmp_path / "base", "llama", vocab_size=3000)
+    base = AutoTokenizer.from_pretrained(str(tmp_path / "base"))
+    extended, record = extend(base, 10, lambda: iter([faq_paragraphs()]))
+    assert len(record["added"]) == 10 and len(extended) == 3010
+
+
 def test_listed_tokens_are_added_once_and_known_ones_skipped(tmp_path):
     from transformers import AutoTokenizer
 

@@ -41,25 +41,18 @@ def _with_learned_merges(tok, n: int, texts: Callable[[], Iterator[list[str]]]):
     if sorted(vocab.values()) != list(range(len(vocab))):
         raise AmaliaError("tokenizer.add_tokens: the base model's token ids are not contiguous, so learned tokens "
                           "have no free ids; give the tokens to add as a list instead")
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    ranks = {pair: i for i, pair in enumerate(merges)}
-    next_id = len(vocab)
-    added: list[str] = []
-    for a, b in _corpus_merges(tok.backend_tokenizer, n, texts):
-        token = a + b
-        if token in vocab:
-            continue
-        # the new token must be reachable: as the base (and the merges added so far) segment it, two pieces
-        pieces = _segment(token, vocab, ranks)
-        if pieces is None or len(pieces) != 2:
-            continue
-        ranks[tuple(pieces)] = len(merges)
-        merges.append(tuple(pieces))
-        vocab[token] = next_id
-        next_id += 1
-        added.append(token)
-        if len(added) == n:
+    base_merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    # the corpus's most frequent merges are mostly the base's own (all of them when the base was trained on text
+    # like it): learn more merges until n are new, the corpus has no more, or the learner's vocabulary is the
+    # base's size plus a margin
+    budget, most = 8 * n + 2000, len(vocab) + 8 * n + 2000
+    while True:
+        learned, exhausted = _corpus_merges(tok.backend_tokenizer, budget, texts)
+        merged_vocab, merges, added = _new_merges(learned, dict(vocab), list(base_merges), n)
+        if len(added) == n or exhausted or budget >= most:
             break
+        budget = min(2 * budget, most)
+    vocab.update(merged_vocab)
     model["merges"] = [list(m) for m in merges]
     tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
     # as text: byte-level tokens decode through the tokenizer, SentencePiece-style ones by their ▁
@@ -67,9 +60,30 @@ def _with_learned_merges(tok, n: int, texts: Callable[[], Iterator[list[str]]]):
     return tok, added, [readable([t]) for t in added]
 
 
-def _corpus_merges(base, n: int, texts: Callable[[], Iterator[list[str]]]) -> Iterable[tuple[str, str]]:
-    """The merges a BPE trained on the corpus with the base's normalizer and pre-tokenizer learns, most frequent
-    first: the candidates for new tokens (most of the first ones are the base's own already)."""
+def _new_merges(learned: Iterable[tuple[str, str]], vocab: dict[str, int], merges: list[tuple[str, str]], n: int):
+    """Up to n of the learned merges whose token the vocabulary lacks, each appended to `merges` as the two pieces
+    the base (and the merges added so far) segment its token into — so it is reachable, not just listed."""
+    ranks = {pair: i for i, pair in enumerate(merges)}
+    added: list[str] = []
+    for a, b in learned:
+        token = a + b
+        if token in vocab:
+            continue
+        pieces = _segment(token, vocab, ranks)
+        if pieces is None or len(pieces) != 2:
+            continue
+        ranks[tuple(pieces)] = len(merges)
+        merges.append(tuple(pieces))
+        vocab[token] = len(vocab)
+        added.append(token)
+        if len(added) == n:
+            break
+    return vocab, merges, added
+
+
+def _corpus_merges(base, budget: int, texts: Callable[[], Iterator[list[str]]]) -> tuple[list, bool]:
+    """The merges a BPE of `budget` tokens trained on the corpus with the base's normalizer and pre-tokenizer
+    learns, most frequent first: the candidates for new tokens. True when the corpus had fewer to give."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     byte_level = _byte_level(json.loads(base.to_str()))
@@ -78,11 +92,12 @@ def _corpus_merges(base, n: int, texts: Callable[[], Iterator[list[str]]]) -> It
     # without a pre-tokenizer (SentencePiece style: spaces become ▁ in the normalizer) words start at ▁
     learner.pre_tokenizer = base.pre_tokenizer or pre_tokenizers.Split(WORD_START, behavior="merged_with_next")
     alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
-    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + 8 * n + 2000, min_frequency=2, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + budget, min_frequency=2, show_progress=False,
                                   initial_alphabet=alphabet)
     learner.train_from_iterator(texts(), trainer=trainer)
     learned = json.loads(learner.to_str())["model"]["merges"]
-    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned]
+    return merges, learner.get_vocab_size() < len(alphabet) + budget
 
 
 def _byte_level(spec: dict) -> bool:
