@@ -3,6 +3,7 @@ model's own tokenizer kept as it is."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,6 +66,10 @@ def base_tokenizer(model_dir: Path, out_dir: Path, cfg: TokenizerConfig, trust_r
     extension = None
     if cfg.add_tokens is not None:
         tok, extension = extend(tok, cfg.add_tokens, lambda: iter_texts(corpus_dir))
+        if len(extension["added"]) < extension["requested"]:
+            logging.getLogger("amalia_ray.data").warning(
+                f"tokenizer.add_tokens: {len(extension['added'])} of {extension['requested']} tokens added (the "
+                "others are in the base vocabulary already, or the corpus has no more merges it lacks)")
     tok.save_pretrained(str(out_dir))
     if extension:
         write_extension(out_dir, extension)
