@@ -17,7 +17,8 @@ def extend(tok, add_tokens: int | list[str], texts: Callable[[], Iterator[list[s
     """`tok` (a transformers fast tokenizer) with `add_tokens` more tokens; returns (tokenizer, record)."""
     base_len = len(tok)
     if isinstance(add_tokens, list):
-        added = readable = [t for t in add_tokens if t not in tok.get_vocab()]
+        known = tok.get_vocab()
+        added = readable = [t for t in add_tokens if t not in known]
         tok.add_tokens(added)
     else:
         tok, added, readable = _with_learned_merges(tok, add_tokens, texts)
@@ -41,13 +42,14 @@ def _with_learned_merges(tok, n: int, texts: Callable[[], Iterator[list[str]]]):
     if sorted(vocab.values()) != list(range(len(vocab))):
         raise AmaliaError("tokenizer.add_tokens: the base model's token ids are not contiguous, so learned tokens "
                           "have no free ids; give the tokens to add as a list instead")
-    base_merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    base_merges = _pairs(model["merges"])
+    byte_level = _byte_level(spec)
     # the corpus's most frequent merges are mostly the base's own (all of them when the base was trained on text
     # like it): learn more merges until n are new, the corpus has no more, or the learner's vocabulary is the
     # base's size plus a margin
     budget, most = 8 * n + 2000, len(vocab) + 8 * n + 2000
     while True:
-        learned, exhausted = _corpus_merges(tok.backend_tokenizer, budget, texts)
+        learned, exhausted = _corpus_merges(tok.backend_tokenizer, byte_level, budget, texts)
         merged_vocab, merges, added = _new_merges(learned, dict(vocab), list(base_merges), n)
         if len(added) == n or exhausted or budget >= most:
             break
@@ -56,7 +58,7 @@ def _with_learned_merges(tok, n: int, texts: Callable[[], Iterator[list[str]]]):
     model["merges"] = [list(m) for m in merges]
     tok._tokenizer = Tokenizer.from_str(json.dumps(spec))
     # as text: byte-level tokens decode through the tokenizer, SentencePiece-style ones by their ▁
-    readable = tok.convert_tokens_to_string if _byte_level(spec) else (lambda ts: ts[0].replace(WORD_START, " "))
+    readable = tok.convert_tokens_to_string if byte_level else (lambda ts: ts[0].replace(WORD_START, " "))
     return tok, added, [readable([t]) for t in added]
 
 
@@ -81,12 +83,12 @@ def _new_merges(learned: Iterable[tuple[str, str]], vocab: dict[str, int], merge
     return vocab, merges, added
 
 
-def _corpus_merges(base, budget: int, texts: Callable[[], Iterator[list[str]]]) -> tuple[list, bool]:
+def _corpus_merges(base, byte_level: bool, budget: int, texts: Callable[[], Iterator[list[str]]]
+                   ) -> tuple[list, bool]:
     """The merges a BPE of `budget` tokens trained on the corpus with the base's normalizer and pre-tokenizer
     learns, most frequent first: the candidates for new tokens. True when the corpus had fewer to give."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    byte_level = _byte_level(json.loads(base.to_str()))
     learner = Tokenizer(models.BPE())
     learner.normalizer = base.normalizer
     # without a pre-tokenizer (SentencePiece style: spaces become ▁ in the normalizer) words start at ▁
@@ -95,9 +97,13 @@ def _corpus_merges(base, budget: int, texts: Callable[[], Iterator[list[str]]]) 
     trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + budget, min_frequency=2, show_progress=False,
                                   initial_alphabet=alphabet)
     learner.train_from_iterator(texts(), trainer=trainer)
-    learned = json.loads(learner.to_str())["model"]["merges"]
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned]
+    merges = _pairs(json.loads(learner.to_str())["model"]["merges"])
     return merges, learner.get_vocab_size() < len(alphabet) + budget
+
+
+def _pairs(merges: list) -> list[tuple[str, str]]:
+    """tokenizer.json's merges, written as "a b" strings (older files) or [a, b] lists."""
+    return [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
 
 
 def _byte_level(spec: dict) -> bool:

@@ -46,7 +46,6 @@ def check_port_free(host: str, port: int) -> None:
 def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool) -> dict:
     if not (checkpoint / "config.json").is_file():
         raise AmaliaError(f"not a HF checkpoint (no config.json): {checkpoint}")
-    engine = cfg.engine
     return {
         "model_loading_config": {"model_id": model_id, "model_source": str(checkpoint.resolve())},
         "deployment_config": {

@@ -131,12 +131,11 @@ def _load_vocab_rows(target, stored, new_ids: list[int], where: str) -> None:
         (n, start), local, sharded = (target.shape[0], 0), target, False
     new = torch.zeros(n, dtype=torch.bool)
     new[[i - start for i in new_ids if start <= i < start + n]] = True
-    end = min(start + n, rows)
-    if end > start:
-        local[: end - start].copy_(stored[start:end])
-    old = ~new[: max(end - start, 0)]
-    total = local[: max(end - start, 0)][old.to(local.device)].double().sum(0) if end > start else \
-        torch.zeros(cols, dtype=torch.float64, device=local.device)
+    stored_here = max(min(start + n, rows) - start, 0)  # this shard's rows that the checkpoint has
+    if stored_here:
+        local[:stored_here].copy_(stored[start:start + stored_here])
+    old = ~new[:stored_here]
+    total = local[:stored_here][old.to(local.device)].double().sum(0)  # zeros when the shard has none
     count = torch.tensor([float(old.sum())], dtype=torch.float64, device=local.device)
     if sharded:
         group = target.device_mesh.get_group()
