@@ -22,9 +22,11 @@ def test_schedules():
     assert lr_at(50, schedule="constant", **kw) == 1.0
 
 
-def test_document_masking_keeps_attention_within_each_document():
+def test_document_masking_keeps_attention_within_each_document(tmp_path):
     """Restarting positions make transformers mask attention across packed documents: the logits of the second
     document do not depend on the first."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -37,7 +39,9 @@ def test_document_masking_keeps_attention_within_each_document():
     second = [7, 8, 9, 10, 11]
     tokens = np.array([[1, 2, 3] + second, [4, 5, 6] + second])
     objective = Pretrain.__new__(Pretrain)
-    objective.train = PackedSplit(tokens, np.array(["a", "a"], dtype=object), [[0, 3], [0, 3]])
+    pq.write_table(pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), 8),
+                             "doc_starts": [[0, 3], [0, 3]], "source": ["a", "a"]}), tmp_path / "part-0.parquet")
+    objective.train = PackedSplit.read(tmp_path)
     objective.document_masking = True
     batch = objective.batch(np.array([0, 1]))
     with torch.no_grad():

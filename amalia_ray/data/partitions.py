@@ -42,9 +42,10 @@ def write_shards(ds: ray.data.Dataset, path: Path | str) -> None:
     ds.write_parquet(str(path), filename_provider=ShardNames(), mode=ray.data.SaveMode.OVERWRITE)
 
 
-def write_ordered_shards(ds: ray.data.Dataset, path: Path | str, rows_per_file: int = ROWS_PER_SHARD) -> int:
-    """The dataset's rows, in order, as `part-000000.parquet`, … of `rows_per_file` rows each (one row group; the
-    last file fewer): the same rows give the same files whatever blocks Ray Data cut them into — a sort's block
+def write_ordered_shards(ds: ray.data.Dataset, path: Path | str, rows_per_file: int = ROWS_PER_SHARD,
+                         rows_per_group: int | None = None) -> int:
+    """The dataset's rows, in order, as `part-000000.parquet`, … of `rows_per_file` rows each (row groups of
+    `rows_per_group` rows, default one per file; the last file fewer): the same rows give the same files whatever blocks Ray Data cut them into — a sort's block
     boundaries come from random samples, and the writer groups blocks into files as they come. Outputs that a
     later stage reads in file order (the sorted corpus, the packed sequences) go through here, so their content
     hashes, and what training reads, repeat run after run. One Ray task per file. Returns the row count."""
@@ -63,9 +64,9 @@ def write_ordered_shards(ds: ray.data.Dataset, path: Path | str, rows_per_file: 
         chosen = [(ref, (max(lo - s, 0), min(hi - s, n))) for ref, s, (n, _) in zip(refs, starts, shapes)
                   if s < hi and s + n > lo]
         jobs.append(_write_file.remote(str(folder / f"part-{index:06}.parquet"), schema, [c for _, c in chosen],
-                                       *[r for r, _ in chosen]))
+                                       rows_per_group, *[r for r, _ in chosen]))
     if total == 0:
-        jobs.append(_write_file.remote(str(folder / "part-000000.parquet"), schema, []))
+        jobs.append(_write_file.remote(str(folder / "part-000000.parquet"), schema, [], None))
     ray.get(jobs)
     return total
 
@@ -76,12 +77,13 @@ def _shape(table: pa.Table) -> tuple[int, pa.Schema]:
 
 
 @ray.remote(num_cpus=0.5)
-def _write_file(path: str, schema, cuts: list[tuple[int, int]], *tables: pa.Table) -> None:
+def _write_file(path: str, schema, cuts: list[tuple[int, int]], rows_per_group: int | None,
+                *tables: pa.Table) -> None:
     import pyarrow.parquet as pq
 
     parts = [t.slice(a, b - a).select(schema.names).cast(schema) for t, (a, b) in zip(tables, cuts)]
     table = pa.concat_tables(parts) if parts else schema.empty_table()
-    pq.write_table(table, path, row_group_size=max(1, table.num_rows))
+    pq.write_table(table, path, row_group_size=rows_per_group or max(1, table.num_rows))
 
 
 def configure_data_context() -> None:

@@ -11,6 +11,7 @@ from ray.data.expressions import col
 
 from amalia_ray.core.config import DataConfig, NearDedupConfig, PackConfig, TokenizerConfig
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.shards import rows_per_group
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.data.cleaning import Clean
 from amalia_ray.data.dedup import near_duplicate_clusters, with_clusters
@@ -156,7 +157,7 @@ def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, 
             batch_size=512,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=num_actors),
-        ), tmp / split)
+        ), tmp / split, rows_per_group=rows_per_group(cfg.seq_len))
     if not stats.get("train_sequences"):
         raise AmaliaError(
             f"corpus too small to pack: no training sequence of pack.seq_len={cfg.seq_len} tokens; "

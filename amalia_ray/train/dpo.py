@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from amalia_ray.core.shards import MixtureSampler
+from amalia_ray.core.shards import MixtureSampler, one_block
 from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.train.completions import pad_completions, token_logps
 
@@ -211,7 +211,7 @@ class DPO:
     def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
         if curriculum:
             raise ValueError("curriculum applies to pretraining sources; a dpo stage reads one preference set")
-        return MixtureSampler({"dpo": np.arange(len(self.pairs["train"]))}, self.seq_len, seed)
+        return MixtureSampler({"dpo": one_block(len(self.pairs["train"]))}, self.seq_len, seed)
 
     def num_validation(self) -> int:
         return len(self.pairs["validation"])

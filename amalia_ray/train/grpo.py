@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from amalia_ray.core.shards import MixtureSampler
+from amalia_ray.core.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
 from amalia_ray.core.rewards import get_reward
 from amalia_ray.train.rollout import encode_prompt, engine_on_model, read_tasks, sample_and_score
@@ -82,7 +82,7 @@ class GRPO:
     def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
         if curriculum:
             raise ValueError("curriculum applies to pretraining sources; a grpo stage reads one task set")
-        return MixtureSampler({"grpo": np.arange(len(self.tasks))}, self.seq_len, seed)
+        return MixtureSampler({"grpo": one_block(len(self.tasks))}, self.seq_len, seed)
 
     def num_validation(self) -> int:
         return 0

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from amalia_ray.core.errors import NotImplementedYet
-from amalia_ray.core.shards import MixtureSampler, PackedSplit, load_hook, phase_schedule
+from amalia_ray.core.shards import (MixtureSampler, PackedSplit, document_positions, load_hook, one_block,
+                                    phase_schedule)
 from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.train.chat import encode_conversation, pack_conversations
 from amalia_ray.train.dpo import DPO
@@ -49,19 +50,20 @@ class Pretrain:
             schedule = load_hook(curriculum["hook"])
         elif curriculum and curriculum.get("phases"):
             schedule = phase_schedule(curriculum["phases"])
-        return MixtureSampler(self.train.rows_by_source(), self.train.tokens.shape[1], seed, schedule)
+        return MixtureSampler(self.train.blocks, self.train.seq_len, seed, schedule)
 
     def num_validation(self) -> int:
-        return len(self.validation.tokens)
+        return len(self.validation)
 
     def validation_groups(self) -> dict[str, np.ndarray]:
-        return {str(s): np.flatnonzero(self.validation.sources == s) for s in sorted(set(self.validation.sources))}
+        return self.validation.rows_by_source()
 
     def batch(self, rows: np.ndarray, split: str = "train") -> dict:
         data = self.train if split == "train" else self.validation
-        batch = {"input_ids": torch.from_numpy(data.tokens[rows])}
+        tokens, doc_starts = data.take(rows)
+        batch = {"input_ids": torch.from_numpy(tokens)}
         if self.document_masking:
-            batch["position_ids"] = torch.from_numpy(data.position_ids(rows))
+            batch["position_ids"] = torch.from_numpy(document_positions(doc_starts, data.seq_len))
         return batch
 
     @staticmethod
@@ -99,7 +101,7 @@ class SFT:
     def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
         if curriculum:
             raise ValueError("curriculum applies to pretraining sources; an sft stage reads one conversation set")
-        return MixtureSampler({"sft": np.arange(len(self.train.input_ids))}, self.train.input_ids.shape[1], seed)
+        return MixtureSampler({"sft": one_block(len(self.train.input_ids))}, self.train.input_ids.shape[1], seed)
 
     def num_validation(self) -> int:
         return len(self.validation.input_ids)
