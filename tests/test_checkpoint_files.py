@@ -1,9 +1,17 @@
-"""Checkpoint checksums: a truncated or corrupt checkpoint is detected and the newest intact one is used."""
+"""Checkpoint checksums and resume: a damaged checkpoint is detected by the ranks that read it, every rank moves to
+the next newest registered checkpoint together, and each rank fetches and verifies only the files it reads."""
 
 import json
+import os
 from pathlib import Path
 
-from amalia_ray.train.checkpoint import TRAIN_STATE, intact, problems, write_checksums
+import pyarrow.fs as pafs
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from amalia_ray.train.checkpoint import CHUNK, TRAIN_STATE, CheckpointFiles, problems, write_checksums
+from tests.conftest import free_port
 
 
 def fake_checkpoint(root: Path, name: str, step: int, world: int = 2) -> Path:
@@ -22,44 +30,105 @@ def fake_checkpoint(root: Path, name: str, step: int, world: int = 2) -> Path:
     return folder
 
 
-def test_intact_checkpoint_passes(tmp_path):
-    folder = fake_checkpoint(tmp_path, "checkpoint_000001", 20)
-    assert problems(folder) == []
-    assert intact(folder) == folder
+def local(folder: Path) -> CheckpointFiles:
+    return CheckpointFiles(pafs.LocalFileSystem(), str(folder))
 
 
-def test_corrupt_truncated_or_partial_checkpoints_fall_back_to_the_newest_intact(tmp_path):
-    old = fake_checkpoint(tmp_path, "checkpoint_000000", 10)
-    mid = fake_checkpoint(tmp_path, "checkpoint_000001", 20)
-    latest = fake_checkpoint(tmp_path, "checkpoint_000002", 30)
-    (latest / "__1_0.distcp").write_bytes(b"\x01" * 10)  # truncated
-    assert problems(latest) == ["__1_0.distcp does not match its checksum"]
-    assert intact(latest) == mid
-    (mid / "checksums_rank1.json").unlink()  # a rank's files never arrived
-    assert "checksums of 1 of 2 ranks" in problems(mid)
-    assert intact(latest) == old
-    (old / TRAIN_STATE).unlink()
-    assert intact(latest) is None
+def test_damaged_truncated_or_partial_checkpoints_are_detected(tmp_path):
+    folder = fake_checkpoint(tmp_path, "checkpoint_000002", 30)
+    assert problems(local(folder), None) == []
+    (folder / "__1_0.distcp").write_bytes(b"\x01" * 10)  # truncated
+    assert problems(local(folder), None) == ["__1_0.distcp does not match its checksum"]
+    (folder / "checksums_rank1.json").unlink()  # a rank's files never arrived
+    assert problems(local(folder), None) == ["checksums of rank 1 of 2 missing"]
+    (folder / TRAIN_STATE).unlink()
+    assert problems(local(folder), None) == [f"{TRAIN_STATE} missing"]
 
 
-def test_a_failed_checkpoint_write_reaches_the_user_as_its_one_line():
-    """Ray Train hands a worker's exception back wrapped (with its traceback as the text); the stage unwraps the
-    checkpoint-write failure into the plain message."""
-    from ray.train import WorkerGroupError
-    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+def test_files_of_a_checkpoint_in_a_bucket_are_downloaded_only_when_asked_for(tmp_path):
+    """A remote filesystem (pyarrow's SubTreeFileSystem stands in for the bucket): nothing is fetched up front."""
+    folder = fake_checkpoint(tmp_path / "bucket", "checkpoint_000001", 20)
+    bucket = pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem())
+    (folder / "big").write_bytes(os.urandom(3 * CHUNK))
+    files = CheckpointFiles(bucket, "checkpoint_000001")
+    assert not files.in_place and not list(files.folder.iterdir())
+    assert files.get("__1_0.distcp").read_bytes() == (folder / "__1_0.distcp").read_bytes()
+    assert files.get("nope") is None
+    part = files.get("big", [1]).read_bytes()
+    assert len(part) == 3 * CHUNK and part[CHUNK:2 * CHUNK] == (folder / "big").read_bytes()[CHUNK:2 * CHUNK]
+    assert part[:CHUNK] == part[2 * CHUNK:] == bytes(CHUNK), "the other chunks were not fetched"
+    assert sorted(p.name for p in files.folder.iterdir()) == ["__1_0.distcp", "big"]
+    files.close()
+    assert not files.folder.exists()
 
-    from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.train.checkpoint import CheckpointWriteError
-    from amalia_ray.train.stage import _plain
 
-    wrapped = UserExceptionWithTraceback(CheckpointWriteError("[pretrain] the checkpoint of step 10 could not be "
-                                                              "written (OSError: disk full)"), "Traceback …")
-    plain = _plain(WorkerGroupError("Training failed", {0: wrapped, 1: wrapped}))
-    assert isinstance(plain, AmaliaError) and str(plain).startswith("[pretrain] the checkpoint of step 10")
-    other = WorkerGroupError("Training failed", {0: UserExceptionWithTraceback(ValueError("x"), "tb")})
-    assert _plain(other) is other
-    from ray.train import ControllerError
+def _resume(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """Two FSDP2 ranks save three checkpoints (each rank into its own folder, then gathered, as Ray Train does);
+    rank 1's shard of the newest is damaged; both ranks resume."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from ray.train import Checkpoint
 
-    as_text = ControllerError(RuntimeError("worker died: amalia_ray.train.checkpoint.CheckpointWriteError: [sft] the "
-                                           "checkpoint of step 4 could not be written (OSError: EIO)\nmore"))
-    assert str(_plain(as_text)) == "[sft] the checkpoint of step 4 could not be written (OSError: EIO)"
+    from amalia_ray.train import checkpoint
+
+    checkpoint.CHUNK = 256  # many chunks per shard file of this small model
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    folders, weights = [], []
+    for step in (10, 20, 30):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        weights.append([p.full_tensor().clone() for p in model.parameters()])
+        folder = Path(root) / f"checkpoint_{step}"
+        mine = Path(root) / f"checkpoint_{step}-rank{rank}"
+        mine.mkdir(parents=True)
+        checkpoint.save(mine, model, optimizer, {"step": step})
+        dist.barrier()
+        if rank == 0:
+            folder.mkdir()
+            for r in range(world):
+                for f in (Path(root) / f"checkpoint_{step}-rank{r}").iterdir():
+                    f.rename(folder / f.name)
+        dist.barrier()
+        folders.append(folder)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    read = checkpoint.ranges_read(state, FileSystemReader(str(folders[-1])).read_metadata())
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, read)
+    if rank == 0:  # damage a chunk of rank 1's shard file that only rank 1 reads
+        theirs = checkpoint._chunks(everyone[1]["__1_0.distcp"])
+        ours = checkpoint._chunks(everyone[0].get("__1_0.distcp", []))
+        chunk = next(c for c in theirs if c not in ours)
+        newest = folders[-1] / "__1_0.distcp"
+        data = bytearray(newest.read_bytes())
+        data[chunk * checkpoint.CHUNK + 3] ^= 0xFF
+        newest.write_bytes(bytes(data))
+    dist.barrier()
+    found = problems(local(folders[-1]), state, rank)
+    candidates = [Checkpoint.from_directory(str(f)) for f in reversed(folders)]
+    train_state = checkpoint.restore(candidates, model, optimizer, torch.device("cpu"))
+    restored = [p.full_tensor() for p in model.parameters()]
+    result = {"read": {name: sum(n for _, n in r) for name, r in read.items()}, "problems": found, "step": train_state["step"],
+              "weights_of_20": all(torch.equal(a, b) for a, b in zip(restored, weights[1]))}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_each_rank_verifies_what_it_reads_and_all_fall_back_together(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_resume, args=(2, free_port(), str(tmp_path / "ckpt"), str(out)), nprocs=2)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, (own, other) in enumerate([("__0_0.distcp", "__1_0.distcp"), ("__1_0.distcp", "__0_0.distcp")]):
+        # its own shard, and of the other rank's file only the small replicated items (step counts, param groups)
+        assert ranks[rank]["read"].get(other, 0) < 0.1 * ranks[rank]["read"][own], ranks[rank]["read"]
+    assert ranks[0]["problems"] == [], "rank 0 does not read rank 1's shard"
+    assert ranks[1]["problems"] == ["__1_0.distcp does not match its checksum"]
+    assert all(r["step"] == 20 and r["weights_of_20"] for r in ranks), "both ranks resumed from step 20"

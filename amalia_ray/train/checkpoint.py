@@ -1,25 +1,37 @@
 """Checkpoints: DCP shards of model and optimizer plus a small train state (the HF export is hf_weights.py).
 
-Every rank writes its own DCP shard into its own local folder and hands it to `ray.train.report`, which gathers
-all ranks' files into one checkpoint folder in the run's storage. Loading reshards, so a checkpoint written by N
-workers resumes on M.
+Every rank writes its own DCP shard into its own local folder, with the sha256 of each file it wrote, and hands it
+to `ray.train.report`, which gathers all ranks' files into one checkpoint folder in the run's storage (a local
+path or a bucket). Loading reshards, so a checkpoint written by N workers resumes on M.
+
+On resume each rank fetches and verifies only what it reads: the train state, DCP's metadata and the shard files
+its own load plan names — not the whole checkpoint, which at scale is far larger than one rank's part and may sit
+in a bucket. If any rank finds a file missing or damaged, all ranks move together to the next newest checkpoint
+Ray Train has registered for the run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import re
+import shutil
+import tempfile
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from amalia_ray.core.storage import hash_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+
 TRAIN_STATE = "train_state.json"
+DCP_METADATA = ".metadata"
 CHECKSUMS = "checksums_rank{rank}.json"
+RNG = "rng_rank{rank}.pt"
 log = logging.getLogger("amalia_ray.train")
 
 
@@ -32,68 +44,170 @@ def save(folder: Path, model, optimizer, train_state: dict) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
     rank = dist.get_rank()
-    torch.save(torch.get_rng_state(), folder / f"rng_rank{rank}.pt")
+    torch.save(torch.get_rng_state(), folder / RNG.format(rank=rank))
     if rank == 0:
         (folder / TRAIN_STATE).write_text(json.dumps({**train_state, "world_size": dist.get_world_size()}, indent=2))
     write_checksums(folder, rank)
 
 
+CHUNK = 16 << 20  # bytes per checksum: a rank verifies (and downloads) only the chunks holding what it reads
+
+
 def write_checksums(folder: Path, rank: int) -> None:
-    """sha256 of every file this rank wrote (each rank saves into its own folder before Ray Train gathers them)."""
-    files = {f.name: hash_file(f) for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith("checksums_")}
+    """sha256 of every `CHUNK` bytes of each file this rank wrote (each rank saves into its own folder before Ray
+    Train gathers them), so a reader can verify just the parts it reads."""
+    files = {}
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and not f.name.startswith("checksums_"):
+            with f.open("rb") as src:
+                files[f.name] = {"size": f.stat().st_size,
+                                 "sha256": [hashlib.sha256(c).hexdigest() for c in iter(lambda: src.read(CHUNK), b"")]}
     (folder / CHECKSUMS.format(rank=rank)).write_text(json.dumps(files, indent=1))
 
 
-def problems(folder: Path) -> list[str]:
-    """What is wrong with a checkpoint folder (missing or corrupt files, a rank's files missing); [] when intact."""
-    state = folder / TRAIN_STATE
-    if not state.exists():
+class CheckpointFiles:
+    """The files of one checkpoint as a local folder: the folder itself when the checkpoint is on this machine's
+    filesystem, else a temporary folder of sparse files into which only the chunks asked for are downloaded."""
+
+    def __init__(self, filesystem: pafs.FileSystem, path: str):
+        self.fs, self.path = filesystem, path.rstrip("/")
+        self.in_place = isinstance(filesystem, pafs.LocalFileSystem)
+        self.folder = Path(path) if self.in_place else Path(tempfile.mkdtemp(prefix="amalia-resume-"))
+        self._fetched: dict[str, set[int]] = {}
+
+    @classmethod
+    def of(cls, checkpoint) -> CheckpointFiles:
+        """From a `ray.train.Checkpoint`."""
+        return cls(checkpoint.filesystem, checkpoint.path)
+
+    def get(self, name: str, chunks: list[int] | None = None) -> Path | None:
+        """The local path of file `name` with (at least) the given chunks present (None: the whole file)."""
+        local = self.folder / name
+        if self.in_place:
+            return local if local.is_file() else None
+        try:
+            with self.fs.open_input_file(f"{self.path}/{name}") as src:
+                size = src.size()
+                wanted = set(range(-(-size // CHUNK))) if chunks is None else set(chunks)
+                missing = sorted(wanted - self._fetched.setdefault(name, set()))
+                with open(local, "r+b" if local.exists() else "wb") as dst:
+                    dst.truncate(size)  # sparse: what is not fetched is never read
+                    for c in missing:
+                        dst.seek(c * CHUNK)
+                        dst.write(src.read_at(min(CHUNK, size - c * CHUNK), c * CHUNK))
+                self._fetched[name] |= set(missing)
+        except (FileNotFoundError, OSError):
+            return None
+        return local
+
+    def close(self) -> None:
+        if not self.in_place:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def ranges_read(state: dict, metadata) -> dict[str, list[tuple[int, int]]]:
+    """The (offset, length) byte ranges of each DCP shard file that a load of `state` (this rank's part of the
+    model and optimizer) reads: its load plan's items. Small replicated items (optimizer step counts) may sit in
+    another rank's file; only their bytes count."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for item in planner.create_local_plan().items:
+        stored = metadata.storage_data[item.storage_index]
+        ranges.setdefault(stored.relative_path, []).append((stored.offset, stored.length))
+    return ranges
+
+
+def _chunks(ranges: list[tuple[int, int]]) -> list[int]:
+    return sorted({c for offset, length in ranges for c in range(offset // CHUNK, (offset + max(length, 1) - 1) // CHUNK + 1)})
+
+
+def problems(files: CheckpointFiles, state: dict | None, rank: int = 0) -> list[str]:
+    """What is wrong with the part of a checkpoint that `rank` reads to load `state` (None: every file of it):
+    missing or damaged files, a writer rank's checksums missing; [] when intact."""
+    train_state = files.get(TRAIN_STATE)
+    if train_state is None:
         return [f"{TRAIN_STATE} missing"]
     try:
-        world = json.loads(state.read_text()).get("world_size")
+        world = json.loads(train_state.read_text()).get("world_size")
     except json.JSONDecodeError:
         return [f"{TRAIN_STATE} unreadable"]
-    manifests = sorted(folder.glob(CHECKSUMS.format(rank="*")))
+    digests, found = {}, []
+    for writer in range(world or 0):
+        manifest = files.get(CHECKSUMS.format(rank=writer))
+        if manifest is None:
+            found.append(f"checksums of rank {writer} of {world} missing")
+        else:
+            digests.update(json.loads(manifest.read_text()))
+    if found:
+        return found
+    if state is None:
+        return _damaged(files, {name: None for name in digests}, digests)
+    whole = {name: None for name in (TRAIN_STATE, DCP_METADATA, RNG.format(rank=rank)) if name in digests}
+    wrong = _damaged(files, whole, digests)
+    if wrong:
+        return wrong
+    try:
+        ranges = ranges_read(state, FileSystemReader(str(files.folder)).read_metadata())
+    except Exception as e:  # noqa: BLE001 - a metadata file that does not parse is a damaged checkpoint
+        return [f"{DCP_METADATA} unreadable ({type(e).__name__})"]
+    return _damaged(files, {name: _chunks(r) for name, r in ranges.items()}, digests)
+
+
+def _damaged(files: CheckpointFiles, wanted: dict[str, list[int] | None], digests: dict) -> list[str]:
+    """Checks the given chunks (None: all) of each file against the writers' checksums."""
     found = []
-    if world is not None and len(manifests) != world:
-        found.append(f"checksums of {len(manifests)} of {world} ranks")
-    for manifest in manifests:
-        for name, digest in json.loads(manifest.read_text()).items():
-            f = folder / name
-            if not f.exists():
-                found.append(f"{name} missing")
-            elif hash_file(f) != digest:
-                found.append(f"{name} does not match its checksum")
+    for name, chunks in sorted(wanted.items()):
+        if name not in digests:
+            found.append(f"{name} has no checksum")
+            continue
+        expected = digests[name]
+        local = files.get(name, chunks)
+        if local is None:
+            found.append(f"{name} missing")
+            continue
+        if local.stat().st_size != expected["size"]:
+            found.append(f"{name} does not match its checksum")
+            continue
+        with local.open("rb") as f:
+            for c in range(len(expected["sha256"])) if chunks is None else chunks:
+                f.seek(c * CHUNK)
+                if c >= len(expected["sha256"]) or hashlib.sha256(f.read(CHUNK)).hexdigest() != expected["sha256"][c]:
+                    found.append(f"{name} does not match its checksum")
+                    break
     return found
 
 
-def _step(folder: Path) -> int:
-    try:
-        return int(json.loads((folder / TRAIN_STATE).read_text())["step"])
-    except (OSError, KeyError, ValueError):
-        match = re.search(r"(\d+)$", folder.name)
-        return int(match.group(1)) if match else -1
-
-
-def intact(latest: Path) -> Path | None:
-    """`latest` if its checksums hold, else the newest intact checkpoint kept beside it (Ray Train keeps
-    `checkpoints_to_keep` of them); None when none is intact."""
-    others = sorted((p for p in latest.parent.glob("checkpoint_*") if p.is_dir() and p != latest), key=_step,
-                    reverse=True)
-    for folder in [latest, *others]:
-        wrong = problems(folder)
-        if not wrong:
-            return folder
-        log.warning(f"checkpoint {folder} is damaged ({'; '.join(wrong[:3])}): trying an older one")
-    return None
-
-
-def load(folder: Path, model, optimizer) -> dict:
+def restore(candidates: list, model, optimizer, device: torch.device) -> dict:
+    """Load the newest of `candidates` (ray.train.Checkpoint, newest first) whose files every rank finds intact;
+    returns its train state. Every rank takes part in each check (a collective on `device`)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rng = folder / f"rng_rank{dist.get_rank()}.pt"
-    if rng.exists():
-        torch.set_rng_state(torch.load(rng, weights_only=True))
-    return json.loads((folder / TRAIN_STATE).read_text())
+    rank = dist.get_rank()
+    for checkpoint in candidates:
+        files = CheckpointFiles.of(checkpoint)
+        try:
+            wrong = problems(files, state, rank)
+            flag = torch.tensor([1.0 if wrong else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                if wrong:
+                    log.warning(f"checkpoint {checkpoint.path} is damaged ({'; '.join(wrong[:3])}): trying an older one")
+                continue
+            dcp.load(state, checkpoint_id=str(files.folder))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            rng = files.get(RNG.format(rank=rank))
+            if rng is not None:
+                torch.set_rng_state(torch.load(rng, weights_only=True))
+            return json.loads(files.get(TRAIN_STATE).read_text())
+        finally:
+            files.close()
+    raise RuntimeError(f"no intact checkpoint to resume from among the {len(candidates)} registered (checksums fail)")
+
+
+def registered(latest, reported: list) -> list:
+    """The checkpoint to resume from, then the other checkpoints Ray Train has registered for the run (reported:
+    `ray.train.get_all_reported_checkpoints()`), newest step first."""
+    older = sorted((r for r in reported if r.checkpoint.path != latest.path),
+                   key=lambda r: r.metrics.get("step", -1), reverse=True)
+    return [latest, *(r.checkpoint for r in older)]

@@ -125,11 +125,9 @@ def train_loop(config: dict) -> None:
     start_step = 0
     resumed = ray.train.get_checkpoint()
     if resumed:
-        with resumed.as_directory() as folder:
-            chosen = checkpoint.intact(Path(folder))
-            if chosen is None:
-                raise RuntimeError(f"no intact checkpoint to resume from in {Path(folder).parent} (checksums fail)")
-            train_state = checkpoint.load(chosen, model, optimizer)
+        reported = ray.train.get_all_reported_checkpoints(
+            consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        train_state = checkpoint.restore(checkpoint.registered(resumed, reported), model, optimizer, device)
         start_step = train_state["step"]
         if "data" in train_state:
             sampler.load_state_dict(train_state["data"])
