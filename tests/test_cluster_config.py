@@ -24,6 +24,34 @@ def test_cluster_yaml_validates_against_the_launcher_schema():
     assert any("pip install" in c and ".[gpu]" in c for c in config["setup_commands"])
 
 
+def test_cluster_yaml_is_sized_for_the_9b_recipe_and_runs_ray_from_its_python_311_venv():
+    import re
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    recipe = yaml.safe_load((ROOT / "recipes" / "amalia-9b.yaml").read_text())
+    asked = max(max(s["num_workers"]) if isinstance(s["num_workers"], list) else s["num_workers"]
+                for s in recipe["train"])
+    gpu_nodes = [n for n in config["available_node_types"].values() if n["resources"].get("GPU")]
+    assert sum(n["max_workers"] * n["resources"]["GPU"] for n in gpu_nodes) >= asked
+    assert config["max_workers"] >= sum(n["max_workers"] for n in gpu_nodes)
+    for node in gpu_nodes:  # EFA on every network card of the GPU nodes, for NCCL across nodes
+        assert all(i["InterfaceType"] == "efa" for i in node["node_config"]["NetworkInterfaces"])
+    commands = [c for key in ("setup_commands", "head_setup_commands", "worker_setup_commands",
+                              "head_start_ray_commands", "worker_start_ray_commands") for c in config[key]]
+    # the launcher's defaults would install boto3 into the system pip: the keys are set, so they are replaced
+    assert "head_setup_commands" in config and "worker_setup_commands" in config
+    for command in commands:
+        for call in re.findall(r"(\S*\bray) (?:start|stop)", command):
+            assert call == "~/venv/bin/ray", f"ray outside the venv: {command}"
+        assert not re.search(r"(^|[;&|] *)(sudo )?pip3? install", command), f"system pip: {command}"
+    (version,) = {v for c in commands for v in re.findall(r"--python (3\.\d+)", c)}
+    required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert version in SpecifierSet(required)
+
+
 def test_a_broken_cluster_yaml_is_caught_by_the_same_check():
     schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
     config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
@@ -35,7 +63,8 @@ def test_a_broken_cluster_yaml_is_caught_by_the_same_check():
 # Field names of KubeRay's ray.io/v1 CRDs (RayCluster, RayJob) for the parts our manifests use: a misspelt or
 # made-up field fails here rather than being silently pruned by the API server.
 RAY_CLUSTER_SPEC = {"rayVersion", "enableInTreeAutoscaling", "autoscalerOptions", "headGroupSpec", "workerGroupSpecs",
-                    "suspend", "managedBy"}
+                    "suspend", "managedBy", "authOptions"}
+AUTH_OPTIONS = {"mode", "secretName", "enableK8sTokenAuth"}
 AUTOSCALER_OPTIONS = {"idleTimeoutSeconds", "upscalingMode", "resources", "image", "imagePullPolicy", "env"}
 HEAD_GROUP = {"serviceType", "rayStartParams", "template", "enableIngress"}
 WORKER_GROUP = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template", "numOfHosts",
@@ -60,6 +89,12 @@ def _check_cluster_spec(spec: dict, where: str) -> None:
     for params in [head["rayStartParams"], *(g["rayStartParams"] for g in groups)]:
         assert all(isinstance(v, str) for v in params.values()), f"{where}: rayStartParams values are strings"
     assert spec["enableInTreeAutoscaling"] is True and spec["rayVersion"] == ray.__version__
+    # token auth through authOptions, so KubeRay also gives the token to the autoscaler sidecar it injects
+    auth = spec["authOptions"]
+    assert set(auth) <= AUTH_OPTIONS and auth["mode"] == "token" and auth["secretName"], where
+    containers = [*head["template"]["spec"]["containers"], *(c for g in groups for c in g["template"]["spec"]["containers"])]
+    assert not [e for c in containers for e in c.get("env", []) if e["name"].startswith("RAY_AUTH")], (
+        f"{where}: RAY_AUTH_* set by hand would reach the Ray containers but not the autoscaler")
 
 
 def test_kuberay_manifests_use_crd_fields_and_autoscale_between_min_and_max():
@@ -73,3 +108,21 @@ def test_kuberay_manifests_use_crd_fields_and_autoscale_between_min_and_max():
     assert job["spec"]["entrypoint"].startswith("python -m jobs.pipeline ")
     assert isinstance(yaml.safe_load(job["spec"]["runtimeEnvYAML"]), dict)
     _check_cluster_spec(job["spec"]["rayClusterSpec"], "rayjob.yaml")
+
+
+def test_the_image_python_satisfies_the_project_and_the_build_context_leaves_local_state_out():
+    import re
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    (image,) = re.findall(r"^FROM\s+(\S+)", dockerfile, re.M)
+    name, tag = image.rsplit(":", 1)
+    assert name == "rayproject/ray" and tag.startswith(f"{ray.__version__}-"), image
+    (py,) = re.findall(r"-py3(\d+)", tag)
+    required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert f"3.{py}" in SpecifierSet(required), (image, required)
+    ignored = {ln.strip().rstrip("/") for ln in (ROOT / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    assert {".venv", "runs", ".git"} <= ignored, "COPY . must not take the virtualenv, run folders or history"
