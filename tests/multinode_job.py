@@ -1,6 +1,6 @@
 """Run by tests/test_multinode.py in its own process: a three-node Ray cluster on this machine
 (`ray.cluster_utils.Cluster`: a head with the job server, and two worker nodes that each fit one training worker),
-a recipe submitted to it as a Ray job (`amalia submit`) running data → tokenizer → pack → pretrain → serve + eval,
+a recipe submitted to it as a Ray job (`amalia submit`) running data → tokenizer → pack → pretrain,
 one worker node removed once training has passed its first checkpoint, and a node added back once the one worker
 left has checkpointed.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tests.conftest import free_port
 
-WORKER_NODE_CPUS = 3  # one training worker of 2 CPUs per node; serving (2 CPUs a replica) fits on one node
+WORKER_NODE_CPUS = 3  # one training worker of 2 CPUs per node
 
 
 def _registered_checkpoint(run_dir: Path, world_size: int, after: int = 0) -> int | None:

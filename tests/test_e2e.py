@@ -155,31 +155,22 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run,
     assert abs(dpo[-1]["rewards/chosen"]) > 1e-3, "the policy moved away from its reference"
 
 
-def test_a_base_model_continued_and_post_trained_then_served_beside_its_stages(demo_run, recipe_path):
+def test_a_base_model_continued_with_a_grown_vocabulary_then_served_beside_its_stage(demo_run, recipe_path):
     """The demo's pretrained export as a Hugging Face base model (model.from, tokenizer.from: model): its tokenizer
     is extended by tokens learned from the corpus and packs it; continued pretraining starts from its weights (the
-    embeddings grown), then dpo from that
-    (sft from a base of every family: test_e2e_base_models.py); the eval stage serves the base beside the stages
-    and the report states each task's change against the base. The curated corpus is the demo run's (its manifest record and folder carried over), so
-    only what the base model changes runs again."""
+    embeddings grown; post-training from a base of every family: test_e2e_base_models.py); the eval stage serves
+    the base beside the stage and the report states each task's change against the base. The curated corpus is the
+    demo run's (its manifest record and folder carried over), so only what the base model changes runs again."""
     from transformers import AutoTokenizer
-
-    from amalia_ray.data.conversations import mismatched_answer_pairs, write_faq_conversations, write_jsonl
 
     demo, _ = demo_run
     base = demo.checkpoint_of("pretrain")
-    chats, pairs = recipe_path.parent / "base-faq-chat.jsonl", recipe_path.parent / "base-faq-pairs.jsonl"
-    write_faq_conversations(Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"), chats)
-    write_jsonl(mismatched_answer_pairs(read_jsonl(chats)), pairs)
     data = yaml.safe_load(recipe_path.read_text())
     data["run"]["name"] = "e2e-base"
     data["model"] = {"from": str(base)}
     data["tokenizer"] = {"from": "model", "add_tokens": 24}  # extended by tokens learned from the corpus
-    common = {"steps": 2, "global_batch_size": 8, "micro_batch_size": 4, "warmup_steps": 0, "num_workers": 2,
-              "checkpoint_every": 2}
-    data["train"] = [{"name": "pretrain", "objective": "pretrain", "lr": 0.001, **common},
-                     {"name": "dpo", "objective": "dpo", "dataset": str(pairs), "seq_len": 256, "lr": 0.0001,
-                      **common, "micro_batch_size": 2}]
+    data["train"] = [{"name": "pretrain", "objective": "pretrain", "lr": 0.001, "steps": 2, "global_batch_size": 8,
+                      "micro_batch_size": 4, "warmup_steps": 0, "num_workers": 2, "checkpoint_every": 2}]
     data["eval"]["tasks"] = [t for t in data["eval"]["tasks"] if t["format"] == "mcq"]
     path = recipe_path.parent / "base.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -196,25 +187,21 @@ def test_a_base_model_continued_and_post_trained_then_served_beside_its_stages(d
     assert stages["tokenizer"].metrics["from"] == str(base) and "base:tokenizer.json" in stages["tokenizer"].inputs
     assert stages["tokenizer"].metrics["tokens_added"] == 24 and "corpus" in stages["tokenizer"].inputs
     assert stages["pretrain"].inputs["init_checkpoint"] == stages["eval"].inputs["model:e2e-base-base"]
-    for name in ("pretrain", "dpo"):
-        history = read_jsonl(pipeline.run_dir / name / "metrics.jsonl")
-        assert [h["step"] for h in history] == [1, 2] and all(math.isfinite(h["loss"]) for h in history), name
     pretrain = read_jsonl(pipeline.run_dir / "pretrain" / "metrics.jsonl")
+    assert [h["step"] for h in pretrain] == [1, 2] and all(math.isfinite(h["loss"]) for h in pretrain)
     demo_end = read_jsonl(demo.run_dir / "pretrain" / "metrics.jsonl")[-1]["loss"]
     assert pretrain[0]["loss"] < demo_end + 1.0, "continued from the base's weights, not from random ones"
-    dpo = read_jsonl(pipeline.run_dir / "dpo" / "metrics.jsonl")
-    assert abs(dpo[0]["loss"] - math.log(2)) < 1e-4, "dpo starts at ln 2: its starting export is its reference"
     results = stages["eval"].metrics["results"]
     assert stages["eval"].metrics["base_model"] == "e2e-base-base"
-    assert {f"e2e-base-{m}/pt-mc-sample" for m in ("base", "pretrain", "dpo")} <= set(results)
-    change = results["e2e-base-dpo/pt-mc-sample"]["acc"] - results["e2e-base-base/pt-mc-sample"]["acc"]
+    assert {f"e2e-base-{m}/pt-mc-sample" for m in ("base", "pretrain")} <= set(results)
+    change = results["e2e-base-pretrain/pt-mc-sample"]["acc"] - results["e2e-base-base/pt-mc-sample"]["acc"]
     text = report.read_text()
     assert "change against the base model e2e-base-base" in text and f"({change:+.3f})" in text
     assert (pipeline.run_dir / "eval.png").exists()
-    exported = json.loads((pipeline.checkpoint_of("dpo") / "config.json").read_text())
+    exported = json.loads((pipeline.checkpoint_of("pretrain") / "config.json").read_text())
     assert exported["model_type"] == "llama" and exported["vocab_size"] == json.loads(
         (base / "config.json").read_text())["vocab_size"] + 24 == len(
-        AutoTokenizer.from_pretrained(str(pipeline.checkpoint_of("dpo")))), "embeddings grown with the vocabulary"
+        AutoTokenizer.from_pretrained(str(pipeline.checkpoint_of("pretrain")))), "embeddings grown with the vocabulary"
 
 
 def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):
