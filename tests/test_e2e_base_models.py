@@ -56,7 +56,8 @@ def _first_step_loss(base: Path, chats: Path, stage: TrainStageConfig) -> float:
     """The loss of the first step's global batch from one process: transformers' own model, the same rows."""
     from transformers import AutoModelForCausalLM
 
-    from amalia_ray.train.objectives import SFT, next_token_loss
+    from amalia_ray.train.loss import next_token_loss
+    from amalia_ray.train.objectives import SFT
 
     objective = SFT(chats, base, stage.seq_len)
     rows = objective.sampler(SEED).next_rows(stage.global_batch_size)

@@ -94,3 +94,39 @@ def test_validation_loss_per_source_adds_up_to_the_overall(tmp_path):
         dist.destroy_process_group()
     assert set(per_source) == {"same", "noise"} and per_source["same"] < per_source["noise"]
     assert abs(overall - (per_source["same"] + per_source["noise"]) / 2) < 1e-9, "equal token counts: plain mean"
+
+
+def test_the_chunked_loss_equals_cross_entropy_and_keeps_no_full_fp32_logits():
+    """Loss and gradients equal a plain cross-entropy's; for the backward pass nothing of the logits' size is kept
+    in fp32 (a plain cross-entropy on bf16 logits keeps an fp32 log-softmax of (batch, length, vocab))."""
+    import torch
+    import torch.nn.functional as F
+
+    from amalia_ray.train.loss import next_token_loss
+
+    torch.manual_seed(0)
+    batch, length, vocab = 3, 40, 1000
+    labels = torch.randint(0, vocab, (batch, length))
+    labels[0, :5] = -100  # not targets (a prompt, padding)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        logits = torch.randn(batch, length, vocab).to(dtype).requires_grad_()
+        saved = []
+
+        def keep(t):
+            saved.append((t.dtype, t.numel()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss, count = next_token_loss(logits, labels)
+        loss.backward()
+        grad = logits.grad.clone()
+        logits.grad = None
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        plain = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=-100,
+                                reduction="sum")
+        plain.backward()
+        assert count == int((targets != -100).sum())
+        assert abs(loss.item() - plain.item()) <= tol * abs(plain.item())
+        assert torch.allclose(grad.float(), logits.grad.float(), atol=tol)
+        if dtype == torch.bfloat16:
+            assert not [n for d, n in saved if d == torch.float32 and n >= length * vocab], saved

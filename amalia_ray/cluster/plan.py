@@ -11,7 +11,10 @@ Memory per GPU (bytes; P parameters, N GPUs = the stage's workers, L layers, T t
   backward pass keeps — two norms' inputs and outputs, q/k/v, the attention output, the residual, and the MLP's gate,
   up, activation and down inputs: 2·(8h + 2·kv_dim + 4·ffn) bytes. Without activation checkpointing all L layers keep
   them; with it each layer keeps only its input (2h) and one layer's worth is rebuilt at a time;
-- logits: T·V in bf16 plus their fp32 softmax gradient, 6·T·V.
+- logits: T·V in bf16 and their bf16 gradient, 4·T·V; the loss upcasts one chunk of C positions at a time to fp32
+  (C = 2048; the copy, its log-sum-exp and its gradient), 12·C·V;
+- the root module (embeddings, final norm, LM head), which FSDP2 keeps gathered from the forward through the
+  backward pass: its bf16 parameters and their gradients, 4·P_root.
 DPO micro-batches hold a chosen and a rejected sequence per pair (2× tokens).
 
 Step time = tokens per step × FLOPs per token / (N · peak · MFU), FLOPs per token = 6P + 6·L·h·s (causal attention),
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amalia_ray.core.config import PlanConfig, Recipe, TrainStageConfig
+from amalia_ray.core.config import LOSS_CHUNK_POSITIONS, PlanConfig, Recipe, TrainStageConfig
 
 GB = 1024**3
 
@@ -112,7 +115,9 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
         "params+grads+adam (sharded)": 16 * params / gpus / GB,
         "gathered layers": 4 * block / GB,
         "activations": activations / GB,
-        "logits": 6 * tokens_micro * vocab / GB,
+        "root module (unsharded)": 4 * (vocab * m.hidden * (1 if m.tied else 2) + m.hidden) / GB,
+        "logits": 4 * tokens_micro * vocab / GB,
+        "loss chunk (fp32)": 12 * min(tokens_micro, LOSS_CHUNK_POSITIONS) * vocab / GB,
         **attention_memory(stage, recipe, m, seq),
         "headroom": hw.headroom_gb,
     }

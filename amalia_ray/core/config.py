@@ -333,6 +333,10 @@ class ProxyConfig(Strict):
     num_workers: int | None = Field(None, ge=1, description="workers per trial (default: the stage's minimum)")
 
 
+# positions of the logits the loss upcasts to fp32 at once (train/loss.py); `amalia plan` counts one such chunk
+LOSS_CHUNK_POSITIONS = 2048
+
+
 class TrainStageConfig(Strict):
     name: str = Field(..., pattern=NAME_PATTERN)
     objective: Literal["pretrain", "sft", "dpo", "grpo"]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+from amalia_ray.train.loss import target_logps
 
 
 def pad_completions(items: list[tuple[list[int], list[int]]], pad_id: int, max_len: int) -> dict:
@@ -25,6 +28,6 @@ def pad_completions(items: list[tuple[list[int], list[int]]], pad_id: int, max_l
 def token_logps(model, batch: dict) -> torch.Tensor:
     """(rows, length - 1): log-probability of each next token; weigh by batch["completion_mask"][:, 1:]."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    logits = logits[:, :-1].float()
-    # gather - logsumexp: the log-softmax of the targets only, without a (rows, length, vocab) copy
-    return logits.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    # the targets shifted, not the logits (a slice of the logits would be copied), the last position dropped after
+    targets = F.pad(batch["input_ids"][:, 1:], (0, 1))
+    return target_logps(logits, targets)[:, :-1]

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from amalia_ray.core.errors import NotImplementedYet
 from amalia_ray.core.shards import (MixtureSampler, PackedSplit, document_positions, load_hook, one_block,
@@ -22,16 +21,8 @@ from amalia_ray.core.shards import (MixtureSampler, PackedSplit, document_positi
 from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.train.chat import encode_conversation, pack_conversations
 from amalia_ray.train.dpo import DPO
+from amalia_ray.train.loss import next_token_loss
 from amalia_ray.train.grpo import GRPO
-
-
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy of each position against the next label (-100: not a target), and the target count.
-    The labels are shifted, not the logits: slicing (batch, length, vocab) logits would copy them, forward and back."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
-                               reduction="sum")
-    return loss_sum, int((targets != -100).sum())
 
 
 class Pretrain:
