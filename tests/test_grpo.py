@@ -130,3 +130,56 @@ def test_clipped_loss_and_k3_kl():
     logps = torch.tensor([[-1.0, -1.0]])
     _, kl = clipped_policy_loss(logps, logps, torch.tensor([0.0]), 0.2, torch.tensor([[-1.0, -2.0]]), kl_coef=0.1)
     assert kl[0, 0] == 0 and torch.isclose(kl[0, 1], torch.tensor(math.exp(-1.0) + 1.0 - 1.0))
+
+
+def _kl_both_ways(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from amalia_ray.train.completions import pad_completions, token_logps
+    from amalia_ray.train.model import build
+    from amalia_ray.train.parallel import apply_fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cpu = torch.device("cpu")
+    sharded = build(AutoConfig.from_pretrained(folder), cpu, lambda m: apply_fsdp(m, "fp32", False),
+                    init_dir=Path(folder), seed=0).requires_grad_(False).eval()
+    whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    torch.manual_seed(rank)
+    batch = pad_completions([(torch.randint(3, 500, (6,)).tolist(), torch.randint(3, 500, (9,)).tolist())
+                             for _ in range(3)], 0, 32)
+    policy = torch.randn(3, batch["input_ids"].size(1) - 1) * 0.1 - 5.0
+    with torch.no_grad():
+        kls = [clipped_policy_loss(policy, policy, torch.ones(3), 0.2, token_logps(ref, batch), 0.05)[1]
+               for ref in (sharded, whole)]
+    sharded.reshard()  # what GRPO does after each reference pass: FSDP2 leaves the root gathered after a forward
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "max_diff": (kls[0] - kls[1]).abs().max().item(), "kl": kls[1].mean().item(),
+        "shard_rows": sharded.model.embed_tokens.weight.to_local().shape[0]}))
+    dist.destroy_process_group()
+
+
+def test_the_sharded_reference_gives_the_kl_of_an_unsharded_one(tmp_path):
+    """GRPO's KL reference is built and sharded over the workers like the policy (each holds part of it), and
+    its k3 KL equals that of a whole unsharded copy on every rank."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.base_models import make_base_model
+    from tests.conftest import free_port
+
+    folder = make_base_model(tmp_path / "model", "llama", with_tokenizer=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_kl_both_ways, args=(2, free_port(), str(folder), str(out)), nprocs=2)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    for rank in range(2):
+        got = json.loads((out / f"rank{rank}.json").read_text())
+        assert got["max_diff"] < 1e-5 and got["kl"] > 0, got
+        assert got["shard_rows"] == vocab // 2, "each rank holds half of the reference"

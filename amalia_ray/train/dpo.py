@@ -220,7 +220,7 @@ class DPO:
         return collate([self.pairs[split][i] for i in rows], self.pad_id, self.seq_len)
 
     @torch.no_grad()
-    def prepare(self, model, micro: int, rank: int, world: int, device: torch.device) -> None:
+    def prepare(self, model, micro: int, rank: int, world: int, device: torch.device, frozen_copy=None) -> None:
         if self.on_policy and not self.pairs["train"]:
             self._make_pairs(model)
         model.eval()

@@ -87,17 +87,14 @@ class GRPO:
     def num_validation(self) -> int:
         return 0
 
-    def prepare(self, model, micro: int, rank: int, world: int, device: torch.device) -> None:
-        """Start the rollout engine on the initial weights (exported once as a HF folder it can load), and load the
-        frozen reference when a KL penalty is asked for."""
+    def prepare(self, model, micro: int, rank: int, world: int, device: torch.device, frozen_copy=None) -> None:
+        """Start the rollout engine on the initial weights (exported once as a HF folder it can load), and build
+        the frozen reference from that export when a KL penalty is asked for: `frozen_copy(folder)` shards it over
+        the workers like the policy, so no GPU holds a whole copy."""
         engine = {**self.engine_config, "max_model_len": self.seq_len}
         self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu)
         if self.kl_coef > 0:
-            from transformers import AutoModelForCausalLM
-
-            init_dir = self.work_dir / "rollout-init"
-            self.reference = AutoModelForCausalLM.from_pretrained(str(init_dir), dtype=torch.float32).to(device).eval()
-            self.reference.requires_grad_(False)
+            self.reference = frozen_copy(self.work_dir / "rollout-init")
 
     def rollout(self, model, prompt_rows: np.ndarray) -> np.ndarray:
         """Push the current weights to the engine, sample G completions per prompt, score and normalize within each
@@ -141,6 +138,7 @@ class GRPO:
         if self.reference is not None:
             with torch.no_grad():
                 ref = token_logps(self.reference, batch)
+            self.reference.reshard()  # FSDP2 keeps the root module gathered after a forward without backward
         per_token, kl = clipped_policy_loss(logps, logps.detach(), batch["advantages"], self.epsilon, ref,
                                             self.kl_coef)
         if kl is not None:

@@ -119,8 +119,14 @@ def train_loop(config: dict) -> None:
     )
 
     gbs, micro, seed = stage["global_batch_size"], stage["micro_batch_size"], config["seed"]
+    def frozen_copy(folder: Path):
+        """A HF export built and sharded like the policy, without gradients (GRPO's KL reference)."""
+        copy = build(hf_config, device, lambda m: apply_fsdp(m, precision, False), init_dir=folder,
+                     seed=config["seed"], trust_remote_code=remote_code)
+        return copy.requires_grad_(False).eval()
+
     if hasattr(objective, "prepare"):  # on the initial weights, before a checkpoint replaces them
-        objective.prepare(model, micro, rank, world, device)
+        objective.prepare(model, micro, rank, world, device, frozen_copy=frozen_copy)
     sampler = objective.sampler(seed, stage.get("curriculum"))
     start_step = 0
     resumed = ray.train.get_checkpoint()
