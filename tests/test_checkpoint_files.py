@@ -57,7 +57,9 @@ def test_files_of_a_checkpoint_in_a_bucket_are_downloaded_only_when_asked_for(tm
     part = files.get("big", [1]).read_bytes()
     assert len(part) == 3 * CHUNK and part[CHUNK:2 * CHUNK] == (folder / "big").read_bytes()[CHUNK:2 * CHUNK]
     assert part[:CHUNK] == part[2 * CHUNK:] == bytes(CHUNK), "the other chunks were not fetched"
-    assert sorted(p.name for p in files.folder.iterdir()) == ["__1_0.distcp", "big"]
+    (folder / "short").write_bytes(b"x" * 10)  # shorter than its checksums say: its size tells, no error
+    assert files.get("short", [0, 3]).stat().st_size == 10
+    assert sorted(p.name for p in files.folder.iterdir()) == ["__1_0.distcp", "big", "short"]
     files.close()
     assert not files.folder.exists()
 

@@ -89,7 +89,8 @@ class CheckpointFiles:
             with self.fs.open_input_file(f"{self.path}/{name}") as src:
                 size = src.size()
                 wanted = set(range(-(-size // CHUNK))) if chunks is None else set(chunks)
-                missing = sorted(wanted - self._fetched.setdefault(name, set()))
+                # chunks past the end (a file shorter than its checksums say) are not there to fetch
+                missing = sorted(c for c in wanted - self._fetched.setdefault(name, set()) if c * CHUNK < size)
                 with open(local, "r+b" if local.exists() else "wb") as dst:
                     dst.truncate(size)  # sparse: what is not fetched is never read
                     for c in missing:
