@@ -55,21 +55,21 @@ class PackedSplit:
     @classmethod
     def read(cls, split_dir: Path, cache_groups: int | None = None) -> PackedSplit:
         files = sorted(split_dir.rglob("*.parquet")) if split_dir.exists() else []
-        groups, sizes, runs, seq_len = [], [], {}, 0
+        groups, sizes, runs, seq_len, start = [], [], {}, 0, 0
         for f in files:
-            meta = pq.ParquetFile(f).metadata
-            names = meta.schema.to_arrow_schema().names
+            parquet = pq.ParquetFile(f)  # one footer read per file
+            meta, names = parquet.metadata, parquet.schema_arrow.names
             for g in range(meta.num_row_groups):
                 n = meta.row_group(g).num_rows
                 if not n:
                     continue
-                start = sum(sizes)
-                for source, a, length in _source_runs(f, g, meta, names):
+                for source, a, length in _source_runs(parquet, g, names):
                     runs.setdefault(source, []).append((start + a, length))
                 groups.append((f, g))
                 sizes.append(n)
+                start += n
             if not seq_len and meta.num_rows:
-                seq_len = pq.ParquetFile(f).schema_arrow.field("input_ids").type.list_size
+                seq_len = parquet.schema_arrow.field("input_ids").type.list_size
         offsets = np.cumsum([0, *sizes], dtype=np.int64)
         blocks = {s: np.array(r, dtype=np.int64).reshape(-1, 2) for s, r in sorted(runs.items())}
         return cls(groups, offsets, seq_len, blocks, cache_groups)
@@ -123,17 +123,20 @@ def document_positions(doc_starts: list[list[int]], length: int) -> np.ndarray:
     return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
-def _source_runs(path: Path, group: int, meta, names: list[str]) -> list[tuple[str, int, int]]:
+def _source_runs(parquet: pq.ParquetFile, group: int, names: list[str]) -> list[tuple[str, int, int]]:
     """(source, first row, rows) runs of one row group: from the column statistics when they show a single source,
     else from that group's `source` column alone."""
+    meta = parquet.metadata
     n = meta.row_group(group).num_rows
     if "source" not in names:
         return [("corpus", 0, n)]
-    stats = meta.row_group(group).column(names.index("source")).statistics
+    row_group = meta.row_group(group)  # leaf columns: a list column's index is not its arrow field's
+    leaf = next(i for i in range(row_group.num_columns) if row_group.column(i).path_in_schema == "source")
+    stats = row_group.column(leaf).statistics
     if stats is not None and stats.has_min_max and stats.min == stats.max and not stats.null_count:
         value = stats.min.decode() if isinstance(stats.min, bytes) else stats.min
         return [(value, 0, n)]
-    column = pq.ParquetFile(path).read_row_group(group, columns=["source"]).column("source")
+    column = parquet.read_row_group(group, columns=["source"]).column("source")
     encoded = column.combine_chunks().dictionary_encode()
     codes = encoded.indices.to_numpy(zero_copy_only=False)
     edges = np.flatnonzero(np.diff(codes)) + 1
