@@ -323,6 +323,18 @@ class EngineConfig(Strict):
         return "bfloat16" if use_gpu else "float32"
 
 
+class RolloutConfig(EngineConfig):
+    """The vLLM engine a grpo or on-policy dpo stage samples from."""
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated", description="colocated: on the node of the first training worker, sharing its GPU (asleep "
+        "between rollouts on GPU), reserving nothing beyond the stage's workers; separate: an actor holding a GPU "
+        "of its own, which the cluster must have spare beside the training workers")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="share of the device's memory the engine may take; default: sized to the "
+        "model (its weights in the engine's dtype, the KV cache of one step's sequences, a workspace) within what the "
+        "device has free beside the training worker")
+
+
 class ProxyConfig(Strict):
     """How a training stage shrinks for a sweep (`amalia sweep`): trials train this smaller model for fewer steps,
     validating every `validate_every` steps so a scheduler can stop the weak ones early."""
@@ -389,7 +401,7 @@ class TrainStageConfig(Strict):
     clip_epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: policy-ratio clip range")
     kl_coef: float = Field(0.0, ge=0, description="grpo: weight of the k3 KL penalty to the initial model (0: none, "
                            "no reference model held)")
-    rollout: EngineConfig = Field(default_factory=EngineConfig, description="grpo / on-policy dpo: the vLLM rollout engine "
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="grpo / on-policy dpo: the vLLM rollout engine "
                                   "(max_model_len is the stage's seq_len)")
     document_masking: bool = Field(
         True, description="pretrain: positions restart at each document in a packed sequence and attention stays "

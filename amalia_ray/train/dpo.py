@@ -171,11 +171,12 @@ class DPO:
         from amalia_ray.train.rollout import engine_on_model, sample_and_score
 
         cfg, stage = self.on_policy, self.on_policy["stage"]
+        n = stage["num_generations"]
         engine = engine_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], {**stage["rollout"],
-                                 "max_model_len": self.seq_len}, cfg["seed"], cfg["use_gpu"])
+                                 "max_model_len": self.seq_len}, cfg["seed"], cfg["use_gpu"],
+                                 len(cfg["prompts"]) * n, max(map(len, cfg["prompts"])) + stage["max_completion_length"])
         payload = [None]
         if dist.get_rank() == 0:
-            n = stage["num_generations"]
             items, scores = sample_and_score(engine, self.tok, cfg["prompts"], cfg["tasks"], cfg["rewards"], n,
                                              stage["max_completion_length"], stage["temperature"])
             ray.kill(engine)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from amalia_ray.core.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
 from amalia_ray.core.rewards import get_reward
-from amalia_ray.train.rollout import encode_prompt, engine_on_model, read_tasks, sample_and_score
+from amalia_ray.core.config import RolloutConfig
+from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, read_tasks, sample_and_score
 
 log = logging.getLogger("amalia_ray.train")
 
@@ -58,6 +59,8 @@ class GRPO:
         self.G, self.max_new = stage["num_generations"], stage["max_completion_length"]
         self.temperature, self.epsilon, self.kl_coef = stage["temperature"], stage["clip_epsilon"], stage["kl_coef"]
         self.engine_config = stage["rollout"]
+        self.engine_dtype = getattr(torch, RolloutConfig.model_validate(self.engine_config).resolved_dtype(use_gpu))
+        self.sequences = stage["global_batch_size"]
         self.reward_names = list(stage["rewards"])
         self.rewards = [get_reward(n) for n in self.reward_names]
         self.reward_weights = torch.tensor(stage.get("reward_weights") or [1.0] * len(self.rewards))
@@ -92,22 +95,17 @@ class GRPO:
         the frozen reference from that export when a KL penalty is asked for: `frozen_copy(folder)` shards it over
         the workers like the policy, so no GPU holds a whole copy."""
         engine = {**self.engine_config, "max_model_len": self.seq_len}
-        self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu)
+        self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu,
+                                      self.sequences, max(map(len, self.prompts)) + self.max_new)
         if self.kl_coef > 0:
             self.reference = frozen_copy(self.work_dir / "rollout-init")
 
     def rollout(self, model, prompt_rows: np.ndarray) -> np.ndarray:
         """Push the current weights to the engine, sample G completions per prompt, score and normalize within each
         group; every rank gets the same completions. Returns the rows (completions) of this step."""
-        import ray
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from amalia_ray.train.rollout import hf_names
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        push_weights(model, self.engine, self.engine_dtype)
         payload = [None]
         if dist.get_rank() == 0:
-            ray.get(self.engine.load_weights.remote(hf_names(full)))
             prompts = [self.prompts[i] for i in prompt_rows]
             items, per_fn = sample_and_score(self.engine, self.tok, prompts, [self.tasks[i] for i in prompt_rows],
                                              self.rewards, self.G, self.max_new, self.temperature)

@@ -1,38 +1,97 @@
 """On-policy sampling (GRPO's rollouts, on-policy DPO's candidates): task prompts, and the rollout engine — vLLM in
 its own Ray actor, with its engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the trainer's weights can
-be swapped in place before every generation — sampling completions that rule-based rewards score.
+be streamed into it in place before every generation — sampling completions that rule-based rewards score.
 
 A separate actor rather than vLLM inside a training worker: the training workers already own a torch.distributed
-group that vLLM would try to join, and the actor can sit on any node of the cluster (on GPU clusters it takes a
-GPU of its own, as TRL's server mode does)."""
+group that vLLM would try to join. By default the actor is colocated: it runs on the first worker's node, reserves
+nothing beyond the stage's workers and, on GPU, shares that worker's GPU, asleep (weights and KV cache released)
+while the trainer steps, as TRL's and verl's colocated modes do. `placement: separate` gives it a GPU of its own."""
 
 from __future__ import annotations
 
+import os
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import ray
 import torch
 import torch.distributed as dist
 
-from amalia_ray.core.config import EngineConfig
+from amalia_ray.core.config import RolloutConfig
 from amalia_ray.core.storage import jsonl_rows
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# how much of the weights rank 0 holds at once while streaming them to the engine (two buckets are in flight)
+PUSH_BUCKET_BYTES = 256 << 20
+# beside its weights and KV cache, what a vLLM engine needs (CUDA context, activations, sampler) when sized for you
+ENGINE_WORKSPACE_BYTES = 2 << 30
+KV_SPARE_TOKENS = 512
+
+
+def _reload(worker, weights) -> None:  # runs in the vLLM worker: checkpoint-format (HF) names, loaded in place
+    worker.model_runner.reload_weights(weights_iterator=weights)
 
 
 class RolloutEngine:
-    def __init__(self, model_dir: str, dtype: str, max_model_len: int, gpu_memory_utilization: float,
-                 enforce_eager: bool, seed: int):
+    def __init__(self, model_dir: str, dtype: str, max_model_len: int, enforce_eager: bool, seed: int,
+                 gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, sleep: bool):
         from vllm import LLM
 
+        kv = {"kv_cache_memory_bytes": kv_cache_memory_bytes} if kv_cache_memory_bytes else {}
         self.llm = LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                       gpu_memory_utilization=gpu_memory_utilization, seed=seed)
+                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=sleep, **kv)
+        self.sleeps, self.asleep = sleep, False
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="weight-reload")
+        self._updating: tuple[queue.Queue, Future] | None = None
+        self.sleep()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        def reload(worker, weights):  # runs in the vLLM worker: checkpoint-format (HF) names, loaded in place
-            worker.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+    def sleep(self) -> None:
+        """Release the weights and the KV cache (GPU, colocated): the trainer has the memory until the next push."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
-        self.llm.collective_rpc(reload, args=(weights,))
+    def begin_update(self) -> None:
+        """Start loading weights in place through vLLM's reload path, fed bucket by bucket by `push`: one reload
+        over the whole stream, so layers whose checkpoint tensors vLLM fuses (q/k/v, gate/up) are only processed
+        once all their parts are in. The reload runs on one long-lived thread: a fresh thread per update would
+        take a fresh malloc arena each time and leave it holding the update's peak."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        stream: queue.Queue = queue.Queue(maxsize=1)
+
+        def weights():
+            while (bucket := stream.get()) is not None:
+                for name, dtype, array in bucket:
+                    yield name, from_wire(array, dtype)
+
+        self._updating = (stream, self._loader.submit(self.llm.collective_rpc, _reload, args=(weights(),)))
+
+    def push(self, bucket: list[tuple[str, str, "np.ndarray"]] | None) -> None:
+        stream, done = self._updating
+        while not done.done():
+            try:
+                stream.put(bucket, timeout=1.0)
+                return
+            except queue.Full:
+                continue
+        raise RuntimeError(f"loading weights into the rollout engine failed: {done.exception()}")
+
+    def end_update(self) -> None:
+        self.push(None)
+        stream, done = self._updating
+        self._updating = None
+        if done.exception() is not None:
+            raise RuntimeError(f"loading weights into the rollout engine failed: {done.exception()}") \
+                from done.exception()
         self.llm.reset_prefix_cache()
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int,
                  temperature: float) -> list[list[list[int]]]:
@@ -42,27 +101,129 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[list(c.token_ids) for c in out.outputs] for out in outputs]
 
 
-def start_engine(model_dir: str, engine: dict, seed: int, use_gpu: bool):
-    dtype = EngineConfig.model_validate(engine).resolved_dtype(use_gpu)
-    actor = ray.remote(RolloutEngine).options(
-        num_cpus=1, num_gpus=1 if use_gpu else 0,
-        runtime_env={"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
-    )
-    return actor.remote(model_dir, dtype, engine["max_model_len"], engine["gpu_memory_utilization"],
-                        engine["enforce_eager"], seed)
+def to_wire(tensor: torch.Tensor) -> tuple[str, "np.ndarray"]:
+    """A host tensor as (dtype, numpy array): Ray writes numpy arrays straight into its object store and the engine
+    reads them there without a copy of its own (bf16, which numpy lacks, travels as its 16-bit pattern)."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return dtype, tensor.numpy()
 
 
-def hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A training state dict under the names of the HF checkpoint (wrappers of activation checkpointing and
-    torch.compile removed)."""
+def from_wire(array: "np.ndarray", dtype: str) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # a read-only view into the object store: vLLM only copies from it
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token (full attention everywhere: an upper bound for sliding-window models)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def engine_memory(weight_bytes: int, kv_per_token: int, sequences: int, tokens_per_sequence: int,
+                  max_model_len: int, free: int, total: int, trainer_bytes: int = 0) -> tuple[float, int]:
+    """(gpu_memory_utilization, kv_cache_memory_bytes) for an engine sized to its model: the KV cache of all of a
+    step's sequences at once when that fits in what the device has free (less what the trainer will still add),
+    else as much as fits, never less than one sequence of max_model_len. vLLM reads the share of the device's
+    memory (RAM on CPU) as what it may take, and checks it is free when it starts."""
+    budget = int(0.9 * free) - trainer_bytes - weight_bytes - ENGINE_WORKSPACE_BYTES
+    spare = KV_SPARE_TOKENS * kv_per_token  # vLLM's null block and each sequence's partly filled last block
+    least = kv_per_token * max_model_len + spare
+    if budget < least:
+        raise ValueError(
+            f"the rollout engine does not fit beside the training worker: its weights take "
+            f"{weight_bytes / 2**30:.1f} GiB and one sequence of {max_model_len} tokens {least / 2**30:.2f} GiB of KV "
+            f"cache, with {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB free; use more workers (smaller shards), "
+            f"a shorter seq_len or rollout.placement: separate")
+    kv = max(least, min(budget, kv_per_token * sequences * tokens_per_sequence + spare))
+    return min(1.0, (weight_bytes + kv + ENGINE_WORKSPACE_BYTES) / total), kv
+
+
+def start_engine(model_dir: str, engine: dict, seed: int, use_gpu: bool, sizing: dict | None = None):
+    """The rollout engine on `model_dir`. Colocated (the default), it is pinned to this process's node, takes no
+    resource of its own and sees this process's GPU; call it from the first training worker. `sizing` (weights,
+    KV per token, sequences per step, tokens per sequence, trainer bytes) sizes its memory when the recipe does not."""
+    cfg = RolloutConfig.model_validate(engine)
+    colocated = cfg.placement == "colocated"
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if colocated:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options = {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)}
+        if use_gpu:  # this worker's own GPU: Ray shows a worker every GPU its node gives the stage's workers
+            visible, index = os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device()
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+    else:
+        options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0}
+    utilization, kv = cfg.gpu_memory_utilization, None
+    if utilization is None:
+        if sizing is None:
+            raise ValueError("rollout.gpu_memory_utilization is not set and the engine has no sizing to derive it")
+        utilization, kv = engine_memory(max_model_len=cfg.max_model_len, **sizing, **device_memory(
+            use_gpu and colocated))
+    actor = ray.remote(RolloutEngine).options(runtime_env={"env_vars": env}, **options)
+    return actor.remote(model_dir, cfg.resolved_dtype(use_gpu), cfg.max_model_len, cfg.enforce_eager, seed,
+                        utilization, kv, colocated and use_gpu)
+
+
+def device_memory(this_gpu: bool) -> dict:
+    """Free and total memory of this process's GPU, or of a GPU of the same kind (a separate engine's), or RAM."""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return {"free": free if this_gpu else total, "total": total}
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return {"free": mem.available, "total": mem.total}
+
+
+def push_weights(model, engine, dtype: torch.dtype, bucket_bytes: int = PUSH_BUCKET_BYTES) -> None:
+    """Stream the model's current weights into the running engine, one tensor at a time in the engine's dtype: each
+    sharded tensor is gathered on every rank (a collective: every rank calls this), rank 0 casts it, copies it to
+    the host and sends it on in buckets of `bucket_bytes`, one in flight while the next fills. No rank ever holds
+    the whole state."""
+    from torch.distributed.tensor import DTensor
+
     from amalia_ray.train.hf_weights import plain_name
 
-    return {plain_name(name): tensor for name, tensor in state.items()}
+    first = dist.get_rank() == 0
+    if first:
+        ray.get(engine.begin_update.remote())
+    bucket, size, in_flight = [], 0, None
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if first:
+            host = full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype, copy=True)
+            bucket.append((plain_name(name), *to_wire(host)))
+            size += host.nbytes
+        del full
+        if first and size >= bucket_bytes:
+            if in_flight is not None:
+                ray.get(in_flight)
+            in_flight, bucket, size = engine.push.remote(bucket), [], 0
+    if first:
+        if in_flight is not None:
+            ray.get(in_flight)
+        if bucket:
+            ray.get(engine.push.remote(bucket))
+        ray.get(engine.end_update.remote())
 
 
 def read_tasks(path: Path) -> list[dict]:
@@ -88,16 +249,28 @@ def encode_prompt(tok, prompt) -> list[int]:
     return list(tok(prompt)["input_ids"])
 
 
-def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, seed: int, use_gpu: bool):
+def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, seed: int, use_gpu: bool,
+                    sequences: int, tokens_per_sequence: int):
     """Export the model's current weights as a HF folder (a collective: every rank calls this) and start an engine
-    on it from rank 0; None on the other ranks."""
+    on it from rank 0, sized for `sequences` of up to `tokens_per_sequence` tokens at once; None on the other ranks."""
     from amalia_ray.train.hf_weights import export_hf
 
     init_dir = work_dir / "rollout-init"
     export_hf(model, model.config, init_dir, tokenizer_dir)
+    # what this worker adds once it trains: gradients and two Adam moments of its shard of the weights
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     if dist.get_world_size() > 1:
         dist.barrier()
-    return start_engine(str(init_dir), engine, seed, use_gpu) if dist.get_rank() == 0 else None
+    if dist.get_rank() != 0:
+        return None
+    dtype = getattr(torch, RolloutConfig.model_validate(engine).resolved_dtype(use_gpu))
+    numel = sum(p.numel() for p in model.parameters())
+    sizing = {"weight_bytes": numel * torch.finfo(dtype).bits // 8, "sequences": sequences,
+              "kv_per_token": kv_bytes_per_token(model.config, dtype), "tokens_per_sequence": tokens_per_sequence,
+              "trainer_bytes": 12 * local}
+    if use_gpu:
+        torch.cuda.empty_cache()  # what the trainer's allocator caches is free for the engine
+    return start_engine(str(init_dir), engine, seed, use_gpu, sizing)
 
 
 def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], rewards: list[Callable],
@@ -105,6 +278,7 @@ def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], r
     """`n` completions per prompt from the engine, each scored by every reward -> ([(prompt, completion)], scores
     (completions, rewards)); completions of one prompt are consecutive."""
     sampled = ray.get(engine.generate.remote(prompts, n, max_tokens, temperature))
+    engine.sleep.remote()  # colocated on GPU: the memory goes back to the trainer until the next rollout
     items, scores = [], []
     for prompt, task, completions in zip(prompts, tasks, sampled):
         for completion in completions:

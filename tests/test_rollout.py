@@ -1,0 +1,194 @@
+"""The rollout engine GRPO samples from: weights streamed into the running vLLM engine bucket by bucket, with the
+memory that costs measured on both sides, and the engine's size and placement derived for the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from amalia_ray.train.rollout import ENGINE_WORKSPACE_BYTES, KV_SPARE_TOKENS, engine_memory, kv_bytes_per_token
+
+GiB = 2**30
+
+
+def test_engine_memory_fits_the_model_beside_the_trainer():
+    # a 9B model in bf16 colocated on an 80 GB GPU: the step's KV cache when it fits, else what is left
+    weights, per_token = 18 * GiB, 172 * 1024
+    util, kv = engine_memory(weights, per_token, sequences=8, tokens_per_sequence=1024, max_model_len=4096,
+                             free=78 * GiB, total=80 * GiB, trainer_bytes=GiB)
+    assert kv == (8 * 1024 + KV_SPARE_TOKENS) * per_token and util == pytest.approx((weights + kv + ENGINE_WORKSPACE_BYTES) / (80 * GiB))
+    util, kv = engine_memory(weights, per_token, sequences=512, tokens_per_sequence=4096, max_model_len=4096,
+                             free=78 * GiB, total=80 * GiB, trainer_bytes=GiB)
+    assert kv == int(0.9 * 78 * GiB) - GiB - weights - ENGINE_WORKSPACE_BYTES and util < 0.9
+    with pytest.raises(ValueError, match="does not fit beside the training worker.*rollout.placement: separate"):
+        engine_memory(weights, per_token, 8, 1024, 4096, free=20 * GiB, total=80 * GiB)
+
+
+def test_kv_bytes_per_token_reads_grouped_query_heads():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=42, num_attention_heads=32, num_key_value_heads=8)
+    assert kv_bytes_per_token(config, torch.bfloat16) == 2 * 42 * 8 * 128 * 2
+
+
+def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatch):
+    """Colocated (the default), the engine is pinned to the calling worker's node, asks Ray for no CPU or GPU (the
+    stage's workers hold them all; a GPU of its own would wait forever on a full cluster) and is shown the worker's
+    own GPU, asleep between rollouts; separate, it asks for a GPU of its own."""
+    import ray
+
+    from amalia_ray.train import rollout
+
+    seen = {}
+
+    class Remote:
+        def options(self, **options):
+            seen.update(options)
+            return self
+
+        def remote(self, *args):
+            seen["args"] = args
+
+    monkeypatch.setattr(ray, "remote", lambda cls: Remote())
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {"get_node_id": lambda self: "a" * 56})())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(rollout, "device_memory", lambda this_gpu: {"free": 70 * GiB, "total": 80 * GiB})
+    sizing = {"weight_bytes": GiB, "kv_per_token": 1024, "sequences": 8, "tokens_per_sequence": 256}
+    rollout.start_engine("m", {"max_model_len": 512}, seed=0, use_gpu=True, sizing=sizing)
+    assert seen["num_cpus"] == 0 and seen["num_gpus"] == 0
+    assert seen["scheduling_strategy"].node_id == "a" * 56 and seen["scheduling_strategy"].soft is False
+    assert seen["runtime_env"]["env_vars"]["CUDA_VISIBLE_DEVICES"] == "6"
+    dtype, max_len, _, _, util, kv, sleep = seen["args"][1:]
+    assert (dtype, max_len, sleep, kv) == ("bfloat16", 512, True, (8 * 256 + KV_SPARE_TOKENS) * 1024) and 0 < util < 0.1
+
+    seen.clear()
+    rollout.start_engine("m", {"max_model_len": 512, "placement": "separate", "gpu_memory_utilization": 0.5},
+                         seed=0, use_gpu=True)
+    assert seen["num_gpus"] == 1 and "scheduling_strategy" not in seen and "CUDA_VISIBLE_DEVICES" not in seen[
+        "runtime_env"]["env_vars"]
+    assert seen["args"][5:] == (0.5, None, False)
+
+
+class AnonPeak:
+    """The peak of a process's private resident memory (RssAnon), sampled every half millisecond from a thread:
+    the kernel's own high-water mark also counts the object store's shared pages, which every new object first
+    touches wherever the store places it, whether or not any memory is held."""
+
+    def __init__(self):
+        import threading
+
+        self.start = self.peak = self.now()
+        self.running = True
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def now() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("RssAnon:")[1].split()[0]) * 1024
+
+    def sample(self):
+        import time
+
+        while self.running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.0005)
+
+    def stop(self) -> int:
+        self.running = False
+        self.thread.join()
+        return max(self.peak, self.now()) - self.start
+
+
+def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
+    """One FSDP2 rank (world 1) beside a running engine: streams perturbed weights, then the original ones, and
+    reports what each side's resident memory grew by during each push."""
+    import os
+
+    import ray
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoTokenizer
+
+    from amalia_ray.train.model import build
+    from amalia_ray.train.parallel import apply_fsdp
+    from amalia_ray.train.rollout import kv_bytes_per_token, push_weights, start_engine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    torch.set_num_threads(1)
+    ray.init(address=address, log_to_driver=False)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    config = AutoConfig.from_pretrained(folder)
+    model = build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "fp32", False), init_dir=Path(folder),
+                  seed=0).requires_grad_(False)
+    copy = sum(p.numel() * 4 for p in model.parameters())
+    sizing = {"weight_bytes": copy, "kv_per_token": kv_bytes_per_token(config, torch.float32), "sequences": 2,
+              "tokens_per_sequence": 64}
+    engine = start_engine(folder, {"max_model_len": 128}, seed=0, use_gpu=False, sizing=sizing)
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = [tok("one two three")["input_ids"], tok("four five")["input_ids"]]
+    sample = lambda: ray.get(engine.generate.remote(prompts, 1, 12, 0.0))  # noqa: E731
+    before = sample()
+
+    def engine_start(self):
+        self._anon_peak = AnonPeak()
+
+    def engine_stop(self):
+        return self._anon_peak.stop()
+
+    def measured_push(bucket_bytes: int) -> dict:
+        ray.get(engine.__ray_call__.remote(engine_start))
+        trainer = AnonPeak()
+        push_weights(model, engine, torch.float32, bucket_bytes)
+        return {"trainer": trainer.stop(), "engine": ray.get(engine.__ray_call__.remote(engine_stop))}
+
+    original = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    measured_push(copy // 8)  # warm-up: the first push sets up the transfer path on both sides
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(0.5 * torch.randn_like(p.to_local()))
+    streamed = measured_push(copy // 8)
+    changed = sample()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.to_local().copy_(original[n])
+    whole = measured_push(4 * copy)  # the check that the measurement sees a whole copy when one is held
+    Path(out).write_text(json.dumps({"copy": copy, "streamed": streamed, "whole": whole, "before": before,
+                                     "changed": changed, "restored": sample()}))
+    ray.kill(engine)
+    dist.destroy_process_group()
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    from tests.conftest import free_port
+
+    return free_port()
+
+
+@pytest.mark.e2e
+def test_weights_stream_into_the_engine_within_a_fraction_of_one_copy(ray_cluster, tmp_path, monkeypatch):
+    """GRPO's weight push, every step: the trainer gathers one tensor at a time and rank 0 sends buckets of an
+    eighth of the model, so neither it nor the engine (which holds the model already) grows by more than a small
+    part of one copy of the weights; what the engine samples follows the pushed weights, and pushing the original
+    weights back gives the original samples (greedy). Pushed as one bucket, the engine grows by a whole copy."""
+    import torch.multiprocessing as mp
+
+    from tests.base_models import make_base_model
+
+    folder = make_base_model(tmp_path / "model", "llama", hidden=512, layers=4, vocab=4096, dtype="float32")
+    out = tmp_path / "push.json"
+    # the trainer's large blocks go back to the system when freed, so its resident memory shows what it holds
+    # (glibc otherwise raises its mmap threshold and keeps freed blocks for reuse, hiding later peaks)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    mp.spawn(_push_and_measure, args=(ray_cluster.get_runtime_context().gcs_address, str(folder), str(out)),
+             nprocs=1)
+    got = json.loads(out.read_text())
+    copy, streamed, whole = got["copy"], got["streamed"], got["whole"]
+    assert got["changed"] != got["before"] and got["restored"] == got["before"], got
+    assert streamed["trainer"] < 0.5 * copy and streamed["engine"] < 0.5 * copy, got
+    assert whole["trainer"] > 0.8 * copy, f"the measurement cannot see a whole copy held: {got}"
