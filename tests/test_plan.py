@@ -109,3 +109,88 @@ def test_plan_counts_what_the_attention_kernel_keeps():
     assert "attention mask" not in memory["flash_attention_2"] and "attention scores" not in memory["sdpa"]
     assert memory["sdpa"]["attention mask"] == pytest.approx(4096 ** 2 / 1024 ** 3)
     assert memory["eager"]["attention scores"] == pytest.approx(32 * 4096 ** 2 * 2 / 1024 ** 3)
+
+
+# three small stages, each with a different biggest item: activations (no checkpointing), the logits and the loss's
+# fp32 chunk (a large vocabulary), the sharded training state (more layers)
+MEASURED = [
+    {"hidden": 256, "layers": 4, "vocab": 4096, "heads": 4, "kv_heads": 2, "seq": 256, "micro": 4, "ac": False},
+    {"hidden": 128, "layers": 2, "vocab": 16384, "heads": 2, "kv_heads": 1, "seq": 512, "micro": 2, "ac": True},
+    {"hidden": 384, "layers": 6, "vocab": 2048, "heads": 6, "kv_heads": 2, "seq": 128, "micro": 2, "ac": True},
+]
+
+
+def _peak_of_training(cfg: dict, port: int, out) -> None:
+    """Two optimizer steps of the training loop's model, precision and loss on one FSDP2 rank (bf16 compute,
+    fp32 state, as on a GPU); writes the growth of the process's peak resident memory over what it held before."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig
+
+    from amalia_ray.train.loss import next_token_loss
+    from amalia_ray.train.model import build
+    from amalia_ray.train.parallel import apply_fsdp
+
+    def train(hidden, layers, vocab, heads, kv_heads, seq, micro, ac, steps):
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             max_position_embeddings=4096, tie_word_embeddings=False)
+        config._attn_implementation = "sdpa"
+        model = build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "bf16", ac), init_dir=None, seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(steps):
+            ids = torch.randint(0, vocab, (micro, seq))
+            loss, _ = next_token_loss(model(input_ids=ids, use_cache=False).logits, ids)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    def kb(field: str) -> int:
+        return int(Path("/proc/self/status").read_text().split(field + ":")[1].split()[0])
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    train(64, 1, 512, 2, 1, 64, 1, cfg["ac"], 1)  # kernels and thread pools set up outside the measurement
+    Path("/proc/self/clear_refs").write_text("5")
+    before = kb("VmRSS")
+    train(**cfg, steps=2)
+    Path(out).write_text(json.dumps({"peak": (kb("VmHWM") - before) * 1024}))
+    dist.destroy_process_group()
+
+
+def test_the_planned_memory_is_within_a_fifth_of_the_measured_peak(tmp_path, monkeypatch):
+    """What `amalia plan` says a worker needs (less its headroom) against the peak a worker's process reaches
+    training that stage, for three stages whose biggest item differs: within 20% each."""
+    import json
+    import multiprocessing
+
+    from amalia_ray.core.config import TrainStageConfig
+    from tests.conftest import free_port
+
+    # freed large blocks go back to the system, so the resident peak shows what is held at once
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    spawn = multiprocessing.get_context("spawn")
+    runs = [(cfg, tmp_path / f"{i}.json", spawn.Process(target=_peak_of_training, args=(
+        cfg, free_port(), str(tmp_path / f"{i}.json")))) for i, cfg in enumerate(MEASURED)]
+    for _, _, process in runs:
+        process.start()
+    recipe = load_recipe(DEMO_RECIPE).recipe
+    ratios = []
+    for cfg, out, process in runs:
+        process.join(600)
+        assert process.exitcode == 0, cfg
+        dims = Dims(cfg["hidden"], 4 * cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
+                    cfg["hidden"] // cfg["heads"], cfg["vocab"], False, 4096)
+        stage = TrainStageConfig(name="s", objective="pretrain", steps=2, warmup_steps=0, num_workers=1,
+                                 seq_len=cfg["seq"], micro_batch_size=cfg["micro"], global_batch_size=cfg["micro"],
+                                 activation_checkpointing=cfg["ac"], document_masking=False)
+        planned = plan_stage(stage, recipe, dims).memory_gb
+        planned_bytes = (sum(planned.values()) - planned["headroom"]) * 2**30
+        ratios.append(planned_bytes / json.loads(out.read_text())["peak"])
+    assert all(0.8 <= r <= 1.2 for r in ratios), ratios
