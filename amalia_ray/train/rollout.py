@@ -47,10 +47,10 @@ class RolloutEngine:
         self.sleeps, self.asleep = sleep, False
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="weight-reload")
         self._updating: tuple[queue.Queue, Future] | None = None
-        self.sleep()
 
     def sleep(self) -> None:
-        """Release the weights and the KV cache (GPU, colocated): the trainer has the memory until the next push."""
+        """Release the weights and the KV cache (GPU, colocated): the trainer has the memory until the next push,
+        which brings the weights back."""
         if self.sleeps and not self.asleep:
             self.llm.sleep(level=2)
             self.asleep = True
@@ -102,8 +102,7 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+            raise RuntimeError("the rollout engine released its weights when it went to sleep: push weights first")
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [[list(c.token_ids) for c in out.outputs] for out in outputs]
