@@ -32,10 +32,6 @@ ENGINE_WORKSPACE_BYTES = 2 << 30
 KV_SPARE_TOKENS = 512
 
 
-def _reload(worker, weights) -> None:  # runs in the vLLM worker: checkpoint-format (HF) names, loaded in place
-    worker.model_runner.reload_weights(weights_iterator=weights)
-
-
 class RolloutEngine:
     def __init__(self, model_dir: str, dtype: str, max_model_len: int, enforce_eager: bool, seed: int,
                  gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, sleep: bool):
@@ -69,7 +65,9 @@ class RolloutEngine:
                 for name, dtype, array in bucket:
                     yield name, from_wire(array, dtype)
 
-        self._updating = (stream, self._loader.submit(self.llm.collective_rpc, _reload, args=(weights(),)))
+        # the worker's own reload (checkpoint-format HF names, loaded in place under the engine's config)
+        self._updating = (stream, self._loader.submit(self.llm.collective_rpc, "reload_weights",
+                                                      kwargs={"weights_iterator": weights()}))
 
     def push(self, bucket: list[tuple[str, str, "np.ndarray"]] | None) -> None:
         stream, done = self._updating
