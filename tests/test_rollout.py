@@ -106,7 +106,7 @@ class AnonPeak:
 
 def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
     """One FSDP2 rank (world 1) beside a running engine: streams perturbed weights, then the original ones, and
-    reports what each side's resident memory grew by during each push."""
+    reports what each side's private resident memory grew by during each push."""
     import os
 
     import ray
@@ -175,7 +175,8 @@ def test_weights_stream_into_the_engine_within_a_fraction_of_one_copy(ray_cluste
     """GRPO's weight push, every step: the trainer gathers one tensor at a time and rank 0 sends buckets of an
     eighth of the model, so neither it nor the engine (which holds the model already) grows by more than a small
     part of one copy of the weights; what the engine samples follows the pushed weights, and pushing the original
-    weights back gives the original samples (greedy). Pushed as one bucket, the engine grows by a whole copy."""
+    weights back gives the original samples (greedy). Pushed as one bucket, the trainer grows by about a whole
+    copy: the measurement sees a copy when one is held."""
     import torch.multiprocessing as mp
 
     from tests.base_models import make_base_model
