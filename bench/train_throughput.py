@@ -51,7 +51,7 @@ def main() -> None:
 
     import ray
 
-    from amalia_ray.core.config import ModelConfig, TrainStageConfig
+    from amalia_ray.core.config import ModelConfig, PretrainStage
     from amalia_ray.train.model import llama_config
     from amalia_ray.train.stage import run_train_stage
 
@@ -67,9 +67,9 @@ def main() -> None:
             pa.array(data.reshape(-1).astype(np.int32)), args.seq_len)}), tmp / "pack" / "train" / "part.parquet")
         (tmp / "tok").mkdir()
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-        stage = TrainStageConfig(name="bench", objective="pretrain", steps=args.steps, global_batch_size=args.batch,
-                                 micro_batch_size=args.batch // args.workers, num_workers=args.workers,
-                                 warmup_steps=0, checkpoint_every=10**6, log_every=10**6)
+        stage = PretrainStage(name="bench", objective="pretrain", steps=args.steps, global_batch_size=args.batch,
+                              micro_batch_size=args.batch // args.workers, num_workers=args.workers,
+                              warmup_steps=0, checkpoint_every=10**6, log_every=10**6)
         run_train_stage(stage, model_cfg, data_dir=tmp / "pack", tokenizer_dir=tmp / "tok", init_hf_dir=None,
                         stage_dir=tmp / "stage", ray_run_name="bench", seed=0, use_gpu=False,
                         hf_config=hf_config)  # synthetic tokens: no tokenizer needed

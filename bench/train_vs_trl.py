@@ -48,15 +48,15 @@ def build_inputs(tmp: Path) -> tuple[Path, Path, list[dict]]:
 def run_ours(args, chats: Path, tok_dir: Path, model_cfg, tmp: Path) -> dict:
     import ray
 
-    from amalia_ray.core.config import TrainStageConfig
+    from amalia_ray.core.config import SFTStage
     from amalia_ray.train.stage import run_train_stage
 
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-    stage = TrainStageConfig(name="sft", objective="sft", dataset=str(chats), seq_len=args.seq_len, steps=args.steps,
-                             global_batch_size=args.batch, micro_batch_size=args.batch // args.workers,
-                             num_workers=args.workers, cpus_per_worker=args.threads, lr=1e-3, warmup_steps=0,
-                             compile=args.compile,
-                             checkpoint_every=10**6, log_every=10**6)
+    stage = SFTStage(name="sft", objective="sft", dataset=str(chats), seq_len=args.seq_len, steps=args.steps,
+                     global_batch_size=args.batch, micro_batch_size=args.batch // args.workers,
+                     num_workers=args.workers, cpus_per_worker=args.threads, lr=1e-3, warmup_steps=0,
+                     compile=args.compile,
+                     checkpoint_every=10**6, log_every=10**6)
     t0 = time.perf_counter()
     run_train_stage(stage, model_cfg, data_dir=chats, tokenizer_dir=tok_dir, init_hf_dir=None,
                     stage_dir=tmp / "ours", ray_run_name="bench-sft", seed=0, use_gpu=False)

@@ -42,6 +42,13 @@ def write_recipe(tmp_path: Path, **overrides) -> Path:
     return path
 
 
+def common_fields(stage: dict) -> dict:
+    """A stage's fields that every objective has (to start another kind of stage from the pretraining one)."""
+    from amalia_ray.core.config import TrainStageConfig
+
+    return {k: v for k, v in stage.items() if k in TrainStageConfig.model_fields}
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -19,7 +19,7 @@ import yaml
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import load_recipe
 from amalia_ray.pipeline.runner import Pipeline
-from tests.conftest import STEPS, free_port, read_jsonl, write_recipe
+from tests.conftest import STEPS, common_fields, free_port, read_jsonl, write_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -124,9 +124,8 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run,
     tasks = recipe_path.parent / "dpo-tasks.jsonl"
     write_jsonl(arithmetic_tasks(48, seed=1), tasks)
     data = yaml.safe_load(recipe_path.read_text())
-    data["train"].append({**data["train"][0], "name": "sft", "objective": "sft", "dataset": str(chats),
-                          "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 8,
-                          "curriculum": None})
+    data["train"].append({**common_fields(data["train"][0]), "name": "sft", "objective": "sft", "dataset": str(chats),
+                          "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 8})
     data["train"].append({**data["train"][-1], "name": "dpo", "objective": "dpo", "dataset": str(tasks),
                           "on_policy": True, "num_generations": 4, "max_completion_length": 24, "seq_len": 160,
                           "rewards": ["exact_answer", "has_number"], "steps": 4, "lr": 0.0005, "beta": 0.1,
@@ -213,9 +212,9 @@ def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):
     tasks = recipe_path.parent / "arithmetic.jsonl"
     write_jsonl(arithmetic_tasks(64, seed=0), tasks)
     data = yaml.safe_load(recipe_path.read_text())
-    data["train"].append({**data["train"][0], "name": "grpo", "objective": "grpo", "dataset": str(tasks),
+    data["train"].append({**common_fields(data["train"][0]), "name": "grpo", "objective": "grpo", "dataset": str(tasks),
                           "seq_len": 160, "steps": 3, "warmup_steps": 0, "lr": 0.0005, "checkpoint_every": 3,
-                          "curriculum": None, "num_generations": 4, "max_completion_length": 24, "kl_coef": 0.05,
+                          "num_generations": 4, "max_completion_length": 24, "kl_coef": 0.05,
                           "rewards": ["format", "exact_answer", "has_number"], "reward_weights": [1.0, 1.0, 0.2]})
     r1_recipe = recipe_path.parent / "r1-zero.yaml"
     r1_recipe.write_text(yaml.safe_dump(data, sort_keys=False))

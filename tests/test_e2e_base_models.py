@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from amalia_ray.core.config import ModelConfig, ServeConfig, TrainStageConfig
+from amalia_ray.core.config import GRPOStage, ModelConfig, ServeConfig, SFTStage, TrainStageConfig
 from tests.base_models import FAMILIES, FAQ, make_base_model
 from tests.conftest import free_port, read_jsonl
 
@@ -38,9 +38,9 @@ def trained(ray_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("families")
     chats = tmp / "faq-chat.jsonl"
     write_faq_conversations(FAQ, chats)
-    stage = TrainStageConfig(name="sft", objective="sft", dataset=str(chats), steps=2, seq_len=256,
-                             global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-3,
-                             checkpoint_every=2, log_every=1)
+    stage = SFTStage(name="sft", objective="sft", dataset=str(chats), steps=2, seq_len=256,
+                     global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-3,
+                     checkpoint_every=2, log_every=1)
     out = {}
     for family in TRAINED:
         base = make_base_model(tmp / "bases" / family, family)
@@ -100,10 +100,10 @@ def test_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained,
     base, sft_dir, _ = runs["qwen3"]
     tasks = tmp_path / "arithmetic.jsonl"
     write_jsonl(arithmetic_tasks(32, seed=0), tasks)
-    stage = TrainStageConfig(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
-                             global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
-                             checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,
-                             kl_coef=0.05, rewards=["format", "exact_answer"])
+    stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
+                      global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
+                      checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,
+                      kl_coef=0.05, rewards=["format", "exact_answer"])
     run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=tasks, tokenizer_dir=base,
                     init_hf_dir=sft_dir / "hf", base_dir=base, stage_dir=tmp_path / "grpo", ray_run_name="grpo-qwen3",
                     seed=SEED, use_gpu=False, progress=False)

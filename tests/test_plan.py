@@ -170,7 +170,7 @@ def test_the_planned_memory_is_within_a_fifth_of_the_measured_peak(tmp_path, mon
     import json
     import multiprocessing
 
-    from amalia_ray.core.config import TrainStageConfig
+    from amalia_ray.core.config import PackConfig, PretrainStage
     from tests.conftest import free_port
 
     # freed large blocks go back to the system, so the resident peak shows what is held at once
@@ -187,10 +187,11 @@ def test_the_planned_memory_is_within_a_fifth_of_the_measured_peak(tmp_path, mon
         assert process.exitcode == 0, cfg
         dims = Dims(cfg["hidden"], 4 * cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
                     cfg["hidden"] // cfg["heads"], cfg["vocab"], False, 4096)
-        stage = TrainStageConfig(name="s", objective="pretrain", steps=2, warmup_steps=0, num_workers=1,
-                                 seq_len=cfg["seq"], micro_batch_size=cfg["micro"], global_batch_size=cfg["micro"],
-                                 activation_checkpointing=cfg["ac"], document_masking=False)
-        planned = plan_stage(stage, recipe, dims).memory_gb
+        stage = PretrainStage(name="s", objective="pretrain", steps=2, warmup_steps=0, num_workers=1,
+                              micro_batch_size=cfg["micro"], global_batch_size=cfg["micro"],
+                              activation_checkpointing=cfg["ac"], document_masking=False)
+        packed_at = recipe.model_copy(update={"pack": PackConfig(seq_len=cfg["seq"])})
+        planned = plan_stage(stage, packed_at, dims).memory_gb
         planned_bytes = (sum(planned.values()) - planned["headroom"]) * 2**30
         ratios.append(planned_bytes / json.loads(out.read_text())["peak"])
     assert all(0.8 <= r <= 1.2 for r in ratios), ratios

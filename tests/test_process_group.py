@@ -57,7 +57,7 @@ def test_training_passes_the_backend_to_ray_train(monkeypatch, tmp_path):
     """run_train_stage hands Ray Train the backend above (Ray's default on GPUs is plain nccl)."""
     import ray.train.torch
 
-    from amalia_ray.core.config import ModelConfig, TrainStageConfig
+    from amalia_ray.core.config import ModelConfig, PretrainStage
     from amalia_ray.train import stage as stage_module
 
     seen = {}
@@ -73,7 +73,7 @@ def test_training_passes_the_backend_to_ray_train(monkeypatch, tmp_path):
     monkeypatch.setattr(stage_module, "hf_config_dict", lambda *a, **k: {})
     for use_gpu in (True, False):
         with pytest.raises(Stop):
-            stage_module.run_train_stage(TrainStageConfig(name="pretrain", objective="pretrain", steps=10), ModelConfig(),
+            stage_module.run_train_stage(PretrainStage(name="pretrain", objective="pretrain", steps=10), ModelConfig(),
                                          data_dir=tmp_path,
                                          tokenizer_dir=tmp_path, init_hf_dir=None, stage_dir=tmp_path / "s",
                                          ray_run_name="r", seed=0, use_gpu=use_gpu, progress=False)

@@ -1,4 +1,5 @@
 import pytest
+import yaml
 
 from amalia_ray.core.config import Recipe
 from amalia_ray.core.errors import RecipeError
@@ -54,14 +55,65 @@ def test_yaml_syntax_error_has_line():
 
 
 def test_grpo_batch_counts_whole_groups():
-    text = demo_text().replace("objective: pretrain", "objective: grpo\n    dataset: tasks.jsonl\n    num_generations: 3")
     with pytest.raises(RecipeError, match="multiple of num_generations 3"):
-        parse_recipe(text)
+        parse_recipe(_post_training(objective="grpo", num_generations=3))
 
 
 def test_dpo_stage_needs_preference_data():
-    with pytest.raises(RecipeError, match="objective dpo needs a dataset"):
-        parse_recipe(demo_text().replace("objective: pretrain", "objective: dpo"))
+    with pytest.raises(RecipeError, match=r"<recipe>:\d+: train\[0\]\.dataset: required field is missing"):
+        parse_recipe(demo_text().replace("objective: pretrain\n", "objective: dpo\n"))
+
+
+def _post_training(**fields) -> str:
+    """The demo recipe with one post-training stage of these fields after its pretraining stage."""
+    data = yaml.safe_load(demo_text())
+    data["train"] = [data["train"][0], {"name": "post", "steps": 20, "dataset": "x.jsonl", **fields}]
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"objective": "sft", "beta": 0.2}, r"train\[1\]\.beta: unknown field 'beta' of a sft stage \(allowed: .*seq_len"),
+    ({"objective": "sft", "kl_coef": 0.1}, r"train\[1\]\.kl_coef: unknown field 'kl_coef' of a sft stage"),
+    ({"objective": "dpo", "kl_coef": 0.1}, r"unknown field 'kl_coef' of a dpo stage"),
+    ({"objective": "grpo", "beta": 0.1}, r"unknown field 'beta' of a grpo stage"),
+    ({"objective": "sft", "curriculum": {"hook": "a.b:c"}}, r"unknown field 'curriculum' of a sft stage"),
+    ({"objective": "dpo", "num_generations": 8}, r"num_generations apply to on-policy dpo only"),
+    ({"objective": "ppo"}, r"train\[1\]: Input tag 'ppo' found using 'objective' does not match any of the "
+                           r"expected tags: 'pretrain', 'sft', 'dpo', 'grpo'"),
+])
+def test_a_field_of_another_objective_is_an_error_naming_the_line(fields, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(_post_training(**fields))
+
+
+def test_beta_on_pretraining_is_an_error():
+    with pytest.raises(RecipeError, match=r"train\[0\]\.beta: unknown field 'beta' of a pretrain stage"):
+        parse_recipe(demo_text().replace("objective: pretrain\n", "objective: pretrain\n    beta: 0.1\n"))
+
+
+def test_each_objective_has_its_own_default_learning_rate():
+    lrs = {}
+    for objective in ("sft", "dpo", "grpo"):
+        stage = parse_recipe(_post_training(objective=objective)).train[1]
+        lrs[objective] = stage.lr
+    assert lrs == {"sft": 2e-5, "dpo": 1e-6, "grpo": 1e-6}
+    data = yaml.safe_load(demo_text())
+    del data["train"][0]["lr"]
+    assert parse_recipe(yaml.safe_dump(data)).train[0].lr == 3e-4
+    assert parse_recipe(_post_training(objective="dpo", on_policy=True, num_generations=8)).train[1].num_generations == 8
+
+
+def test_rewards_and_curriculum_hooks_are_checked_when_the_recipe_loads():
+    with pytest.raises(RecipeError, match=r"<recipe>:\d+: train\[1\]\.rewards\[1\]: unknown reward 'exact'"):
+        parse_recipe(_post_training(objective="grpo", rewards=["format", "exact"]))
+    with pytest.raises(RecipeError, match=r"train\[1\]\.rewards\[0\]: reward 'no_such_module:f' cannot be imported"):
+        parse_recipe(_post_training(objective="dpo", on_policy=True, rewards=["no_such_module:f"]))
+    parse_recipe(_post_training(objective="grpo", rewards=["amalia_ray.core.rewards:has_number_reward"]))
+    data = yaml.safe_load(demo_text())
+    data["train"][0]["curriculum"] = {"hook": "amalia_ray.core.shards:no_such_schedule"}
+    with pytest.raises(RecipeError, match=r"train\[0\]\.curriculum\.hook: curriculum hook "
+                                          r"'amalia_ray.core.shards:no_such_schedule' cannot be imported"):
+        parse_recipe(yaml.safe_dump(data, sort_keys=False))
 
 
 def test_config_hash_tracks_content():

@@ -103,12 +103,12 @@ def test_faq_chat_command_and_sft_needs_a_dataset(tmp_path, faq_text):
     from typer.testing import CliRunner
 
     from amalia_ray.cli import app
-    from amalia_ray.core.config import TrainStageConfig
+    from amalia_ray.core.config import SFTStage
 
     out = tmp_path / "chat.jsonl"
     result = CliRunner().invoke(app, ["data", "faq-chat", str(FAQ), str(out)])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) >= 100 and rows[0]["messages"][1]["role"] == "assistant"
-    with pytest.raises(ValidationError, match="objective sft needs a dataset"):
-        TrainStageConfig(name="sft", objective="sft", steps=20)
+    with pytest.raises(ValidationError, match=r"dataset\n  Field required"):
+        SFTStage(name="sft", objective="sft", steps=20)

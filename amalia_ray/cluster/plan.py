@@ -102,7 +102,7 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     vocab = m.vocab
     params, block = parameter_count(m)
     gpus = stage.worker_range[1]
-    seq = stage.seq_len or (recipe.pack.seq_len if stage.objective == "pretrain" else m.max_positions)
+    seq = stage.sequence_length or (recipe.pack.seq_len if stage.objective == "pretrain" else m.max_positions)
     per_pair = 2 if stage.objective == "dpo" else 1
     tokens_micro = stage.micro_batch_size * seq * per_pair
     kv_dim = m.kv_heads * m.head_dim

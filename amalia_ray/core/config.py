@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 # a recipe value that becomes a folder or file name (run, stage, source, task): one path component, never `..`,
 # so nothing a recipe names can land outside the run folder
@@ -350,12 +350,14 @@ LOSS_CHUNK_POSITIONS = 2048
 
 
 class TrainStageConfig(Strict):
+    """What every training stage has. A stage is one of the objectives below, chosen by `objective`; a field that
+    belongs to another objective is an error, not silently ignored."""
     name: str = Field(..., pattern=NAME_PATTERN)
-    objective: Literal["pretrain", "sft", "dpo", "grpo"]
+    objective: str
     steps: int = Field(..., ge=1)
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, summed over workers")
     micro_batch_size: int = Field(4, ge=1, description="sequences per forward pass on one worker")
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(..., gt=0, description="peak learning rate (each objective has its own default)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int = Field(10, ge=0)
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
@@ -382,32 +384,6 @@ class TrainStageConfig(Strict):
     checkpoints_to_keep: int = Field(2, ge=1)
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
     log_every: int = Field(1, ge=1)
-    dataset: str | None = Field(None, description="sft: jsonl file or folder of conversations ({messages: [{role, "
-                                "content}]}); dpo: jsonl of {prompt, chosen, rejected} (strings or messages); "
-                                "grpo and on-policy dpo: jsonl of tasks {prompt, answer, …}; relative to the recipe")
-    seq_len: int | None = Field(None, ge=8, description="sft: packed row length; dpo: longest prompt + answer "
-                                "(longer pairs keep their start); default model.max_position_embeddings")
-    beta: float = Field(0.1, gt=0, description="dpo: strength of the pull towards the reference model")
-    on_policy: bool = Field(False, description="dpo: make the pairs with the stage's initial model (AMALIA): "
-                            "dataset = tasks; num_generations candidates per prompt sampled by the rollout engine, "
-                            "ranked by the rewards below (best = chosen, worst = rejected)")
-    rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="grpo / on-policy dpo: "
-                               "rule-based rewards by name (format, exact_answer, has_number) or "
-                               "module:function(completion, task) -> float")
-    reward_weights: list[float] | None = Field(None, description="grpo / on-policy dpo: weight of each reward (default all 1)")
-    num_generations: int = Field(4, ge=2, description="grpo / on-policy dpo: completions sampled per prompt (the group)")
-    max_completion_length: int = Field(64, ge=1, description="grpo / on-policy dpo: most tokens sampled per completion")
-    temperature: float = Field(1.0, gt=0, description="grpo / on-policy dpo: sampling temperature of the rollouts")
-    clip_epsilon: float = Field(0.2, gt=0, lt=1, description="grpo: policy-ratio clip range")
-    kl_coef: float = Field(0.0, ge=0, description="grpo: weight of the k3 KL penalty to the initial model (0: none, "
-                           "no reference model held)")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="grpo / on-policy dpo: the vLLM rollout engine "
-                                  "(max_model_len is the stage's seq_len)")
-    document_masking: bool = Field(
-        True, description="pretrain: positions restart at each document in a packed sequence and attention stays "
-        "within the document")
-    curriculum: CurriculumConfig | None = Field(
-        None, description="scheduled source mix; default: every packed sequence equally likely")
     init_from: Literal["scratch", "previous"] = Field(
         "previous", description="previous: start from the previous training stage's checkpoint (scratch for the first)"
     )
@@ -416,6 +392,16 @@ class TrainStageConfig(Strict):
     @property
     def worker_range(self) -> tuple[int, int]:
         return (self.num_workers, self.num_workers) if isinstance(self.num_workers, int) else tuple(self.num_workers)
+
+    @property
+    def data_path(self) -> str | None:
+        """The stage's own dataset; None: it reads the packed corpus."""
+        return None
+
+    @property
+    def sequence_length(self) -> int | None:
+        """The stage's own sequence length; None: the packed corpus's (pretraining) or the model's positions."""
+        return None
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainStageConfig:
@@ -429,18 +415,107 @@ class TrainStageConfig(Strict):
                     f"global_batch_size {self.global_batch_size} must be a multiple of "
                     f"micro_batch_size × num_workers = {per_step}"
                     + (f" (for every worker count in {list(self.num_workers)})" if low != high else ""))
-        if self.objective == "grpo" and self.global_batch_size % self.num_generations:
-            raise ValueError(f"train stage '{self.name}': global_batch_size {self.global_batch_size} counts "
-                             f"completions and must be a multiple of num_generations {self.num_generations}")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
+        return self
+
+
+class PretrainStage(TrainStageConfig):
+    """Causal language modelling on the packed corpus (the pack stage's output)."""
+    objective: Literal["pretrain"]
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    document_masking: bool = Field(
+        True, description="positions restart at each document in a packed sequence and attention stays within the "
+        "document")
+    curriculum: CurriculumConfig | None = Field(
+        None, description="scheduled source mix; default: every packed sequence equally likely")
+
+
+class _DatasetStage(TrainStageConfig):
+    dataset: str = Field(..., description="jsonl file or folder, relative to the recipe")
+    seq_len: int | None = Field(None, ge=8, description="longest sequence (packed row for sft, prompt + answer "
+                                "otherwise; longer ones keep their start); default model.max_position_embeddings")
+
+    @property
+    def data_path(self) -> str:
+        return self.dataset
+
+    @property
+    def sequence_length(self) -> int | None:
+        return self.seq_len
+
+
+class SFTStage(_DatasetStage):
+    """Supervised fine-tuning on conversations ({messages: [{role, content}]}), loss on the assistant's tokens."""
+    objective: Literal["sft"]
+    lr: float = Field(2e-5, gt=0, description="peak learning rate (TRL's SFT default)")
+
+
+class _SampledStage(_DatasetStage):
+    """Stages that sample completions from the model through a vLLM rollout engine and score them."""
+    rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="rule-based rewards by name "
+                               "(format, exact_answer, has_number) or module:function(completion, task) -> float")
+    reward_weights: list[float] | None = Field(None, description="weight of each reward (default all 1)")
+    num_generations: int = Field(4, ge=2, description="completions sampled per prompt (the group)")
+    max_completion_length: int = Field(64, ge=1, description="most tokens sampled per completion")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the vLLM rollout engine "
+                                   "(max_model_len is the stage's seq_len)")
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> _SampledStage:
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"train stage '{self.name}': {len(self.reward_weights)} reward_weights for "
                              f"{len(self.rewards)} rewards")
-        if self.warmup_steps > self.steps:
-            raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
-        if self.objective in ("sft", "dpo", "grpo") and not self.dataset:
-            kind = {"sft": "conversations", "dpo": "preference pairs", "grpo": "tasks"}[self.objective]
-            raise ValueError(f"train stage '{self.name}': objective {self.objective} needs a dataset ({kind} jsonl)")
         return self
+
+
+SAMPLING_FIELDS = frozenset(_SampledStage.model_fields) - frozenset(_DatasetStage.model_fields)
+
+
+class DPOStage(_SampledStage):
+    """Direct preference optimization: on {prompt, chosen, rejected} pairs, or (on_policy) on pairs the stage's
+    initial model makes from task prompts, ranked by the rewards."""
+    objective: Literal["dpo"]
+    lr: float = Field(1e-6, gt=0, description="peak learning rate (TRL's DPO default)")
+    beta: float = Field(0.1, gt=0, description="strength of the pull towards the reference model")
+    on_policy: bool = Field(False, description="make the pairs with the stage's initial model (AMALIA): dataset = "
+                            "tasks; num_generations candidates per prompt sampled by the rollout engine, ranked by the "
+                            "rewards (best = chosen, worst = rejected)")
+
+    @model_validator(mode="after")
+    def _sampling_needs_on_policy(self) -> DPOStage:
+        given = sorted(f for f in SAMPLING_FIELDS if getattr(self, f) != DPOStage.model_fields[f].get_default(
+            call_default_factory=True))
+        if not self.on_policy and given:
+            raise ValueError(f"train stage '{self.name}': {', '.join(given)} apply to on-policy dpo only (the pairs "
+                             "are sampled); set on_policy: true, or remove them")
+        return self
+
+
+class GRPOStage(_SampledStage):
+    """Group relative policy optimization (DeepSeek-R1) on task prompts with rule-based rewards."""
+    objective: Literal["grpo"]
+    lr: float = Field(1e-6, gt=0, description="peak learning rate (TRL's GRPO default)")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL penalty to the initial model (0: none, no "
+                           "reference model held)")
+
+    @model_validator(mode="after")
+    def _groups_divide(self) -> GRPOStage:
+        if self.global_batch_size % self.num_generations:
+            raise ValueError(f"train stage '{self.name}': global_batch_size {self.global_batch_size} counts "
+                             f"completions and must be a multiple of num_generations {self.num_generations}")
+        return self
+
+
+TrainStage = Annotated[PretrainStage | SFTStage | DPOStage | GRPOStage, Field(discriminator="objective")]
+STAGE_TYPES: dict[str, type[TrainStageConfig]] = {
+    "pretrain": PretrainStage, "sft": SFTStage, "dpo": DPOStage, "grpo": GRPOStage}
+
+
+def train_stage(fields: dict[str, Any]) -> TrainStageConfig:
+    """A training stage from its fields, as the recipe's `train` list validates it (by `objective`)."""
+    return TypeAdapter(TrainStage).validate_python(fields)
 
 
 class ServeConfig(Strict):
@@ -568,7 +643,7 @@ class Recipe(Strict):
     tokenizer: TokenizerConfig = TokenizerConfig()
     pack: PackConfig = PackConfig()
     model: ModelConfig = ModelConfig()
-    train: Annotated[list[TrainStageConfig], Field(min_length=1)]
+    train: Annotated[list[TrainStage], Field(min_length=1)]
     serve: ServeConfig = ServeConfig()
     eval: EvalConfig = EvalConfig()
     plan: PlanConfig = PlanConfig()
@@ -608,7 +683,8 @@ class Recipe(Strict):
                     raise ValueError(f"train stage '{stage.name}': proxy.model does not make a valid model: {e}") from None
         sources = {s.name for s in self.data.sources}
         for stage in self.train:
-            for phase in (stage.curriculum.phases if stage.curriculum else []):
+            curriculum = stage.curriculum if isinstance(stage, PretrainStage) else None
+            for phase in (curriculum.phases if curriculum else []):
                 if unknown := set(phase.weights) - sources:
                     raise ValueError(f"train stage '{stage.name}': curriculum names unknown source(s) "
                                      f"{sorted(unknown)}; data.sources are {sorted(sources)}")

@@ -8,9 +8,3 @@ class AmaliaError(Exception):
 class RecipeError(AmaliaError):
     """The recipe file is missing, not YAML, or does not validate."""
 
-
-class NotImplementedYet(AmaliaError):
-    """A capability that is not built yet, said as such (exit code 3)."""
-
-    def __init__(self, what: str):
-        super().__init__(f"{what} is not implemented yet")

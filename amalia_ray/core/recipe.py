@@ -11,8 +11,10 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from amalia_ray.core.config import Recipe
+from amalia_ray.core.config import DPOStage, GRPOStage, PretrainStage, Recipe
 from amalia_ray.core.errors import RecipeError
+from amalia_ray.core.rewards import get_reward
+from amalia_ray.core.shards import load_hook
 
 @dataclass(frozen=True)
 class LoadedRecipe:
@@ -53,38 +55,54 @@ def _line_index(text: str) -> dict[tuple, int]:
     return index
 
 
-def _model_at(path: tuple) -> type[BaseModel] | None:
-    """The pydantic model that owns the field at `path` (for listing allowed fields)."""
-    model: typing.Any = Recipe
-    for key in path:
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds: itself, a list's items, an Optional's or a union's members."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) or () for m in _models_in(arg)]
+
+
+def _tagged(models: list[type[BaseModel]], tag) -> type[BaseModel] | None:
+    """The member of a discriminated union whose literal field (e.g. `objective`) takes the value `tag`."""
+    for model in models:
+        for field in model.model_fields.values():
+            if typing.get_origin(field.annotation) is typing.Literal and tag in typing.get_args(field.annotation):
+                return model
+    return None
+
+
+def _resolve(loc: tuple) -> tuple[tuple, type[BaseModel] | None]:
+    """A pydantic error location as a YAML path (without the union tags pydantic inserts, e.g. train[1].sft.lr ->
+    train[1].lr), and the model that owns the field at its end."""
+    path: list = []
+    models: list[type[BaseModel]] = [Recipe]
+    owner = None
+    for key in loc:
         if isinstance(key, int):
+            path.append(key)
             continue
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or key not in model.model_fields:
-            return None
-        model = _unwrap(model.model_fields[key].annotation)
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
-
-
-def _unwrap(annotation):
-    for arg in typing.get_args(annotation) or ():
-        inner = _unwrap(arg)
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
-            return inner
-    return annotation
+        if len(models) > 1 and (member := _tagged(models, key)):
+            models = [member]
+            continue
+        owner = models[0] if len(models) == 1 else None
+        path.append(key)
+        models = _models_in(owner.model_fields[key].annotation) if owner and key in owner.model_fields else []
+    return tuple(path), owner
 
 
 def format_validation_error(err: ValidationError, source: str, lines: dict[tuple, int]) -> str:
     messages = []
     for e in err.errors():
-        loc = tuple(e["loc"])
+        loc, owner = _resolve(tuple(e["loc"]))
         dotted = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[") or "<root>"
         line = next((lines[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in lines), None)
         where = f"{source}:{line}" if line else source
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            owner = _model_at(loc[:-1])
             allowed = ", ".join(f.alias or name for name, f in owner.model_fields.items()) if owner else "?"
-            msg = f"unknown field '{loc[-1]}' (allowed: {allowed})"
+            kind = f" of a {owner.model_fields['objective'].annotation.__args__[0]} stage" if (
+                owner and "objective" in owner.model_fields) else ""
+            msg = f"unknown field '{loc[-1]}'{kind} (allowed: {allowed})"
         elif e["type"] == "missing":
             msg = "required field is missing"
         messages.append(f"{where}: {dotted}: {msg}")
@@ -104,7 +122,37 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(format_validation_error(e, source, _line_index(text))) from None
+    check_named_code(recipe, source, _line_index(text))
     return recipe
+
+
+def check_named_code(recipe: Recipe, source: str, lines: dict[tuple, int]) -> None:
+    """Rewards and curriculum hooks named by the recipe exist and import here, before any stage starts (not in a
+    Ray worker an hour later)."""
+    problems = []
+    for i, stage in enumerate(recipe.train):
+        sampled = isinstance(stage, GRPOStage) or (isinstance(stage, DPOStage) and stage.on_policy)
+        for j, name in enumerate(stage.rewards if sampled else ()):
+            try:
+                if not callable(get_reward(name)):
+                    raise ValueError(f"reward '{name}' is not a function")
+            except ValueError as e:
+                problems.append((("train", i, "rewards", j), str(e)))
+        hook = stage.curriculum.hook if isinstance(stage, PretrainStage) and stage.curriculum else None
+        if hook:
+            try:
+                if not callable(load_hook(hook)):
+                    raise ValueError(f"curriculum hook '{hook}' is not a function")
+            except (ImportError, AttributeError, ValueError) as e:
+                problems.append((("train", i, "curriculum", "hook"), f"curriculum hook '{hook}' cannot be "
+                                 f"imported: {e}" if not isinstance(e, ValueError) else str(e)))
+    if problems:
+        messages = []
+        for path, message in problems:
+            line = next((lines[path[:n]] for n in range(len(path), -1, -1) if path[:n] in lines), None)
+            dotted = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in path).replace(".[", "[")
+            messages.append(f"{source}:{line}: {dotted}: {message}" if line else f"{source}: {dotted}: {message}")
+        raise RecipeError("invalid recipe: " + "; ".join(messages))
 
 
 def load_recipe(path: str | Path) -> LoadedRecipe:

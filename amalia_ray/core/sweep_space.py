@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from amalia_ray.core.config import Strict, TrainStageConfig
+from amalia_ray.core.config import Strict, TrainStageConfig, train_stage
 from amalia_ray.core.errors import AmaliaError
 
 # never swept: they name or wire the stage rather than tune it
@@ -102,13 +102,14 @@ class SweepSpace(Strict):
             if name.startswith(MIX):
                 _check_mix(name, param, stage, sources)
                 continue
-            if name not in TrainStageConfig.model_fields or name in FIXED_FIELDS:
-                tunable = sorted(set(TrainStageConfig.model_fields) - FIXED_FIELDS)
+            fields = type(stage).model_fields
+            if name not in fields or name in FIXED_FIELDS:
+                tunable = sorted(set(fields) - FIXED_FIELDS)
                 raise AmaliaError(f"parameters.{name}: not a tunable field of train stage '{stage.name}'; "
                                   f"tunable: {', '.join(tunable)}")
             for value in param.edges():
                 try:
-                    TrainStageConfig.model_validate({**stage.model_dump(), name: value})
+                    train_stage({**stage.model_dump(), name: value})
                 except ValidationError as e:
                     problem = "; ".join(f"{'.'.join(map(str, err['loc'])) or name}: {err['msg']}" for err in e.errors())
                     raise AmaliaError(f"parameters.{name}: value {value!r} does not fit train stage "

@@ -8,8 +8,6 @@ import json
 import os
 import re
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from amalia_ray.core.accounting import stage_cost, total_cost
@@ -21,20 +19,11 @@ from amalia_ray.core.filesystem import RunStore
 from amalia_ray.core.manifest import Manifest, Stopwatch, code_version, now_iso
 from amalia_ray.core.recipe import LoadedRecipe, config_hash
 from amalia_ray.core.storage import hash_path
+from amalia_ray.pipeline import stages
+from amalia_ray.pipeline.report import write_report
+from amalia_ray.pipeline.spec import StageSpec
 
 DATA_STAGES = ("data", "tokenizer", "pack")
-
-
-@dataclass
-class StageSpec:
-    name: str
-    config: list  # recipe sections (or plain values) whose change must rerun the stage
-    inputs: dict[str, Path]
-    outputs: dict[str, Path]
-    body: Callable[[], dict]  # does the work, returns metrics
-    resources: dict  # what the stage asks for, as recorded in the manifest
-    held: Callable[[dict], dict[str, float]] = lambda metrics: {}  # devices held (by resource), from the metrics
-    tokens: Callable[[dict], int | None] = lambda metrics: None  # tokens processed, from the metrics
 
 
 class Pipeline:
@@ -164,8 +153,6 @@ class Pipeline:
     def run(self, until: str | None = None, only: list[str] | None = None) -> Path:
         """Run every stage up to and including `until` (all by default), or just the stages in `only` (their
         inputs must exist already: a per-stage job on a cluster), then write the report."""
-        from amalia_ray.pipeline import stages
-
         names = self.stage_names()
         for name in [until, *(only or [])]:
             if name and name not in names:
@@ -182,8 +169,6 @@ class Pipeline:
             for spec in stages.build(self, names[: stop_at + 1]):
                 if spec.name in selected:
                     self.execute(spec)
-        from amalia_ray.pipeline.report import write_report
-
         report = write_report(self.run_dir, self.manifest)
         if self.store:
             for f in [report, self.run_dir / "recipe.yaml", *self.run_dir.glob("*.png")]:

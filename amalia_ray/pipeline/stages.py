@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from amalia_ray.cluster.local import cluster_has_gpu, ray_session
 from amalia_ray.core import hf_model
@@ -14,23 +13,21 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data import stage as data_stage
 from amalia_ray.evals.runner import metrics_of, run_task
 from amalia_ray.evals.tasks import load_task
+from amalia_ray.pipeline.spec import RunContext, StageSpec
 from amalia_ray.serve import app as serve_app
 from amalia_ray.train.model import check_config
 from amalia_ray.train.stage import run_train_stage
 
-if TYPE_CHECKING:
-    from amalia_ray.pipeline.runner import Pipeline, StageSpec
 
-
-def preflight(p: Pipeline, needs_serving: bool) -> None:
+def preflight(p: RunContext, needs_serving: bool) -> None:
     """Everything that can be checked before any work starts, so a bad path fails in a second, not after training."""
     r = p.recipe
     if p.store:
         p.store.check()
     data_stage.input_files(r.data, p.loaded.resolve)
     for stage in r.train:
-        if stage.dataset and not p.loaded.resolve(stage.dataset).exists():
-            raise AmaliaError(f"train stage '{stage.name}': dataset not found: {p.loaded.resolve(stage.dataset)}")
+        if stage.data_path and not p.loaded.resolve(stage.data_path).exists():
+            raise AmaliaError(f"train stage '{stage.name}': dataset not found: {p.loaded.resolve(stage.data_path)}")
     for i, task in enumerate(r.eval.tasks):
         path = p.loaded.resolve(task.path)
         if not path.is_file():
@@ -59,14 +56,14 @@ def check_base_model(recipe, resolve) -> dict:
     config = hf_model.recipe_config(m, resolve)
     limit = check_config(config, m.trust_remote_code, source).max_position_embeddings
     lengths = {"pack.seq_len": recipe.pack.seq_len,
-               **{f"train stage '{s.name}' seq_len": s.seq_len for s in recipe.train if s.seq_len}}
+               **{f"train stage '{s.name}' seq_len": s.sequence_length for s in recipe.train if s.sequence_length}}
     if too_long := {k: v for k, v in lengths.items() if v > limit}:
         raise AmaliaError(f"{', '.join(f'{k} {v}' for k, v in too_long.items())} exceed(s) the base model's "
                           f"max_position_embeddings {limit}: shorten them, or extend the context (model.rope_scaling)")
     return config
 
 
-def base_model_dir(p: Pipeline) -> Path | None:
+def base_model_dir(p: RunContext) -> Path | None:
     """The base model's local folder (fetched into the Hugging Face cache the first time), None for a new model."""
     m = hf_model.anchored(p.recipe.model, p.loaded.resolve)
     if not m.base:
@@ -76,7 +73,7 @@ def base_model_dir(p: Pipeline) -> Path | None:
     return p._base_dir
 
 
-def starting_checkpoint(p: Pipeline, index: int) -> Path | None:
+def starting_checkpoint(p: RunContext, index: int) -> Path | None:
     """What train stage `index` starts from: the previous stage's export, the base model for the first stage, or
     nothing (random weights: init_from scratch, or the first stage of a new model)."""
     stage = p.recipe.train[index]
@@ -103,21 +100,19 @@ def logical_cpus_needed(r) -> int:
 
 
 @contextmanager
-def cluster(p: Pipeline):
+def cluster(p: RunContext):
     with ray_session(p.recipe.resources.address, p.recipe.resources.num_cpus, logical_cpus_needed(p.recipe)) as info:
         p.cluster_info = info
         yield info
 
 
-def use_gpu(p: Pipeline) -> bool:
+def use_gpu(p: RunContext) -> bool:
     device = p.recipe.resources.device
     return device == "cuda" or (device == "auto" and cluster_has_gpu())
 
 
-def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
+def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
     """Yields stage specs lazily: a later stage's inputs (e.g. a checkpoint) exist only once earlier ones ran."""
-    from amalia_ray.pipeline.runner import StageSpec
-
     r, d = p.recipe, p.stage_dir
     cpus = {"CPU": p.cluster_info["resources"].get("CPU", 0)}
     cluster_cpus = {"CPU": p.cluster_info["billable_cpus"]}  # Ray Data spreads over the whole cluster
@@ -149,7 +144,7 @@ def build(p: Pipeline, names: list[str]) -> Iterator[StageSpec]:
         if stage.name not in names:
             break
         init = starting_checkpoint(p, index)
-        data = {"dataset": p.loaded.resolve(stage.dataset)} if stage.dataset else {"packed": d("pack")}
+        data = {"dataset": p.loaded.resolve(stage.data_path)} if stage.data_path else {"packed": d("pack")}
         inputs, named = by_content(
             {**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})})
         gpu = use_gpu(p)
@@ -183,13 +178,13 @@ def _train_held(stage, gpu: bool, billable_cpus: float):
     return held
 
 
-def _train_body(p: Pipeline, stage, init: Path | None, gpu: bool):
+def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
     def body() -> dict:
         # same fingerprint -> same Ray Train run name -> Ray resumes from that run's latest checkpoint
         fingerprint = p.manifest.stage(stage.name).fingerprint
         return run_train_stage(
             stage, p.recipe.model,
-            data_dir=p.loaded.resolve(stage.dataset) if stage.dataset else p.stage_dir("pack"),
+            data_dir=p.loaded.resolve(stage.data_path) if stage.data_path else p.stage_dir("pack"),
             tokenizer_dir=p.stage_dir("tokenizer"),
             init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
             ray_run_name=f"{stage.name}-{fingerprint}",
@@ -199,7 +194,7 @@ def _train_body(p: Pipeline, stage, init: Path | None, gpu: bool):
     return body
 
 
-def _serve_and_evaluate(p: Pipeline, models: dict[str, Path]) -> dict:
+def _serve_and_evaluate(p: RunContext, models: dict[str, Path]) -> dict:
     """Serve every trained checkpoint side by side, score each task on each over HTTP, then stop serving."""
     r = p.recipe
     base_url = serve_app.start(models, r.serve, use_gpu(p))

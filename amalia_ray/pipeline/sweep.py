@@ -14,12 +14,12 @@ import hashlib
 import json
 from pathlib import Path
 
-from amalia_ray.core.config import ModelConfig, TrainStageConfig
+from amalia_ray.core.config import ModelConfig, TrainStageConfig, train_stage
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.storage import write_json
 from amalia_ray.core.sweep_space import MIX, SweepSpace
-from amalia_ray.pipeline.runner import Pipeline
+from amalia_ray.pipeline.spec import RunContext
 
 
 _COMMON = {"loss", "grad_norm", "tokens_per_s", "mfu"}
@@ -37,7 +37,7 @@ def proxy_stage(stage: TrainStageConfig) -> TrainStageConfig:
     `validate_every` steps, no retries (a failed trial is a result)."""
     proxy = stage.proxy
     steps = proxy.steps or stage.steps
-    return TrainStageConfig.model_validate({
+    return train_stage({
         **stage.model_dump(), "steps": steps, "num_workers": proxy.num_workers or stage.worker_range[0],
         "checkpoint_every": proxy.validate_every, "log_every": proxy.validate_every, "checkpoints_to_keep": 1,
         "warmup_steps": round(stage.warmup_steps * steps / stage.steps), "max_failures": 0,
@@ -54,7 +54,7 @@ def trial_stage_of(base: dict, config: dict, mix: dict[str, float] | None) -> Tr
     fields = {k: v for k, v in config.items() if not k.startswith(MIX)}
     if mix is not None:
         fields["curriculum"] = {"phases": [{"until_tokens": None, "weights": mix}]}
-    return TrainStageConfig.model_validate({**base, **fields})
+    return train_stage({**base, **fields})
 
 
 def _trial(config: dict, *, base: dict, model: dict, data_dir: str, tokenizer_dir: str, init_hf_dir: str | None,
@@ -74,7 +74,7 @@ def _trial(config: dict, *, base: dict, model: dict, data_dir: str, tokenizer_di
                     hf_config=hf_config, callbacks=[TuneReportCallback()], progress=False)
 
 
-def run_sweep(p: Pipeline, stage_name: str, space: SweepSpace) -> Path:
+def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
     from amalia_ray.pipeline import stages
 
     r = p.recipe
@@ -89,7 +89,7 @@ def run_sweep(p: Pipeline, stage_name: str, space: SweepSpace) -> Path:
     for name, param in space.parameters.items():  # the proxy's fixed values may clash with a swept one
         for value in param.edges() if not name.startswith(MIX) else []:
             try:
-                TrainStageConfig.model_validate({**trial_stage.model_dump(), name: value})
+                train_stage({**trial_stage.model_dump(), name: value})
             except ValueError as e:
                 raise AmaliaError(f"parameters.{name}: value {value!r} does not fit the proxy of train stage "
                                   f"'{stage_name}': {e}") from None
@@ -117,7 +117,7 @@ def run_sweep(p: Pipeline, stage_name: str, space: SweepSpace) -> Path:
         trainable = functools.partial(
             _trial, base=trial_stage.model_dump(mode="json"),
             model=model.model_dump(mode="json", by_alias=True, exclude_unset=True),
-            data_dir=str(p.loaded.resolve(stage.dataset) if stage.dataset else p.stage_dir("pack")),
+            data_dir=str(p.loaded.resolve(stage.data_path) if stage.data_path else p.stage_dir("pack")),
             tokenizer_dir=str(p.stage_dir("tokenizer")),
             init_hf_dir=str(init) if (init := stages.starting_checkpoint(p, index)) else None,
             trials_dir=str(out / "trials"), seed=r.run.seed,
@@ -170,7 +170,7 @@ def _fit(trainable, space: SweepSpace, stage: TrainStageConfig, out: Path, cpus:
     return tuner.fit()
 
 
-def _summarize(results, space: SweepSpace, stage, trial_stage, p: Pipeline, out: Path) -> dict:
+def _summarize(results, space: SweepSpace, stage, trial_stage, p: RunContext, out: Path) -> dict:
     sign = 1 if space.mode == "min" else -1
     trials = []
     for result in results:
@@ -203,7 +203,7 @@ def _summarize(results, space: SweepSpace, stage, trial_stage, p: Pipeline, out:
     }
 
 
-def _benchmark(p: Pipeline, summary: dict, task, top: int, out: Path) -> None:
+def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path) -> None:
     """Serve the best finished trials' exports side by side and score each on the task over HTTP."""
     from amalia_ray.evals.runner import metrics_of, run_task
     from amalia_ray.pipeline import stages

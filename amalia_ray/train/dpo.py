@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from amalia_ray.core.shards import MixtureSampler, one_block
 from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.train.completions import pad_completions, token_logps
+from amalia_ray.train.objective import Objective
 
 log = logging.getLogger("amalia_ray.train")
 
@@ -97,7 +98,7 @@ def sequence_logps(model, batch: dict) -> torch.Tensor:
     return (token_logps(model, batch) * batch["completion_mask"][:, 1:]).sum(dim=1)
 
 
-class DPO:
+class DPO(Objective):
     """Direct preference optimization (sigmoid loss with β) on {prompt, chosen, rejected} pairs. The reference
     log-probabilities come from their own pass over every pair with the stage's initial weights (TRL's
     `precompute_ref_log_probs`), so no second model is held during training; a resumed attempt recomputes them from

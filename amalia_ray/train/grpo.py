@@ -1,8 +1,9 @@
 """GRPO (DeepSeek-R1): for each prompt, G completions sampled by the rollout engine (vLLM) with the current weights,
-scored by rule-based rewards, advantages normalized within each prompt's group, clipped-ratio policy loss with an
-optional k3 KL penalty to the initial model. Losses are averaged over every completion token of the step (TRL's
-default `dapo` normalization); one optimizer step per rollout, so the old policy is the current one (TRL's
-`num_iterations=1`)."""
+scored by rule-based rewards, advantages normalized within each prompt's group, policy-gradient loss with an optional
+k3 KL penalty to the initial model. Losses are averaged over every completion token of the step (TRL's default `dapo`
+normalization). One optimizer step per rollout (TRL's `num_iterations=1`): the sampling policy is the one being
+updated, so the policy ratio is 1 and PPO's clip never acts; it is left out rather than offered as a setting that
+changes nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from amalia_ray.core.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
 from amalia_ray.core.rewards import get_reward
 from amalia_ray.core.config import RolloutConfig
+from amalia_ray.train.objective import Objective
 from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, read_tasks, sample_and_score
 
 log = logging.getLogger("amalia_ray.train")
@@ -31,12 +33,12 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: bool = True) -> t
     return advantages.reshape(-1)
 
 
-def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon: float,
-                        ref_logps: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, ...]:
-    """Per-token loss -min(r·A, clip(r, 1-ε, 1+ε)·A) (+ kl_coef · k3 KL to the reference), and the per-token KL."""
-    ratio = torch.exp(logps - old_logps)
-    adv = advantages.unsqueeze(1)
-    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
+def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None = None,
+                kl_coef: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """Per-token loss -r·A with r = exp(logp - logp.detach()) (1 in value, ∇log p in gradient, as TRL writes it)
+    (+ kl_coef · k3 KL to the reference), and the per-token KL."""
+    ratio = torch.exp(logps - logps.detach())
+    loss = -ratio * advantages.unsqueeze(1)
     kl = None
     if ref_logps is not None:
         delta = ref_logps - logps
@@ -45,7 +47,7 @@ def clipped_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages
     return loss, kl
 
 
-class GRPO:
+class GRPO(Objective):
     name = "grpo"
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: dict, work_dir: Path,
@@ -57,7 +59,7 @@ class GRPO:
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.seq_len = seq_len
         self.G, self.max_new = stage["num_generations"], stage["max_completion_length"]
-        self.temperature, self.epsilon, self.kl_coef = stage["temperature"], stage["clip_epsilon"], stage["kl_coef"]
+        self.temperature, self.kl_coef = stage["temperature"], stage["kl_coef"]
         self.engine_config = stage["rollout"]
         self.engine_dtype = getattr(torch, RolloutConfig.model_validate(self.engine_config).resolved_dtype(use_gpu))
         self.sequences = stage["global_batch_size"]
@@ -100,6 +102,10 @@ class GRPO:
         if self.kl_coef > 0:
             self.reference = frozen_copy(self.work_dir / "rollout-init")
 
+    def step_rows(self, model, sampler: MixtureSampler, global_batch_size: int) -> np.ndarray:
+        """The step's rows are completions: global_batch_size / G prompts drawn, G completions sampled for each."""
+        return self.rollout(model, sampler.next_rows(global_batch_size // self.G))
+
     def rollout(self, model, prompt_rows: np.ndarray) -> np.ndarray:
         """Push the current weights to the engine, sample G completions per prompt, score and normalize within each
         group; every rank gets the same completions. Returns the rows (completions) of this step."""
@@ -137,8 +143,7 @@ class GRPO:
             with torch.no_grad():
                 ref = token_logps(self.reference, batch)
             self.reference.reshard()  # FSDP2 keeps the root module gathered after a forward without backward
-        per_token, kl = clipped_policy_loss(logps, logps.detach(), batch["advantages"], self.epsilon, ref,
-                                            self.kl_coef)
+        per_token, kl = policy_loss(logps, batch["advantages"], ref, self.kl_coef)
         if kl is not None:
             self._kl = [self._kl[0] + (kl * mask).sum().item(), self._kl[1] + int(mask.sum())]
         return (per_token * mask).sum(), int(mask.sum())

@@ -69,7 +69,7 @@ def validation_losses(model, objective, micro: int, rank: int, world: int,
     n = objective.num_validation()
     if n == 0:
         return None, {}
-    groups = objective.validation_groups() if hasattr(objective, "validation_groups") else {"": np.arange(n)}
+    groups = objective.validation_groups()
     model.eval()
     sums: list[float] = []
     for rows_of_group in groups.values():
@@ -125,8 +125,7 @@ def train_loop(config: dict) -> None:
                      seed=config["seed"], trust_remote_code=remote_code)
         return copy.requires_grad_(False).eval()
 
-    if hasattr(objective, "prepare"):  # on the initial weights, before a checkpoint replaces them
-        objective.prepare(model, micro, rank, world, device, frozen_copy=frozen_copy)
+    objective.prepare(model, micro, rank, world, device, frozen_copy)  # before a checkpoint replaces the weights
     sampler = objective.sampler(seed, stage.get("curriculum"))
     start_step = 0
     resumed = ray.train.get_checkpoint()
@@ -161,17 +160,14 @@ def train_loop(config: dict) -> None:
                    schedule=stage["schedule"], min_ratio=stage["min_lr_ratio"], decay_fraction=stage["decay_fraction"])
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if hasattr(objective, "rollout"):  # on-policy: this step's sequences are sampled now, from these prompts
-            rows = objective.rollout(model, sampler.next_rows(gbs // objective.G))
-        else:
-            rows = sampler.next_rows(gbs)
+        rows = objective.step_rows(model, sampler, gbs)
         loss_sum, items, tokens = 0.0, 0, 0
         for micro_rows in local_micro_batches(rows, micro, rank, world):
             batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}
             micro_loss, n = objective.loss(model, batch)
             micro_loss.backward()
             loss_sum, items, tokens = loss_sum + micro_loss.item(), items + n, tokens + _tokens_in(batch)
-        extra = objective.take_metrics() if hasattr(objective, "take_metrics") else {}  # name: (sum, count)
+        extra = objective.take_metrics()  # name: (sum, count)
         global_loss, global_items, global_tokens, *extra_sums = _all_reduce_sum(
             loss_sum, items, tokens, *(x for pair in extra.values() for x in pair))
         # FSDP averages gradients over ranks; rescale so they are the mean over every item (token, pair) of the step

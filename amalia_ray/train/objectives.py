@@ -1,10 +1,5 @@
-"""Objectives plug into the one training loop: how a batch is built from the stage's data, and what the loss is.
-
-`loss` returns (sum of per-item losses, number of items: target tokens, or pairs for DPO) so the loop can normalize
-over the whole global batch, however it is split into micro-batches and workers. Optional hooks: `prepare(model,
-micro, rank, world, device)` runs once on the initial weights before a checkpoint is restored (DPO's reference pass);
-`take_metrics()` returns sums over the items counted since the last call (the loop averages them over the step).
-"""
+"""The objectives the one training loop runs (the interface is `train/objective.py`): packed pretraining and SFT
+here, DPO and GRPO in their own files; `build_objective` picks one by the stage's `objective`."""
 
 from __future__ import annotations
 
@@ -15,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from amalia_ray.core.errors import NotImplementedYet
 from amalia_ray.core.shards import (MixtureSampler, PackedSplit, document_positions, load_hook, one_block,
                                     phase_schedule)
 from amalia_ray.core.storage import jsonl_rows
@@ -23,9 +17,10 @@ from amalia_ray.train.chat import encode_conversation, pack_conversations
 from amalia_ray.train.dpo import DPO
 from amalia_ray.train.loss import next_token_loss
 from amalia_ray.train.grpo import GRPO
+from amalia_ray.train.objective import Objective
 
 
-class Pretrain:
+class Pretrain(Objective):
     """Packed causal LM over fixed-length token sequences (documents joined by EOS), sources mixed by a sampler."""
 
     name = "pretrain"
@@ -67,7 +62,7 @@ class Pretrain:
         return next_token_loss(self.logits(model, batch), ids)
 
 
-class SFT:
+class SFT(Objective):
     """Supervised fine-tuning on conversations (jsonl rows with `messages`): rendered with the tokenizer's chat
     template, loss on assistant tokens only, conversations packed best-fit-decreasing into `seq_len` rows with
     positions restarting per conversation (so attention stays within one)."""
@@ -116,14 +111,9 @@ def read_conversations(path: Path) -> list[list[dict]]:
     return out
 
 
-OBJECTIVES = {"pretrain": Pretrain, "sft": SFT, "dpo": DPO, "grpo": GRPO}
-
-
 def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = None, seq_len: int | None = None,
-                    work_dir: Path | None = None, seed: int = 0, use_gpu: bool = False):
-    name = stage["objective"]
-    if name not in OBJECTIVES:
-        raise NotImplementedYet(f"training objective '{name}'")
+                    work_dir: Path | None = None, seed: int = 0, use_gpu: bool = False) -> Objective:
+    name = stage["objective"]  # one of these four: the recipe's stage models allow no other
     if name == "sft":
         return SFT(data_dir, tokenizer_dir, seq_len)
     if name == "dpo" and stage.get("on_policy"):

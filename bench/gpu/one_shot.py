@@ -46,7 +46,7 @@ def make_model(folder: Path, on_cpu: bool) -> Path:
 
 
 def sft(base: Path, work: Path, on_cpu: bool) -> dict:
-    from amalia_ray.core.config import ModelConfig, TrainStageConfig
+    from amalia_ray.core.config import ModelConfig, SFTStage
     from amalia_ray.data.conversations import write_faq_conversations
     from amalia_ray.train.stage import run_train_stage
     from tests.base_models import FAQ
@@ -54,11 +54,11 @@ def sft(base: Path, work: Path, on_cpu: bool) -> dict:
     chats = work / "faq-chat.jsonl"
     write_faq_conversations(FAQ, chats)
     steps = 5 if on_cpu else 50
-    stage = TrainStageConfig(name="sft", objective="sft", dataset=str(chats), steps=steps,
-                             seq_len=256 if on_cpu else 2048, global_batch_size=8 if on_cpu else 32,
-                             micro_batch_size=4, num_workers=2, warmup_steps=2, lr=1e-5, checkpoint_every=steps,
-                             log_every=1, activation_checkpointing=not on_cpu,
-                             precision="fp32" if on_cpu else "bf16")
+    stage = SFTStage(name="sft", objective="sft", dataset=str(chats), steps=steps,
+                     seq_len=256 if on_cpu else 2048, global_batch_size=8 if on_cpu else 32,
+                     micro_batch_size=4, num_workers=2, warmup_steps=2, lr=1e-5, checkpoint_every=steps,
+                     log_every=1, activation_checkpointing=not on_cpu,
+                     precision="fp32" if on_cpu else "bf16")
     started = time.monotonic()
     run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=chats, tokenizer_dir=base,
                     init_hf_dir=base, base_dir=base, stage_dir=work / "sft", ray_run_name="one-shot-sft", seed=0,
@@ -72,20 +72,20 @@ def sft(base: Path, work: Path, on_cpu: bool) -> dict:
 
 
 def grpo(base: Path, work: Path, on_cpu: bool) -> dict:
-    from amalia_ray.core.config import ModelConfig, TrainStageConfig
+    from amalia_ray.core.config import GRPOStage, ModelConfig
     from amalia_ray.data.conversations import write_jsonl
     from amalia_ray.data.tasks import arithmetic_tasks
     from amalia_ray.train.stage import run_train_stage
 
     tasks = work / "arithmetic.jsonl"
     write_jsonl(arithmetic_tasks(64, seed=0), tasks)
-    stage = TrainStageConfig(name="grpo", objective="grpo", dataset=str(tasks), steps=5, seq_len=256,
-                             global_batch_size=8, micro_batch_size=4, num_workers=1 if on_cpu else 2, warmup_steps=0,
-                             lr=1e-6,
-                             checkpoint_every=5, log_every=1, num_generations=4, max_completion_length=32,
-                             kl_coef=0.05, rewards=["format", "exact_answer", "has_number"],
-                             reward_weights=[1.0, 1.0, 0.2],  # a signal a random model can already earn
-                             precision="fp32" if on_cpu else "bf16")  # the rollout engine's defaults: colocated, sized
+    stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=5, seq_len=256,
+                      global_batch_size=8, micro_batch_size=4, num_workers=1 if on_cpu else 2, warmup_steps=0,
+                      lr=1e-6,
+                      checkpoint_every=5, log_every=1, num_generations=4, max_completion_length=32,
+                      kl_coef=0.05, rewards=["format", "exact_answer", "has_number"],
+                      reward_weights=[1.0, 1.0, 0.2],  # a signal a random model can already earn
+                      precision="fp32" if on_cpu else "bf16")  # the rollout engine's defaults: colocated, sized
     started = time.monotonic()
     run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=tasks, tokenizer_dir=base,
                     init_hf_dir=work / "sft" / "hf", base_dir=base, stage_dir=work / "grpo",

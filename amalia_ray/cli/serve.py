@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from amalia_ray.cli import app, console, guarded
+from amalia_ray.cli.common import app, console, guarded
 
 @app.command()
 @guarded

@@ -1,90 +1,17 @@
-"""`amalia`: the command line. Errors are one clear line; `--debug` shows the traceback."""
+"""The pipeline's commands: run it whole or in part, check a recipe, the data tools, a run's status."""
 
 from __future__ import annotations
 
-import functools
-import importlib
 import json
-import logging
 import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
 
-from amalia_ray.core.console import console, err_console
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Build a language model end to end on Ray: curate, pretrain, post-train, serve, evaluate.")
-STATE = {"debug": False}
-DEFAULT_RECIPE = Path("recipes/demo.yaml")
-
-RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML (default: recipes/demo.yaml)")]
-RunNameOpt = Annotated[str | None, typer.Option("--run-name", help="override run.name: the folder under runs/")]
-ForceOpt = Annotated[bool, typer.Option("--force", help="rerun stages even when unchanged")]
-AddressOpt = Annotated[str | None, typer.Option("--address", help="Ray job server, e.g. http://HEAD:8265 "
-                                              "(else RAY_ADDRESS)")]
-
-
-def guarded(fn):
-    """Turn our errors (and any other failure) into one line on stderr and a non-zero exit."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from amalia_ray.core.errors import AmaliaError, NotImplementedYet
-
-        try:
-            return fn(*args, **kwargs)
-        except typer.Exit:
-            raise
-        except NotImplementedYet as e:
-            _fail(e, code=3)
-        except AmaliaError as e:
-            _fail(e, code=1)
-        except KeyboardInterrupt:
-            err_console.print("interrupted")
-            raise typer.Exit(130) from None
-        except Exception as e:  # noqa: BLE001 - the last line of defence for a CLI
-            _fail(e, code=1, unexpected=True)
-
-    return wrapper
-
-
-def _fail(e: Exception, code: int, unexpected: bool = False) -> None:
-    if STATE["debug"]:
-        raise e
-    from amalia_ray.core.secrets import mask
-
-    message = mask(" ".join(str(e).split())) or type(e).__name__
-    if unexpected:
-        message = f"{type(e).__name__}: {message} (rerun with --debug for the traceback)"
-    err_console.print(f"error: {message}", markup=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-@app.callback()
-def main_options(
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
-    address: Annotated[str | None, typer.Option("--address", help="Ray cluster address (else RAY_ADDRESS, else an "
-                                                "embedded local Ray)")] = None,
-) -> None:
-    STATE["debug"] = debug
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per HTTP request
-    from amalia_ray.core.secrets import install_log_masking, remember
-
-    remember(os.environ.get("AMALIA_API_KEY"))
-    install_log_masking()
-    if address:
-        os.environ["RAY_ADDRESS"] = address
-
-
-def _pipeline(recipe: Path, run_name: str | None, force: bool = False):
-    from amalia_ray.core.recipe import load_recipe
-    from amalia_ray.pipeline.runner import Pipeline
-
-    return Pipeline(load_recipe(recipe), run_name=run_name, force=force)
+from amalia_ray.cli.common import (DEFAULT_RECIPE, AddressOpt, ForceOpt, RecipeArg, RunNameOpt, app, console,
+                                   guarded, pipeline_of)
 
 
 @app.command()
@@ -92,7 +19,7 @@ def _pipeline(recipe: Path, run_name: str | None, force: bool = False):
 def run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False,
         until: Annotated[str | None, typer.Option(help="last stage to run (default: all)")] = None) -> None:
     """Run the whole pipeline: data → tokenizer → pack → training stages → serve + eval → report."""
-    report = _pipeline(recipe, run_name, force).run(until=until)
+    report = pipeline_of(recipe, run_name, force).run(until=until)
     console.print(f"[bold green]done[/]: {report}")
 
 
@@ -131,7 +58,7 @@ app.add_typer(data_app, name="data")
 @guarded
 def data_run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False) -> None:
     """Run the data stages of a recipe: curate, train the tokenizer, tokenize and pack."""
-    _pipeline(recipe, run_name, force).run(until="pack")
+    pipeline_of(recipe, run_name, force).run(until="pack")
 
 
 @data_app.command("dedup")
@@ -260,7 +187,7 @@ def train(
     force: ForceOpt = False,
 ) -> None:
     """Run the training stages (and any data stage whose output is missing or stale)."""
-    p = _pipeline(recipe, run_name, force)
+    p = pipeline_of(recipe, run_name, force)
     p.run(until=stage or p.recipe.train[-1].name)
 
 
@@ -292,18 +219,3 @@ def status(
         table.add_row(n, r.status, f"{r.wall_time_s:.1f}" if r.wall_time_s else "", str(r.attempts),
                       r.finished_at or "", (r.error or "")[:80])
     console.print(table)
-
-
-# the other commands register themselves on `app` when their modules are imported
-for _commands in ("amalia_ray.cli_serve", "amalia_ray.cli_cluster", "amalia_ray.cli_sweep"):
-    importlib.import_module(_commands)
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    from amalia_ray.cli import main as registered_main  # the module itself, with every command on its app
-
-    sys.exit(registered_main())

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from amalia_ray.cli import DEFAULT_RECIPE, RecipeArg, RunNameOpt, _pipeline, app, console, guarded
+from amalia_ray.cli.common import DEFAULT_RECIPE, RecipeArg, RunNameOpt, app, console, guarded, pipeline_of
 
 
 @app.command()
@@ -24,7 +24,7 @@ def sweep(
     from amalia_ray.core.sweep_space import load_space
     from amalia_ray.pipeline.sweep import run_sweep
 
-    out = run_sweep(_pipeline(recipe, run_name), stage, load_space(space))
+    out = run_sweep(pipeline_of(recipe, run_name), stage, load_space(space))
     console.print(f"[bold green]sweep done[/]: {out / 'report.md'} — `amalia promote {out}` to carry the winner "
                   "to the full recipe")
 

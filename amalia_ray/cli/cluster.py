@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from amalia_ray.cli import DEFAULT_RECIPE, AddressOpt, RecipeArg, app, console, guarded
+from amalia_ray.cli.common import DEFAULT_RECIPE, AddressOpt, RecipeArg, app, console, guarded
 
 @app.command()
 @guarded

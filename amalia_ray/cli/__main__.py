@@ -1,0 +1,5 @@
+import sys
+
+from amalia_ray.cli import main
+
+sys.exit(main())
