@@ -49,6 +49,34 @@ def test_every_stage_completes_and_is_recorded(demo_run):
     assert pretrain["placement"] == "PACK" and pretrain["worker_nodes"] == 1 and pretrain["mean_world_size"] == 2
 
 
+def test_mlflow_store_holds_the_run_and_a_nested_run_per_stage(demo_run):
+    """What `mlflow ui --backend-store-uri sqlite:///runs/<name>/mlruns/mlflow.db` shows after the demo run."""
+    from mlflow.tracking import MlflowClient
+
+    from amalia_ray.core.tracking import default_mlflow_uri
+
+    pipeline, report = demo_run
+    client = MlflowClient(tracking_uri=default_mlflow_uri(pipeline.run_dir))
+    experiment = client.get_experiment_by_name(pipeline.run_name)
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    [parent] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][:1]
+    stages = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert list(stages) == ["data", "tokenizer", "pack", "pretrain", "eval"]
+    assert all(r.info.status == "FINISHED" for r in [parent, *stages.values()])
+    assert parent.data.params["train.0.lr"] == str(pipeline.recipe.train[0].lr)
+    pretrain = stages["pretrain"]
+    assert pretrain.data.params["stage.steps"] == str(STEPS) and "model.hidden_size" in pretrain.data.params
+    losses = client.get_metric_history(pretrain.info.run_id, "loss")
+    assert sorted(m.step for m in losses) == list(range(1, STEPS + 1)), "every step's loss"
+    logged = [json.loads(ln)["loss"] for ln in (pipeline.run_dir / "pretrain" / "metrics.jsonl").read_text().splitlines() if ln]
+    assert [m.value for m in sorted(losses, key=lambda m: m.step)] == pytest.approx(logged)
+    assert pretrain.data.metrics["cost.energy_kwh"] > 0 and stages["data"].data.metrics["documents_kept"] > 500
+    scored = {k for k in stages["eval"].data.metrics if k.startswith("results.") and k.endswith(".n")}
+    assert len(scored) == len(pipeline.recipe.eval.tasks), "an item count per task and model, beside its scores"
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"recipe.yaml", report.name} <= artifacts
+
+
 def test_loss_falls_and_checkpoints_are_dcp(demo_run):
     pipeline, _ = demo_run
     history = read_jsonl(pipeline.run_dir / "pretrain" / "metrics.jsonl")

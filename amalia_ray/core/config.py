@@ -636,6 +636,24 @@ class AccountingConfig(Strict):
         return v
 
 
+class WandbConfig(Strict):
+    project: str = Field(..., description="the W&B project the run's stages go to (one W&B run per stage, grouped "
+                         "by the run's name)")
+    entity: str | None = Field(None, description="team or user; default: the logged-in user's")
+    mode: Literal["online", "offline"] = Field("online", description="offline: written under runs/<name>/wandb "
+                                               "for `wandb sync` later")
+
+
+class TrackingConfig(Strict):
+    """Experiment tracking. MLflow by default: one MLflow run per `amalia run` with a nested run per stage that ran
+    (the stage's config as params, every logged metric per step, its cost), the recipe, report and plots as
+    artifacts."""
+    mlflow: bool = Field(True, description="track with MLflow")
+    mlflow_uri: str | None = Field(None, description="an MLflow tracking server (http://…) or database URI; "
+                                   "default: a SQLite store in the run folder, runs/<name>/mlruns/mlflow.db")
+    wandb: WandbConfig | None = Field(None, description="also track with Weights & Biases (needs the wandb package)")
+
+
 class Recipe(Strict):
     run: RunConfig = RunConfig()
     resources: ResourcesConfig = ResourcesConfig()
@@ -648,6 +666,7 @@ class Recipe(Strict):
     eval: EvalConfig = EvalConfig()
     plan: PlanConfig = PlanConfig()
     accounting: AccountingConfig = AccountingConfig()
+    tracking: TrackingConfig = TrackingConfig()
     provenance: list[dict[str, Any]] = Field(
         default_factory=list, description="where promoted values came from (written by `amalia promote`: sweep id, "
         "stage, winning values and their metric, the proxy); copied into the run manifest")

@@ -10,6 +10,8 @@ import re
 import traceback
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from amalia_ray.core.accounting import stage_cost, total_cost
 from amalia_ray.core import secrets
 from amalia_ray.core.config import NAME_PATTERN, Recipe
@@ -19,6 +21,7 @@ from amalia_ray.core.filesystem import RunStore
 from amalia_ray.core.manifest import Manifest, Stopwatch, code_version, now_iso
 from amalia_ray.core.recipe import LoadedRecipe, config_hash
 from amalia_ray.core.storage import hash_path
+from amalia_ray.core.tracking import MLFLOW_DIR, NoTracker, Tracker, flatten
 from amalia_ray.pipeline import stages
 from amalia_ray.pipeline.report import write_report
 from amalia_ray.pipeline.spec import StageSpec
@@ -48,6 +51,7 @@ class Pipeline:
         self.manifest.accounting = self.recipe.accounting.model_dump()
         self.manifest.provenance = list(self.recipe.provenance)
         self.code_version = code_version()
+        self.tracker: Tracker = NoTracker()
 
     def write_recipe_copy(self) -> None:
         """The recipe as run, beside the manifest; re-dumped with its secrets masked when it holds any."""
@@ -126,7 +130,7 @@ class Pipeline:
         rec.cost = {}
         rec.attempts += 1
         self.save()
-        with Stopwatch() as sw:
+        with Stopwatch() as sw, self.tracker.stage(spec.name, self.params_of(spec), spec.metrics_file) as tracked:
             try:
                 metrics = spec.body()
             except BaseException as e:
@@ -136,8 +140,9 @@ class Pipeline:
                 rec.cost = stage_cost(spec.held({}), sw.seconds, None, self.recipe.accounting)
                 self.save()
                 raise
-        rec.status, rec.metrics, rec.finished_at, rec.wall_time_s = "completed", metrics, now_iso(), sw.seconds
-        rec.cost = stage_cost(spec.held(metrics), sw.seconds, spec.tokens(metrics), self.recipe.accounting)
+            rec.status, rec.metrics, rec.finished_at, rec.wall_time_s = "completed", metrics, now_iso(), sw.seconds
+            rec.cost = stage_cost(spec.held(metrics), sw.seconds, spec.tokens(metrics), self.recipe.accounting)
+            tracked.summary({**metrics, "wall_time_s": sw.seconds, "cost": rec.cost})
         rec.outputs = {k: str(p.relative_to(self.run_dir)) if p.is_relative_to(self.run_dir) else str(p)
                        for k, p in spec.outputs.items()}
         rec.output_hashes = {k: hash_path(p) for k, p in spec.outputs.items() if p.exists()}
@@ -145,6 +150,14 @@ class Pipeline:
         self.save()
         stage_line(spec.name, f"[green]done[/] in {sw.seconds:.1f}s")
         return metrics
+
+    def params_of(self, spec: StageSpec) -> dict:
+        """What a stage ran with, for the trackers: its recipe sections by name (`stage.lr`, `model.hidden_size`)."""
+        names = {id(getattr(self.recipe, f)): f for f in Recipe.model_fields}
+        names.update({id(s): "stage" for s in self.recipe.train})
+        parts = {names.get(id(part), f"input{i}"): part.model_dump(mode="json", by_alias=True)
+                 if isinstance(part, BaseModel) else part for i, part in enumerate(spec.config)}
+        return flatten(secrets.redact(parts))
 
     # ---- the recipe's stages -----------------------------------------------------------------------------------
     def stage_names(self) -> list[str]:

@@ -24,6 +24,7 @@ class StageSpec:
     resources: dict  # what the stage asks for, as recorded in the manifest
     held: Callable[[dict], dict[str, float]] = lambda metrics: {}  # devices held (by resource), from the metrics
     tokens: Callable[[dict], int | None] = lambda metrics: None  # tokens processed, from the metrics
+    metrics_file: Path | None = None  # the per-step records the stage appends (training), followed by the trackers
 
 
 class RunContext(Protocol):

@@ -3,6 +3,7 @@ all stages; the stage packages never import each other."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +25,8 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
     r = p.recipe
     if p.store:
         p.store.check()
+    if r.tracking.wandb and importlib.util.find_spec("wandb") is None:
+        raise AmaliaError("tracking.wandb is set but the wandb package is not installed: pip install wandb")
     data_stage.input_files(r.data, p.loaded.resolve)
     for stage in r.train:
         if stage.data_path and not p.loaded.resolve(stage.data_path).exists():
@@ -154,6 +157,7 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
             {"workers": stage.num_workers, "CPU_per_worker": stage.cpus_per_worker, "GPU_per_worker": int(gpu),
              "placement": stage.placement},
             held=_train_held(stage, gpu, p.cluster_info["billable_cpus"]), tokens=lambda m: m.get("tokens_trained"),
+            metrics_file=d(stage.name) / "metrics.jsonl",
         )
     if "eval" in names and r.eval.tasks:
         # a base model is served beside the stages trained from it, so the report shows what each stage changed
