@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-inputs test test-fast reliability install corpus clean
+.PHONY: demo demo-inputs test test-fast reliability install corpus clean docs
 
 demo: install corpus demo-inputs
 	$(BIN)/amalia run recipes/demo.yaml
@@ -53,6 +53,10 @@ corpus:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq debian-reference-pt debian-faq-pt >/dev/null; \
 	fi
+
+# docs/recipe.md is written from the recipe's pydantic models (a test fails when it is stale)
+docs: install
+	$(BIN)/python -m amalia_ray.core.recipe_reference > docs/recipe.md
 
 clean:
 	rm -rf runs .pytest_cache

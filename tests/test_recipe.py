@@ -121,3 +121,10 @@ def test_config_hash_tracks_content():
     b = parse_recipe(demo_text().replace("steps: 200", "steps: 201"))
     assert config_hash(a.data) == config_hash(b.data)
     assert config_hash(a.train[0]) != config_hash(b.train[0])
+
+
+def test_the_recipe_reference_is_what_the_models_say():
+    from amalia_ray.core.recipe_reference import render
+    from tests.conftest import ROOT
+
+    assert (ROOT / "docs" / "recipe.md").read_text() == render(), "docs/recipe.md is stale: run `make docs`"

