@@ -26,7 +26,7 @@ demo-inputs: install corpus
 test: install corpus
 	$(BIN)/python -m pytest -q --durations=12 $(PYTEST_ARGS)
 
-# the fault, bad-input, HTTP-fuzz, security and reproducibility suite (README "Reliability")
+# the fault, bad-input, HTTP-fuzz, security and reproducibility suite (docs/reliability.md)
 reliability: install corpus
 	$(BIN)/python -m pytest -q -m reliability --durations=12 $(PYTEST_ARGS)
 

@@ -128,3 +128,15 @@ def test_the_recipe_reference_is_what_the_models_say():
     from tests.conftest import ROOT
 
     assert (ROOT / "docs" / "recipe.md").read_text() == render(), "docs/recipe.md is stale: run `make docs`"
+
+
+def test_the_readme_recipe_validates():
+    import re
+
+    from tests.conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## A recipe in 20 lines\n\n```yaml\n(.*?)```", text, re.S).group(1)
+    assert len(block.splitlines()) <= 20
+    recipe = parse_recipe(block, "README.md")
+    assert [s.objective for s in recipe.train] == ["pretrain", "sft", "dpo"]
