@@ -15,7 +15,7 @@ from amalia_ray.core.console import console, err_console  # noqa: F401 - console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build a language model end to end on Ray: curate, pretrain, post-train, serve, evaluate.")
-STATE = {"debug": False}
+STATE = {"debug": False, "verbose": False}
 DEFAULT_RECIPE = Path("recipes/demo.yaml")
 
 RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML (default: recipes/demo.yaml)")]
@@ -62,10 +62,12 @@ def _fail(e: Exception, code: int, unexpected: bool = False) -> None:
 @app.callback()
 def main_options(
     debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="show Ray's, vLLM's and the workers' own logs on the "
+                                          "terminal (otherwise they go to runs/<name>/logs/)")] = False,
     address: Annotated[str | None, typer.Option("--address", help="Ray cluster address (else RAY_ADDRESS, else an "
                                                 "embedded local Ray)")] = None,
 ) -> None:
-    STATE["debug"] = debug
+    STATE["debug"], STATE["verbose"] = debug, verbose
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per HTTP request
     from amalia_ray.core.secrets import install_log_masking, remember
 
@@ -80,3 +82,21 @@ def pipeline_of(recipe: Path, run_name: str | None, force: bool = False):
     from amalia_ray.pipeline.runner import Pipeline
 
     return Pipeline(load_recipe(recipe), run_name=run_name, force=force)
+
+
+def run_quietly(pipeline, **selection) -> Path:
+    """Run the pipeline with one line per stage and a progress bar per long step on the terminal; what Ray, vLLM and
+    the workers print goes to runs/<name>/logs/driver.log (on the terminal too with --verbose)."""
+    from amalia_ray.core.console import quiet_output, stage_line, warnings_in
+
+    if STATE["verbose"]:
+        return pipeline.run(**selection)
+    log_dir = pipeline.run_dir / "logs"
+    with quiet_output(log_dir) as log:
+        start = log.stat().st_size
+        try:
+            return pipeline.run(**selection)
+        finally:
+            count = warnings_in(log, start)
+            stage_line("logs", f"{log}" + (f" ({count} warning or error lines from Ray, vLLM and the workers)"
+                                           if count else ""))

@@ -11,7 +11,7 @@ import typer
 from typer.core import TyperGroup
 
 from amalia_ray.cli.common import (DEFAULT_RECIPE, AddressOpt, ForceOpt, RecipeArg, RunNameOpt, app, console,
-                                   guarded, pipeline_of)
+                                   guarded, pipeline_of, run_quietly)
 
 
 @app.command()
@@ -19,7 +19,7 @@ from amalia_ray.cli.common import (DEFAULT_RECIPE, AddressOpt, ForceOpt, RecipeA
 def run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False,
         until: Annotated[str | None, typer.Option(help="last stage to run (default: all)")] = None) -> None:
     """Run the whole pipeline: data → tokenizer → pack → training stages → serve + eval → report."""
-    report = pipeline_of(recipe, run_name, force).run(until=until)
+    report = run_quietly(pipeline_of(recipe, run_name, force), until=until)
     console.print(f"[bold green]done[/]: {report}")
 
 
@@ -58,7 +58,7 @@ app.add_typer(data_app, name="data")
 @guarded
 def data_run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False) -> None:
     """Run the data stages of a recipe: curate, train the tokenizer, tokenize and pack."""
-    pipeline_of(recipe, run_name, force).run(until="pack")
+    run_quietly(pipeline_of(recipe, run_name, force), until="pack")
 
 
 @data_app.command("dedup")
@@ -188,7 +188,7 @@ def train(
 ) -> None:
     """Run the training stages (and any data stage whose output is missing or stale)."""
     p = pipeline_of(recipe, run_name, force)
-    p.run(until=stage or p.recipe.train[-1].name)
+    run_quietly(p, until=stage or p.recipe.train[-1].name)
 
 
 @app.command()

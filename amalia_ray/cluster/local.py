@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 from amalia_ray.core.console import stage_line
 
@@ -20,8 +21,10 @@ def embedded_num_cpus(requested: int | None, needed: int = 0) -> int:
 
 
 @contextmanager
-def ray_session(address: str | None = None, num_cpus: int | None = None, needed_cpus: int = 0):
-    """Yields a description of the cluster. Reuses a Ray already initialized in this process (tests, jobs)."""
+def ray_session(address: str | None = None, num_cpus: int | None = None, needed_cpus: int = 0,
+                logs_link: Path | None = None):
+    """Yields a description of the cluster. Reuses a Ray already initialized in this process (tests, jobs). An
+    embedded Ray's own log folder (raylet, GCS, every worker's and vLLM replica's output) is linked at `logs_link`."""
     import ray
 
     if ray.is_initialized():
@@ -38,12 +41,24 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
         ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=True,
                  dashboard_host="127.0.0.1", log_to_driver=True)
         mode = "embedded local Ray"
+        if logs_link:
+            _link(logs_link, Path(ray._private.worker._global_node.get_logs_dir_path()))
     resources = ray.cluster_resources()
-    stage_line("ray", f"{mode}: {resources.get('CPU', 0):.0f} CPU, {resources.get('GPU', 0):.0f} GPU")
+    cores, logical = os.cpu_count() or 1, resources.get("CPU", 0)
+    shared = (f" on {cores} cores: the stages' workers and Serve share them, so steps run slower than with a core "
+              "each") if not address and logical > cores else ""
+    stage_line("ray", f"{mode}: {logical:.0f} CPU, {resources.get('GPU', 0):.0f} GPU{shared}")
     try:
         yield {"mode": mode, "resources": resources, "billable_cpus": billable_cpus()}
     finally:
         ray.shutdown()
+
+
+def _link(link: Path, target: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target, target_is_directory=True)
 
 
 def billable_cpus() -> float:

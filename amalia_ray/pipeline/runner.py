@@ -8,6 +8,7 @@ import json
 import os
 import re
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -15,7 +16,7 @@ from pydantic import BaseModel
 from amalia_ray.core.accounting import stage_cost, total_cost
 from amalia_ray.core import secrets
 from amalia_ray.core.config import NAME_PATTERN, Recipe
-from amalia_ray.core.console import stage_line
+from amalia_ray.core.console import activity, stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import RunStore
 from amalia_ray.core.manifest import Manifest, Stopwatch, code_version, now_iso
@@ -132,7 +133,9 @@ class Pipeline:
         self.save()
         with Stopwatch() as sw, self.tracker.stage(spec.name, self.params_of(spec), spec.metrics_file) as tracked:
             try:
-                metrics = spec.body()
+                # a training stage draws its own progress bar from its metrics
+                with nullcontext() if spec.metrics_file else activity(spec.name):
+                    metrics = spec.body()
             except BaseException as e:
                 rec.status, rec.error = "failed", secrets.mask(f"{type(e).__name__}: {e}")
                 rec.finished_at, rec.wall_time_s = now_iso(), sw.seconds

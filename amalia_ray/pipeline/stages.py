@@ -104,7 +104,8 @@ def logical_cpus_needed(r) -> int:
 
 @contextmanager
 def cluster(p: RunContext):
-    with ray_session(p.recipe.resources.address, p.recipe.resources.num_cpus, logical_cpus_needed(p.recipe)) as info:
+    with ray_session(p.recipe.resources.address, p.recipe.resources.num_cpus, logical_cpus_needed(p.recipe),
+                     logs_link=p.run_dir / "logs" / "ray") as info:
         p.cluster_info = info
         yield info
 

@@ -13,8 +13,14 @@ from amalia_ray.core.console import console
 
 
 class StageProgress:
-    def __init__(self, name: str, metrics_path: Path, total_steps: int, poll_s: float = 0.5):
+    """A live bar on a terminal; elsewhere (a log, CI) a plain line at most every `line_every_s` seconds."""
+
+    def __init__(self, name: str, metrics_path: Path, total_steps: int, poll_s: float = 0.5,
+                 line_every_s: float = 10.0):
         self.metrics_path, self.poll_s = metrics_path, poll_s
+        self.name, self.total, self.live = name, total_steps, console.is_terminal
+        if not self.live:
+            self.poll_s, self.last_line = line_every_s, None
         self.progress = Progress(
             TextColumn("[bold cyan]{task.description:>10}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"), TextColumn("MFU {task.fields[mfu]}"),
@@ -25,7 +31,8 @@ class StageProgress:
         self._thread = threading.Thread(target=self._follow, daemon=True)
 
     def __enter__(self) -> StageProgress:
-        self.progress.start()
+        if self.live:
+            self.progress.start()
         self._thread.start()
         return self
 
@@ -33,7 +40,8 @@ class StageProgress:
         self._stop.set()
         self._thread.join()
         self._update()
-        self.progress.stop()
+        if self.live:
+            self.progress.stop()
 
     def _follow(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -41,6 +49,12 @@ class StageProgress:
 
     def _update(self) -> None:
         last = _last_record(self.metrics_path)
+        if last and not self.live:
+            if last["step"] != self.last_line:
+                self.last_line = last["step"]
+                console.print(f"[bold cyan]{self.name:>10}[/] step {last['step']}/{self.total} loss {last['loss']:.4f} "
+                              f"{last.get('tokens_per_s', 0):,.0f} tok/s MFU {last.get('mfu', 0):.0%}")
+            return
         if last:
             self.progress.update(self.task, completed=last["step"], loss=f"{last['loss']:.4f}",
                                  speed=f"{last.get('tokens_per_s', 0):,.0f} tok/s", mfu=f"{last.get('mfu', 0):.0%}")
