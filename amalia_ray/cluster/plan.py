@@ -17,9 +17,11 @@ Memory per GPU (bytes; P parameters, N GPUs = the stage's workers, L layers, T t
   backward pass: its bf16 parameters and their gradients, 4·P_root.
 DPO micro-batches hold a chosen and a rejected sequence per pair (2× tokens).
 
-Step time = tokens per step × FLOPs per token / (N · peak · MFU), FLOPs per token = 6P + 6·L·h·s (causal attention),
-8P instead of 6P with activation checkpointing (the forward runs twice). DPO adds its reference pass (a forward,
-2P per token, over the same pairs). GRPO's generation time depends on the rollout engine and is not included.
+Step time = tokens per step × model FLOPs per token / (N · peak · MFU), model FLOPs as the training loop counts them
+(core/flops.py, torchtitan's: 6 × matmul parameters + 12·L·attention width·s). Recomputation under activation
+checkpointing is not model FLOPs: it shows as a lower MFU, so state the MFU you expect with it. DPO adds its reference
+pass (a forward: a third of the training FLOPs, over the same pairs). GRPO's generation time depends on the rollout
+engine and is not included.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from amalia_ray.core.config import LOSS_CHUNK_POSITIONS, PlanConfig, Recipe, TrainStageConfig
+from amalia_ray.core.flops import model_flops_per_token
 
 GB = 1024**3
 
@@ -126,9 +129,9 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     advice = "" if fits else _advice(stage, memory, hw)
 
     tokens_per_step = stage.global_batch_size * seq * per_pair
-    flops_per_token = (8 if stage.activation_checkpointing else 6) * params + 6 * m.layers * m.hidden * seq
+    flops_per_token = model_flops_per_token(m.hidden, m.ffn, m.layers, m.heads, m.kv_heads, m.head_dim, vocab, seq)
     if stage.objective == "dpo":
-        flops_per_token += 2 * params  # the reference pass over the same pairs
+        flops_per_token *= 4 / 3  # the reference pass over the same pairs: one more forward
     step_flops = tokens_per_step * flops_per_token
     step_time = step_flops / (gpus * hw.peak_tflops * 1e12 * hw.mfu)
     gpu_hours = stage.steps * step_time * gpus / 3600

@@ -295,6 +295,11 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
         parts += ["## Training", "", _table(
             ["stage", "steps", "first loss", "last loss", "validation loss", "tokens", "tokens/s (mean)",
              "MFU (mean)", "workers (placement)"], rows), ""]
+        bases = sorted({h["peak_basis"] for n in train_stages for h in _read_metrics(run_dir / n / "metrics.jsonl")
+                        if h.get("peak_basis")})
+        if bases:
+            parts += ["MFU counts model FLOPs (6 × matmul parameters + 12 · layers · attention width · sequence per "
+                      "token, as torchtitan) against each worker's peak: " + "; ".join(bases) + ".", ""]
         png = plot_losses(run_dir, train_stages)
         if png:
             parts += [f"![loss curve]({png.name})", ""]

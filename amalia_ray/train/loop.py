@@ -16,7 +16,7 @@ import torch.distributed as dist
 from amalia_ray.train import checkpoint
 from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
-from amalia_ray.train.metrics import TensorBoard, flops_per_token, matmul_peak_flops, memory_gb
+from amalia_ray.train.metrics import TensorBoard, flops_per_token, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives import build_objective
 from amalia_ray.train.parallel import apply_fsdp, resolve_precision
@@ -107,8 +107,9 @@ def train_loop(config: dict) -> None:
     seq_len = stage.get("seq_len") or hf_config.max_position_embeddings
     objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]), seq_len,
                                 work_dir=stage_dir, seed=config["seed"], use_gpu=device.type == "cuda")
-    # the measured ceiling for MFU: every worker's matmul FLOP/s in its precision, summed
-    peak_flops = _all_reduce_sum(matmul_peak_flops(device, torch.bfloat16 if precision == "bf16" else torch.float32))[0]
+    # the ceiling MFU is against: every worker's stated peak (datasheet, else measured) in its precision, summed
+    worker_peak, peak_basis = stated_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)
+    peak_flops = _all_reduce_sum(worker_peak)[0]
     # a new model from the seed, or a base model / the previous stage read shard by shard into each rank
     model = build(hf_config, device,
                   lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"], stage.get("compile", False)),
@@ -188,7 +189,8 @@ def train_loop(config: dict) -> None:
         record = {"step": done, "loss": global_loss / global_items, "lr": lr, "grad_norm": float(grad_norm),
                   **objective_metrics, "loss_items": int(global_items), "tokens": int(global_tokens),
                   "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
-                  "mfu": flops_token * global_tokens / elapsed / peak_flops, "memory_gb": memory,
+                  "mfu": flops_token * global_tokens / elapsed / peak_flops, "peak_tflops": peak_flops / 1e12,
+                  "peak_basis": peak_basis, "memory_gb": memory,
                   "world_size": world, "worker_nodes": len(set(nodes)), "attempt_start_step": start_step}
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps
         if save_now:

@@ -1,5 +1,5 @@
-"""Per-step metrics beyond the loss: model FLOPs utilization against the device's *measured* matmul peak, memory,
-and TensorBoard event files next to metrics.jsonl (which the run manifest and report read)."""
+"""Per-step metrics beyond the loss: model FLOPs utilization against a stated peak (core/flops.py), memory, and
+TensorBoard event files next to metrics.jsonl (which the run manifest and report read)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,24 @@ from pathlib import Path
 
 import torch
 
+from amalia_ray.core.flops import datasheet_peak, flops_per_token_of
+
 
 def flops_per_token(hf_config, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM appendix B (as torchtitan): 6 × non-embedding parameters (forward + backward
-    of every weight matmul, the output head included) + 12 × layers × hidden × sequence (attention scores)."""
-    h, layers, vocab = hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.vocab_size
-    kv = h // hf_config.num_attention_heads * hf_config.num_key_value_heads
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * hf_config.intermediate_size  # qkv, out, gate/up/down
-    weights = layers * per_layer + h * vocab  # the LM head; the input embedding is a lookup, not a matmul
-    return 6 * weights + 12 * layers * h * seq_len
+    """Model FLOPs per token, torchtitan's definition (core/flops.py)."""
+    return flops_per_token_of(hf_config, seq_len)
+
+
+def stated_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The FLOP/s MFU is measured against on this device, and what it is: the datasheet's dense peak for a GPU we
+    know, else a large matmul measured here with this process's threads."""
+    kind = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if peak := datasheet_peak(name, kind):
+            return peak, f"{name} datasheet {kind} {peak / 1e12:,.0f} TFLOP/s"
+    measured = matmul_peak_flops(device, dtype)
+    return measured, f"measured {kind} matmul on {device.type} {measured / 1e9:,.1f} GFLOP/s"
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
