@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-inputs test test-fast reliability install corpus clean docs
+.PHONY: demo demo-inputs test test-fast reliability install corpus clean docs bench
 
 demo: install corpus demo-inputs
 	$(BIN)/amalia run recipes/demo.yaml
@@ -53,6 +53,22 @@ corpus:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq debian-reference-pt debian-faq-pt >/dev/null; \
 	fi
+
+# every benchmark, each writing bench/results/NAME.json with its command, date and machine (docs/benchmarks.md);
+# the serving and evaluation ones need the demo's checkpoints
+RUN_BENCH := $(BIN)/python bench/run.py
+bench: install corpus
+	@[ -f runs/demo/sft/hf/config.json ] || $(MAKE) demo
+	$(RUN_BENCH) eval_vs_lmeval eval_vs_lmeval.py
+	$(RUN_BENCH) serve_overhead serve_overhead.py
+	$(RUN_BENCH) train_vs_trl train_vs_trl.py
+	$(RUN_BENCH) train_vs_trl_compiled train_vs_trl.py --compile
+	$(RUN_BENCH) train_throughput train_throughput.py
+	$(RUN_BENCH) dedup_vs_datatrove dedup_vs_datatrove.py
+	$(RUN_BENCH) curation_throughput curation_throughput.py
+	$(RUN_BENCH) load_memory load_memory.py
+	$(RUN_BENCH) packed_stream_memory packed_stream_memory.py
+	$(RUN_BENCH) variety_accuracy variety_accuracy.py
 
 # docs/recipe.md is written from the recipe's pydantic models (a test fails when it is stale)
 docs: install
