@@ -74,8 +74,9 @@ def activity(name: str, every_s: float = 30.0) -> Iterator[None]:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     if console.is_terminal:
+        # redirect_*: rich would otherwise route sys.stdout/stderr (Ray's streamed worker logs) to the terminal
         with Progress(SpinnerColumn(), TextColumn(f"[bold cyan]{name:>10}[/] running"), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
+                      console=console, transient=True, redirect_stdout=False, redirect_stderr=False) as progress:
             progress.add_task(name, total=None)
             yield
         return

@@ -25,6 +25,7 @@ class StageProgress:
             TextColumn("[bold cyan]{task.description:>10}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"), TextColumn("MFU {task.fields[mfu]}"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False,
+            redirect_stdout=False, redirect_stderr=False,  # Ray's streamed worker logs stay where stdout points
         )
         self.task = self.progress.add_task(name, total=total_steps, loss="-", speed="", mfu="-")
         self._stop = threading.Event()
