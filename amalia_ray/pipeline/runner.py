@@ -181,13 +181,24 @@ class Pipeline:
             selected = names[: stop_at + 1]
         stages.preflight(self, needs_serving="eval" in selected)
         self.write_recipe_copy()
-        with stages.cluster(self):
-            for spec in stages.build(self, names[: stop_at + 1]):
-                if spec.name in selected:
-                    self.execute(spec)
-        report = write_report(self.run_dir, self.manifest)
+        self.tracker = Tracker(self.recipe.tracking, self.run_dir, self.run_name,
+                               flatten(secrets.redact(self.recipe.model_dump(mode="json", by_alias=True))))
+        ok = False
+        try:
+            with stages.cluster(self):
+                for spec in stages.build(self, names[: stop_at + 1]):
+                    if spec.name in selected:
+                        self.execute(spec)
+            report = write_report(self.run_dir, self.manifest)
+            ok = True
+        finally:
+            self.tracker.artifacts([self.run_dir / "recipe.yaml", *([report] if ok else []),
+                                    *sorted(self.run_dir.glob("*.png"))])
+            self.tracker.close(ok)
         if self.store:
             for f in [report, self.run_dir / "recipe.yaml", *self.run_dir.glob("*.png")]:
                 self.store.push(f, f.name)
+            if (self.run_dir / MLFLOW_DIR).exists():
+                self.store.push(self.run_dir / MLFLOW_DIR, MLFLOW_DIR)
         stage_line("report", f"{report}" + (f" (stored under {self.store.uri})" if self.store else ""))
         return report
