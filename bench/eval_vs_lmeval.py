@@ -8,10 +8,10 @@ The items are real and distinct: a HellaSwag-style multiple choice built from th
 European Portuguese (a paragraph's opening as the context; its true continuation and three continuations of other
 paragraphs as the choices), exported with `amalia export-lm-eval` so both harnesses score the same prompts. One
 checkpoint is served once with Ray Serve + vLLM. Each harness runs as a whole command from process start to its
-result file on disk (`amalia eval …` and `lm_eval run …`), so start-up and imports count on both sides; each round
-runs ours and lm-eval at our shape once after a warm-up of the server; lm-eval at its defaults runs once. The headline gives lm-eval the same work shape as ours:
-the same number of requests in flight (`num_concurrent`) and the same number of prompts per request (`batch_size`);
-lm-eval at its defaults (one prompt per request, one request at a time) is reported beside it. Scores are checked to
+result file on disk (`amalia eval …` and `lm_eval run …`), so start-up and imports count on both sides. After a
+warm-up of the server, each round runs ours and then lm-eval given the same work shape as ours — the same number of
+requests in flight (`num_concurrent`) and of prompts per request (`batch_size`): the headline. lm-eval at its
+defaults (one prompt per request, one request at a time) runs once, beside it. Scores are checked to
 be identical (accuracy, acc_norm, and the largest difference of any choice's log-likelihood).
 """
 
