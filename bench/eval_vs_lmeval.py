@@ -39,7 +39,13 @@ def continuation_items(n: int, seed: int = 0) -> list[dict]:
     """Multiple-choice items from real paragraphs: which of four continuations follows the opening."""
     text = gzip.open(MANUAL, "rt", encoding="utf-8").read()
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
-    paragraphs = [p for p in paragraphs if 200 <= len(p) <= 1200 and p.count(" ") > 30]
+    def prose(p: str) -> bool:  # sentences, not tables, listings or command lines
+        letters = sum(ch.isalpha() for ch in p) / max(1, len(p.replace(" ", "")))
+        return 200 <= len(p) <= 1200 and p.count(" ") > 30 and letters > 0.85 and not re.search(r"[|<>{}$#]", p)
+
+    from amalia_ray.data.language import detect_language
+
+    paragraphs = [p for p in paragraphs if prose(p) and detect_language(p)[0] == "pt"]
     rng = random.Random(seed)
     rng.shuffle(paragraphs)
     split = [(p[:len(p) // 2].rsplit(" ", 1)[0], p[len(p) // 2:].split(" ", 1)[-1][:160]) for p in paragraphs]
