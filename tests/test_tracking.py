@@ -37,7 +37,7 @@ def test_mlflow_keeps_a_nested_run_per_stage_with_every_step_its_params_and_the_
         _append(metrics, {"step": 3, "loss": 2.9}, {"step": 4, "loss": 2.5})
         with metrics.open("a") as f:
             f.write('{"step": 5, "lo')  # half a line: never read as a record
-        stage.summary({"tokens_trained": 4096, "cost": {"gpu_hours": 0.0, "usd": 0.01}})
+        stage.summary({"tokens_trained": 4096, "loss": 2.5, "cost": {"gpu_hours": 0.0, "usd": 0.01}})
     with pytest.raises(RuntimeError), tracker.stage("sft", {"stage.lr": 2e-5}):
         raise RuntimeError("worker died")
     report = tmp_path / "report.md"

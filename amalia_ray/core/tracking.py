@@ -142,8 +142,11 @@ class StageRun:
     def __init__(self, runs: list[tuple[Any, Any]]):
         self.runs = runs
         self._warned = False
+        self.per_step: set[str] = set()  # metrics already logged step by step
+        self.follower: _Follower | None = None
 
     def log(self, records: list[dict]) -> None:
+        self.per_step.update(k for r in records if "step" in r for k in r)
         for backend, run in self.runs:
             try:
                 backend.log(run, records)
@@ -154,8 +157,11 @@ class StageRun:
                     self._warned = True
 
     def summary(self, metrics: dict) -> None:
-        """A stage's final metrics (no step): data counts, eval scores, cost."""
-        self.log([{k: v for k, v in flatten(metrics).items() if k != "step"}])
+        """A stage's final metrics (no step): data counts, eval scores, cost; not those already logged per step
+        (a training stage's last loss is its last step's)."""
+        if self.follower:
+            self.follower.drain()  # the stage's last records first
+        self.log([{k: v for k, v in flatten(metrics).items() if k != "step" and k not in self.per_step}])
 
 
 class _Follower(threading.Thread):
@@ -166,12 +172,17 @@ class _Follower(threading.Thread):
         self.path, self.stage, self.poll_s = path, stage, FOLLOW_POLL_S
         self.offset, self.last_step, self.last_line = 0, -1, b""
         self.stopping = threading.Event()
+        self.lock = threading.Lock()  # the thread and the stage's end both drain
 
     def run(self) -> None:
         while not self.stopping.wait(self.poll_s):
             self.drain()
 
     def drain(self) -> None:
+        with self.lock:
+            self._drain()
+
+    def _drain(self) -> None:
         try:
             with self.path.open("rb") as f:
                 f.seek(max(0, self.offset - len(self.last_line)))
@@ -210,7 +221,7 @@ class Tracker:
     @contextmanager
     def stage(self, name: str, params: dict[str, Any], follow: Path | None = None) -> Iterator[StageRun]:
         stage = StageRun([(b, b.start_stage(name, params)) for b in self.backends])
-        follower = _Follower(follow, stage) if follow and self.backends else None
+        follower = stage.follower = _Follower(follow, stage) if follow and self.backends else None
         if follower:
             follower.start()
         ok = False
