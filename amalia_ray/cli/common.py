@@ -91,6 +91,7 @@ def run_quietly(pipeline, **selection) -> Path:
 
     if STATE["verbose"]:
         return pipeline.run(**selection)
+    pipeline.preflight(**selection)  # a bad input fails before the run folder (and its log) exists
     log_dir = pipeline.run_dir / "logs"
     with quiet_output(log_dir) as log:
         start = log.stat().st_size

@@ -53,6 +53,7 @@ class Pipeline:
         self.manifest.provenance = list(self.recipe.provenance)
         self.code_version = code_version()
         self.tracker: Tracker = NoTracker()
+        self._checked: tuple | None = None  # the selection preflight passed for
 
     def write_recipe_copy(self) -> None:
         """The recipe as run, beside the manifest; re-dumped with its secrets masked when it holds any."""
@@ -166,27 +167,36 @@ class Pipeline:
     def stage_names(self) -> list[str]:
         return [*DATA_STAGES, *(s.name for s in self.recipe.train), "eval"]
 
-    def run(self, until: str | None = None, only: list[str] | None = None) -> Path:
-        """Run every stage up to and including `until` (all by default), or just the stages in `only` (their
-        inputs must exist already: a per-stage job on a cluster), then write the report."""
+    def select(self, until: str | None = None, only: list[str] | None = None) -> tuple[list[str], list[str]]:
+        """(the stages to build, up to the last one that runs; the stages that run)."""
         names = self.stage_names()
         for name in [until, *(only or [])]:
             if name and name not in names:
                 raise AmaliaError(f"unknown stage '{name}'; stages of this recipe: {', '.join(names)}")
         if only:
             stop_at = max(names.index(n) for n in only)
-            selected = [n for n in names[: stop_at + 1] if n in only]
-        else:
-            stop_at = names.index(until) if until else len(names) - 1
-            selected = names[: stop_at + 1]
-        stages.preflight(self, needs_serving="eval" in selected)
+            return names[: stop_at + 1], [n for n in names[: stop_at + 1] if n in only]
+        stop_at = names.index(until) if until else len(names) - 1
+        return names[: stop_at + 1], names[: stop_at + 1]
+
+    def preflight(self, until: str | None = None, only: list[str] | None = None) -> None:
+        """Everything that can be checked before any work starts (and before the run folder is written)."""
+        stages.preflight(self, needs_serving="eval" in self.select(until, only)[1])
+        self._checked = (until, tuple(only or ()))
+
+    def run(self, until: str | None = None, only: list[str] | None = None) -> Path:
+        """Run every stage up to and including `until` (all by default), or just the stages in `only` (their
+        inputs must exist already: a per-stage job on a cluster), then write the report."""
+        built, selected = self.select(until, only)
+        if self._checked != (until, tuple(only or ())):
+            self.preflight(until, only)
         self.write_recipe_copy()
         self.tracker = Tracker(self.recipe.tracking, self.run_dir, self.run_name,
                                flatten(secrets.redact(self.recipe.model_dump(mode="json", by_alias=True))))
         ok = False
         try:
             with stages.cluster(self):
-                for spec in stages.build(self, names[: stop_at + 1]):
+                for spec in stages.build(self, built):
                     if spec.name in selected:
                         self.execute(spec)
             report = write_report(self.run_dir, self.manifest)
