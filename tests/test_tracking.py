@@ -126,3 +126,18 @@ def test_real_weights_and_biases_client_writes_an_offline_run(tmp_path):
 def test_flatten_names_nested_params_by_path():
     assert flatten({"train": [{"lr": 0.1, "rewards": ["a", "b"]}], "seed": 1}) == {
         "train.0.lr": 0.1, "train.0.rewards": ["a", "b"], "seed": 1}
+
+
+def test_a_deleted_run_folder_gets_a_new_store_in_the_same_process(tmp_path):
+    """A long-lived process (a service, a notebook) that deletes a run folder and runs it again."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    Tracker(TrackingConfig(), tmp_path / "run", "demo", {}).close(ok=True)
+    shutil.rmtree(tmp_path / "run")
+    Tracker(TrackingConfig(), tmp_path / "run", "demo", {}).close(ok=True)
+    assert (tmp_path / "run" / "mlruns" / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=default_mlflow_uri(tmp_path / "run"))
+    assert len(client.search_runs([client.get_experiment_by_name("demo").experiment_id])) == 1
+

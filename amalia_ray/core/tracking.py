@@ -57,6 +57,8 @@ class _MLflow:
         if uri is None:
             (run_dir / MLFLOW_DIR).mkdir(parents=True, exist_ok=True)
             uri, artifacts = default_mlflow_uri(run_dir), (run_dir / MLFLOW_DIR / "artifacts").resolve().as_uri()
+            if not (run_dir / MLFLOW_DIR / "mlflow.db").exists():
+                _forget_engine(uri)
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(run_name)
         if experiment is None:
@@ -101,6 +103,18 @@ class _MLflow:
 
     def end(self, run_id: str | None, ok: bool) -> None:
         self.client.set_terminated(run_id or self.parent, status="FINISHED" if ok else "FAILED")
+
+
+def _forget_engine(uri: str) -> None:
+    """MLflow keeps one database engine (and store) per URI for the life of the process; after the run folder was
+    deleted, both still believe the schema exists and the new database file gets no tables. Drop them."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    engine = getattr(SqlAlchemyStore, "_engine_map", {}).pop(uri, None)
+    if engine is not None:
+        engine.dispose()
+        _tracking_store_registry._get_store_with_resolved_uri.cache_clear()  # the stores built on it
 
 
 class _WandB:
