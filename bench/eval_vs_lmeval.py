@@ -107,9 +107,9 @@ def main() -> None:
     def theirs(name: str, concurrent: int, batch: int) -> list[str]:
         return [str(bin_dir / "lm_eval"), "run", "--model", "local-completions", "--tasks", task.name,
                 "--include_path", str(tmp / "lm-eval"), "--log_samples", "--output_path", str(tmp / name),
+                "--batch_size", str(batch),
                 "--model_args", f"model=bench,base_url={url}/completions,tokenizer={args.checkpoint},"
-                                f"tokenizer_backend=huggingface,num_concurrent={concurrent},max_retries=3,"
-                                f"batch_size={batch}"]
+                                f"tokenizer_backend=huggingface,num_concurrent={concurrent},max_retries=3"]
 
     configs = {"ours": ours(), "lm_eval_same_shape": theirs("same", args.concurrency, args.prompts_per_request)}
     try:
