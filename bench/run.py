@@ -25,6 +25,18 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": memory, "python": platform.python_version()}
 
 
+def last_json(text: str):
+    """The JSON document a benchmark prints last (libraries may print their own lines, dicts included, before it)."""
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("{"):
+            try:
+                return json.loads("\n".join(lines[i:]))
+            except json.JSONDecodeError:
+                continue
+    raise SystemExit(f"no JSON in the output:\n{text[-2000:]}")
+
+
 def main() -> None:
     name, script, *args = sys.argv[1:]
     command = ["python", f"bench/{script}", *args]
@@ -33,8 +45,7 @@ def main() -> None:
                           text=True)
     if proc.returncode:
         sys.exit(f"{shlex.join(command)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    start = proc.stdout.find("{")
-    result = json.loads(proc.stdout[start:])
+    result = last_json(proc.stdout)
     out = ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": shlex.join(command), "date": datetime.now(timezone.utc).isoformat(
