@@ -123,8 +123,8 @@ def main() -> None:
         serve_app.stop()
         ray.shutdown()
     ours_result = json.loads((tmp / "ours.json").read_text())
-    [samples] = (tmp / "same").rglob("samples_bench-task_*.jsonl")
-    [results] = (tmp / "same").rglob("results_*.json")
+    samples = sorted((tmp / "same").rglob("samples_bench-task_*.jsonl"))[-1]  # one per round: the last
+    results = sorted((tmp / "same").rglob("results_*.json"))[-1]
     theirs_scores = json.loads(results.read_text())["results"][task.name]
     their_ll = {str(s["doc"]["id"]): [r[0][0] for r in s["resps"]]
                 for s in map(json.loads, samples.read_text().splitlines())}
