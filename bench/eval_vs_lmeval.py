@@ -18,6 +18,7 @@ be identical (accuracy, acc_norm, and the largest difference of any choice's log
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
 import json
 import os
@@ -126,7 +127,11 @@ def main() -> None:
     samples = sorted((tmp / "same").rglob("samples_bench-task_*.jsonl"))[-1]  # one per round: the last
     results = sorted((tmp / "same").rglob("results_*.json"))[-1]
     theirs_scores = json.loads(results.read_text())["results"][task.name]
-    their_ll = {str(s["doc"]["id"]): [r[0][0] for r in s["resps"]]
+    def loglik(resp) -> float:  # lm-eval's samples file keeps each (loglik, is_greedy) as its repr
+        value = resp[0]
+        return float((ast.literal_eval(value) if isinstance(value, str) else value)[0])
+
+    their_ll = {str(s["doc"]["id"]): [loglik(r) for r in s["resps"]]
                 for s in map(json.loads, samples.read_text().splitlines())}
     max_diff = max(abs(a - b) for it in ours_result["items"] for a, b in zip(it["logprobs"], their_ll[it["id"]]))
     median = {k: statistics.median(v) for k, v in times.items()}
