@@ -128,7 +128,8 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from amalia_ray.core.config import ModelConfig
-    from amalia_ray.train.metrics import flops_per_token, matmul_peak_flops
+    from amalia_ray.core.flops import flops_per_token_of
+    from amalia_ray.train.metrics import matmul_peak_flops
     from amalia_ray.train.stage import hf_config_dict
 
     model_cfg = ModelConfig(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=4,
@@ -140,7 +141,7 @@ def main() -> None:
         ours = run_ours(args, chats, tok_dir, model_cfg, tmp)
         torch.set_num_threads(args.threads * args.workers)
         peak = matmul_peak_flops(torch.device("cpu"), torch.float32, seconds=2.0)
-        flops = flops_per_token(hf_config, args.seq_len)
+        flops = flops_per_token_of(hf_config, args.seq_len)
         trl = run_trl(args, conversations, tok_dir, hf_config, tmp)
         for side in (ours, trl):
             side["mfu"] = flops * side["tokens_per_s"] / peak

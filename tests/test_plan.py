@@ -78,14 +78,13 @@ def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():
 def test_plan_and_the_training_loop_count_the_same_model_flops():
     from transformers import LlamaConfig
 
-    from amalia_ray.core.flops import model_flops_per_token
-    from amalia_ray.train.metrics import flops_per_token
+    from amalia_ray.core.flops import flops_per_token_of, model_flops_per_token
 
     r, dims = _dims(AMALIA_9B)
     config = LlamaConfig(**recipe_config(r.model, load_recipe(AMALIA_9B).resolve))
     planned = model_flops_per_token(dims.hidden, dims.ffn, dims.layers, dims.heads, dims.kv_heads, dims.head_dim,
                                     dims.vocab, 4096)
-    assert planned == flops_per_token(config, 4096)
+    assert planned == flops_per_token_of(config, 4096)
     # torchtitan's count: 6 × (parameters less the input embedding) + 12 · layers · hidden · sequence
     embedding = config.vocab_size * config.hidden_size
     params = parameter_count(dims)[0] - embedding - (2 * config.num_hidden_layers + 1) * config.hidden_size  # norms
@@ -213,3 +212,14 @@ def test_the_planned_memory_is_within_a_fifth_of_the_measured_peak(tmp_path, mon
         planned_bytes = (sum(planned.values()) - planned["headroom"]) * 2**30
         ratios.append(planned_bytes / json.loads(out.read_text())["peak"])
     assert all(0.8 <= r <= 1.2 for r in ratios), ratios
+
+
+def test_mfu_peaks_are_datasheet_peaks_by_device_name_and_unknown_devices_get_none():
+    """What a GPU worker states its MFU against, checked on CPU from the names torch.cuda.get_device_name gives."""
+    from amalia_ray.core.flops import datasheet_peak
+
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert datasheet_peak("NVIDIA H100 PCIe", "bf16") == 756e12  # the longer name wins over a shorter match
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
+    assert datasheet_peak("NVIDIA GeForce RTX 4090", "bf16") is None  # measured instead
+

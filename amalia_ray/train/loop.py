@@ -16,7 +16,8 @@ import torch.distributed as dist
 from amalia_ray.train import checkpoint
 from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
-from amalia_ray.train.metrics import TensorBoard, flops_per_token, memory_gb, stated_peak
+from amalia_ray.core.flops import flops_per_token_of
+from amalia_ray.train.metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives import build_objective
 from amalia_ray.train.parallel import apply_fsdp, resolve_precision
@@ -153,7 +154,7 @@ def train_loop(config: dict) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     nodes: list = [None] * world  # where the workers landed, so the report can state the placement
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    flops_token = flops_per_token(hf_config, seq_len)
+    flops_token = flops_per_token_of(hf_config, seq_len)
     step = start_step
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()

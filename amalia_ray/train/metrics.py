@@ -8,12 +8,7 @@ from pathlib import Path
 
 import torch
 
-from amalia_ray.core.flops import datasheet_peak, flops_per_token_of
-
-
-def flops_per_token(hf_config, seq_len: int) -> float:
-    """Model FLOPs per token, torchtitan's definition (core/flops.py)."""
-    return flops_per_token_of(hf_config, seq_len)
+from amalia_ray.core.flops import datasheet_peak
 
 
 def stated_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
