@@ -59,6 +59,9 @@ corpus:
 RUN_BENCH := $(BIN)/python bench/run.py
 bench: install corpus
 	@[ -f runs/demo/sft/hf/config.json ] || $(MAKE) demo
+	@# the variety benchmark's pt-BR side: Brazilian fortunes
+	@[ -f /usr/share/games/fortunes/brasil ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fortunes-br >/dev/null; }
 	$(RUN_BENCH) eval_vs_lmeval eval_vs_lmeval.py
 	$(RUN_BENCH) serve_overhead serve_overhead.py
 	$(RUN_BENCH) train_vs_trl train_vs_trl.py
