@@ -79,10 +79,17 @@ def recipe_path(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_run(ray_cluster, recipe_path):
-    """The whole demo pipeline, run once per session."""
+    """The whole demo pipeline, run once per session. Its pretraining curve is also kept beside the run (as
+    DEMO_PRETRAIN_METRICS): test_faults.py trains that stage again in the same run folder."""
+    import shutil
+
     from amalia_ray.core.recipe import load_recipe
     from amalia_ray.pipeline.runner import Pipeline
 
     pipeline = Pipeline(load_recipe(recipe_path))
     report = pipeline.run()
+    shutil.copy(pipeline.run_dir / "pretrain" / "metrics.jsonl", recipe_path.parent / DEMO_PRETRAIN_METRICS)
     return pipeline, report
+
+
+DEMO_PRETRAIN_METRICS = "demo-pretrain-metrics.jsonl"

@@ -1,8 +1,8 @@
 """Run by tests/test_multinode.py in its own process: a three-node Ray cluster on this machine
 (`ray.cluster_utils.Cluster`: a head with the job server, and two worker nodes that each fit one training worker),
-a recipe submitted to it as a Ray job (`amalia submit`) running data → tokenizer → pack → pretrain,
+a recipe submitted to it as a Ray job (`amalia submit --follow`) running data → tokenizer → pack → pretrain,
 one worker node removed once training has passed its first checkpoint, and a node added back once the one worker
-left has checkpointed.
+left has checkpointed; then `amalia status` and `amalia logs` on the finished job.
 
     python -m tests.multinode_job RECIPE RUN_DIR OUT_DIR
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,6 +39,11 @@ def _registered_checkpoint(run_dir: Path, world_size: int, after: int = 0) -> in
     return max(steps) if steps else None
 
 
+def _job_id(log: Path) -> str | None:
+    found = re.search(r"\braysubmit_\w+", log.read_text()) if log.exists() else None
+    return found.group(0) if found else None
+
+
 def _last_step(metrics: Path) -> int:
     return max(json.loads(ln)["step"] for ln in metrics.read_text().splitlines() if ln)
 
@@ -60,14 +66,20 @@ def main(recipe: Path, run_dir: Path, out: Path) -> None:
     cluster.wait_for_nodes()
     address = f"http://127.0.0.1:{dashboard}"
     result: dict = {"address": address}
+    cli = [sys.executable, "-m", "amalia_ray.cli"]
+    submit_log = out / "submit.log"  # a file, not a pipe: the followed log is long
+    # --no-upload: this machine's environment has the project installed, as a cluster image would (uploading the
+    # working directory failed once here with Ray's "package prematurely deleted from the GCS", ray#36703)
+    submit = subprocess.Popen(
+        [*cli, "submit", str(recipe), "--address", address, "--follow", "--python", sys.executable, "--no-upload",
+         "--env", "RAY_AUTH_MODE=disabled"], stdout=submit_log.open("w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        submit = subprocess.run(
-            [sys.executable, "-m", "amalia_ray.cli", "submit", str(recipe), "--address", address,
-             "--python", sys.executable, "--no-upload", "--env", "RAY_AUTH_MODE=disabled"],
-            capture_output=True, text=True, timeout=300)
-        if submit.returncode != 0:
-            raise RuntimeError(f"submit failed: {submit.stdout[-2000:]} {submit.stderr[-2000:]}")
-        job_id = submit.stdout.split()[0]
+        deadline = time.monotonic() + 300
+        while not (job_id := _job_id(submit_log)) and submit.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # `amalia submit` prints the job id first
+        if not job_id:
+            raise RuntimeError(f"submit failed: {submit_log.read_text()[-4000:]}")
         result["job_id"] = job_id
         client = JobSubmissionClient(address)
         metrics = run_dir / "pretrain" / "metrics.jsonl"
@@ -86,7 +98,14 @@ def main(recipe: Path, run_dir: Path, out: Path) -> None:
             time.sleep(0.5)
         result["status"] = str(client.get_job_status(job_id).value)
         result["logs"] = client.get_job_logs(job_id)[-6000:]
+        result["submit"] = {"returncode": submit.wait(timeout=120), "output": submit_log.read_text()[-3000:]}
+        for name, command in (("status_cli", "status"), ("logs_cli", "logs")):
+            done = subprocess.run([*cli, command, job_id, "--address", address], capture_output=True, text=True,
+                                  timeout=120)
+            result[name] = {"returncode": done.returncode, "output": done.stdout[-3000:], "stderr": done.stderr[-1000:]}
     finally:
+        if submit.poll() is None:
+            submit.kill()
         (out / "result.json").write_text(json.dumps(result))
         cluster.shutdown()
 

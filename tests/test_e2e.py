@@ -297,11 +297,13 @@ def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_
     assert promoted.provenance[0]["sweep_id"] == summary["sweep_id"]
 
 
-def test_data_mix_ablation_scores_per_source_and_on_a_served_benchmark(demo_run, recipe_path):
-    """Two trials that differ only in one source's sampling weight, scored by validation loss per source, and the
-    finished ones served with vLLM and scored on an eval task over HTTP."""
-    from amalia_ray.core.sweep_space import SweepSpace
-    from amalia_ray.pipeline.sweep import run_sweep
+def test_an_interrupted_data_mix_ablation_resumes_and_scores_per_source_and_on_a_served_benchmark(
+        demo_run, recipe_path, tmp_path):
+    """A data-mix ablation: two trials that differ only in one source's sampling weight, scored by validation loss
+    per source. Its driver (`amalia sweep`) is SIGKILLed after the first trial finished: running the same sweep again
+    restores Tune's experiment and trains only the trial that was left, then serves the best finished trial with
+    vLLM and scores it on an eval task over HTTP."""
+    import ray
 
     folder = recipe_path.parent / "sweep-mix"
     folder.mkdir()
@@ -311,34 +313,10 @@ def test_data_mix_ablation_scores_per_source_and_on_a_served_benchmark(demo_run,
         "eval.tasks": [{"name": "pt-mc", "path": str(Path(__file__).parents[1] / "evals/tasks/pt_mc_sample.jsonl"),
                         "format": "mcq", "limit": 6}],
     })
-    space = SweepSpace.model_validate({
-        "search": "grid", "metric": "val_loss/debian-faq-pt", "max_concurrent_trials": 2,
-        "scheduler": {"type": "none"}, "benchmark": {"task": "pt-mc", "top": 2},
-        "parameters": {"mix.debian-faq-pt": {"values": [0.1, 10.0]}}})
-    out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", space)
-    trials = json.loads((out / "sweep.json").read_text())["trials"]
-    assert sorted(t["config"]["mix.debian-faq-pt"] for t in trials) == [0.1, 10.0]
-    for t in trials:
-        assert set(t["val_loss_by_source"]) == {"debian-reference-pt", "debian-faq-pt"}
-        assert t["metric"] == t["val_loss_by_source"]["debian-faq-pt"]
-        assert t["benchmark"]["task"] == "pt-mc" and t["benchmark"]["n"] == 6 and 0 <= t["benchmark"]["value"] <= 1
-    assert "pt-mc acc" in (out / "report.md").read_text()
-
-
-def test_an_interrupted_sweep_resumes_where_it_was(demo_run, recipe_path, tmp_path):
-    """The sweep's driver SIGKILLed after its first trial finished: running the same sweep again restores Tune's
-    experiment and trains only the trial that was left, not the finished one again."""
-    import ray
-
-    folder = recipe_path.parent / "sweep-resume"
-    folder.mkdir()
-    recipe = write_recipe(folder, **{
-        "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"),
-        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 9, "validate_every": 3, "num_workers": 1},
-    })
     space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump({"search": "grid", "max_concurrent_trials": 1, "scheduler": {"type": "none"},
-                                     "parameters": {"lr": {"values": [0.01, 0.004]}}}))
+    space.write_text(yaml.safe_dump({
+        "search": "grid", "metric": "val_loss/debian-faq-pt", "max_concurrent_trials": 1, "scheduler": {"type": "none"},
+        "benchmark": {"task": "pt-mc", "top": 1}, "parameters": {"mix.debian-faq-pt": {"values": [0.1, 10.0]}}}))
     cli = [sys.executable, "-m", "amalia_ray.cli", "sweep", str(recipe), "--stage", "pretrain", "--space", str(space)]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "TUNE_GLOBAL_CHECKPOINT_S": "1"}
     sweeps = recipe_path.parent / "runs" / "e2e" / "sweeps"
@@ -351,7 +329,7 @@ def test_an_interrupted_sweep_resumes_where_it_was(demo_run, recipe_path, tmp_pa
         time.sleep(0.5)
     assert len(started) == 2, "the second trial never started"
     first = started[0]
-    assert read_jsonl(first)[-1]["step"] == 9 and (first.parent / "hf").exists(), "the first trial had finished"
+    assert read_jsonl(first)[-1]["step"] == 6 and (first.parent / "hf").exists(), "the first trial had finished"
     time.sleep(3)  # Tune saves its experiment state every second here
     driver.kill()
     driver.wait()
@@ -361,9 +339,17 @@ def test_an_interrupted_sweep_resumes_where_it_was(demo_run, recipe_path, tmp_pa
     from amalia_ray.pipeline.sweep import run_sweep
 
     out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", load_space(space))
-    summary = json.loads((out / "sweep.json").read_text())
-    assert [t["status"] for t in summary["trials"]] == ["completed", "completed"]
     assert first.stat().st_mtime == finished_at, "the finished trial was not trained again"
+    trials = json.loads((out / "sweep.json").read_text())["trials"]
+    assert [t["status"] for t in trials] == ["completed", "completed"]
+    assert sorted(t["config"]["mix.debian-faq-pt"] for t in trials) == [0.1, 10.0]
+    for t in trials:
+        assert set(t["val_loss_by_source"]) == {"debian-reference-pt", "debian-faq-pt"}
+        assert t["metric"] == t["val_loss_by_source"]["debian-faq-pt"]
+    best = min(trials, key=lambda t: t["metric"])
+    assert best["benchmark"]["task"] == "pt-mc" and best["benchmark"]["n"] == 6 and 0 <= best["benchmark"]["value"] <= 1
+    assert [t for t in trials if "benchmark" in t] == [best], "only the top trial is served"
+    assert "pt-mc acc" in (out / "report.md").read_text()
 
 
 API_KEY = "e2e-secret-key"
@@ -372,7 +358,8 @@ API_KEY = "e2e-secret-key"
 @pytest.fixture(scope="module")
 def served(demo_run, tmp_path_factory):
     """`amalia serve` as a user runs it — its own embedded Ray in a subprocess, API key on — serving the pretrained
-    checkpoint under two model ids; stopped at the end with `amalia serve --stop`, which must shut it down."""
+    checkpoint (one vLLM engine: several side by side are the eval stage's, in the tests that run one); stopped at
+    the end with `amalia serve --stop`, which must shut it down."""
     import httpx
 
     pipeline, _ = demo_run
@@ -382,7 +369,7 @@ def served(demo_run, tmp_path_factory):
     ckpt = str(pipeline.checkpoint_of("pretrain"))
     cli = [sys.executable, "-m", "amalia_ray.cli"]
     log = state / "serve.log"  # a file, not a pipe: an unread pipe fills up and blocks the server
-    proc = subprocess.Popen([*cli, "serve", ckpt, ckpt, "--name", "pre", "--name", "pre-copy", "--port", str(port)],
+    proc = subprocess.Popen([*cli, "serve", ckpt, "--name", "pre", "--port", str(port)],
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -412,10 +399,10 @@ def test_serving_guards_bad_requests_and_keeps_serving(served):
     assert httpx.post(f"{base}/v1/completions", json=ok).status_code == 401
     assert httpx.post(f"{base}/v1/completions", json=ok, headers={"Authorization": "Bearer nope"}).status_code == 401
     health = httpx.get(f"{base}/health")
-    assert health.status_code == 200 and health.json() == {"status": "ok", "models": {"pre": "ok", "pre-copy": "ok"}}
-    assert {m["id"] for m in httpx.get(f"{base}/v1/models", headers=auth).json()["data"]} == {"pre", "pre-copy"}
+    assert health.status_code == 200 and health.json() == {"status": "ok", "models": {"pre": "ok"}}
+    assert {m["id"] for m in httpx.get(f"{base}/v1/models", headers=auth).json()["data"]} == {"pre"}
     r = httpx.post(f"{base}/v1/completions", json={**ok, "model": "nope"}, headers=auth)
-    assert r.status_code == 404 and "served models: ['pre', 'pre-copy']" in r.text
+    assert r.status_code == 404 and "served models: ['pre']" in r.text
     cases = [({**ok, "prompt": "palavra " * 3000}, 400), ({**ok, "max_tokens": 100_000}, 400),
              ({**ok, "prompt": 5.5, "max_tokens": "x"}, 400), ({**ok, "prompt": "a" * (9 << 20)}, 413)]
     for body, code in cases:
@@ -525,11 +512,11 @@ def test_eval_command_line_contract(served, tmp_path):
     for fmt, name, metric in [("pheb", "pheb_sample.json", "acc"), ("variety", "variety_sample.jsonl", "pt_pt")]:
         out = tmp_path / f"{fmt}.json"
         proc = subprocess.run([sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"],
-                               "--model", "pre-copy", "--task", str(tasks / name), "--format", fmt,
+                               "--model", "pre", "--task", str(tasks / name), "--format", fmt,
                                "--output", str(out)], env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         result = json.loads(out.read_text())
-        assert result["model"] == "pre-copy" and result["format"] == fmt and len(result["items"]) == result["n"] >= 8
+        assert result["model"] == "pre" and result["format"] == fmt and len(result["items"]) == result["n"] >= 8
         assert 0.0 <= result["scores"][metric] <= 1.0 and f"{metric}_stderr" in result["scores"]
     assert set(json.loads((tmp_path / "pheb.json").read_text())["by_subject"]) >= {"Matemática", "História"}
     # an item over the served context (512 tokens) is refused by vLLM (400): reported, the others still scored
@@ -543,61 +530,16 @@ def test_eval_command_line_contract(served, tmp_path):
     result = json.loads((tmp_path / "l.json").read_text())
     assert result["n"] == 2 and result["rejected"] == 1 and "HTTP 400" in result["items"][1]["rejected"]
     assert [it["id"] for it in result["items"]] == [r["id"] for r in rows] and "rejected" in proc.stderr
-    # ALBA-style: the served model answers, a served judge (here the same tiny model under its other id) grades
+    # ALBA-style: the served model answers, a served judge (here the same tiny model) grades
     proc = subprocess.run([sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"], "--model",
                            "pre", "--task", str(tasks / "judge_sample.jsonl"), "--format", "judge", "--judge-model",
-                           "pre-copy", "--output", str(tmp_path / "judge.json")],
+                           "pre", "--output", str(tmp_path / "judge.json")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     judged = json.loads((tmp_path / "judge.json").read_text())
-    assert judged["judge"] == "pre-copy" and judged["n"] == 6 and all(it["judge_reply"] for it in judged["items"])
+    assert judged["judge"] == "pre" and judged["n"] == 6 and all(it["judge_reply"] for it in judged["items"])
     valid = [it["score"] for it in judged["items"] if it["score"] is not None]
     assert judged["scores"]["invalid"] == 6 - len(valid) and all(1 <= v <= 5 for v in valid)
-
-
-@pytest.mark.reliability
-def test_a_replica_killed_during_an_evaluation(served, tmp_path):
-    """The vLLM replica serving `pre-copy` SIGKILLed, engine process and all, while an evaluation runs against it:
-    Serve starts a new replica, the client retries the requests that failed, and every score and log-likelihood
-    equals those of an undisturbed evaluation of the same task."""
-    import psutil
-
-    from amalia_ray.core.config import EvalConfig, EvalTaskConfig
-    from amalia_ray.evals.runner import run_task
-
-    sample = [json.loads(ln) for ln in (Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl").open()]
-    items = tmp_path / "mc.jsonl"  # the sample 8 times (new ids), one item per request, 2 in flight: a run of seconds
-    items.write_text("".join(json.dumps({**row, "id": f"{row['id']}-{k}"}) + "\n" for k in range(8) for row in sample))
-    task = EvalTaskConfig(name="mc", path=str(items))
-    settings = EvalConfig(concurrency=2, prompts_per_request=1)
-    args = dict(base_url=served["url"], model="pre-copy", settings=settings, api_key=served["key"])
-    calm = run_task(task, items, **args)
-    assert calm["wall_time_s"] > 2.0, "the evaluation must still be running when the replica is killed after 1 s"
-
-    def replica() -> psutil.Process:
-        for p in psutil.Process(served["pid"]).children(recursive=True):
-            try:
-                title = " ".join(p.cmdline())
-            except psutil.Error:
-                continue
-            if "ServeReplica" in title and "pre-copy" in title:
-                return p
-        raise AssertionError("no Serve replica of pre-copy found")
-
-    victim = replica()
-    outcome: list = []
-    runner = threading.Thread(target=lambda: outcome.append(run_task(task, items, **args)))
-    runner.start()
-    time.sleep(1.0)
-    for p in [*victim.children(recursive=True), victim]:  # the engine core dies with it, as in a node crash
-        p.kill()
-    runner.join(timeout=600)
-    assert outcome, "the evaluation did not finish"
-    disturbed = outcome[0]
-    assert disturbed["scores"] == calm["scores"] and disturbed["n"] == calm["n"]
-    for a, b in zip(disturbed["items"], calm["items"]):
-        assert a["id"] == b["id"] and a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
-    assert replica().pid != victim.pid, "a new replica serves pre-copy"
 
 
 def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):
@@ -625,6 +567,51 @@ def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):
     kept = read_jsonl(tmp_path / "kept.jsonl")
     assert len(kept) == accepted["kept"] <= 36 and all(r["reward"] == 1.0 for r in kept)
     assert all(any(ch.isdigit() for ch in r["messages"][-1]["content"]) for r in kept)
+
+
+@pytest.mark.reliability
+def test_a_replica_killed_during_an_evaluation(served, tmp_path):
+    """The vLLM replica serving `pre` SIGKILLed, engine process and all, while an evaluation runs against it:
+    Serve starts a new replica, the client retries the requests that failed, and every score and log-likelihood
+    equals those of an undisturbed evaluation of the same task. (Last of the tests on the served app.)"""
+    import psutil
+
+    from amalia_ray.core.config import EvalConfig, EvalTaskConfig
+    from amalia_ray.evals.runner import run_task
+
+    sample = [json.loads(ln) for ln in (Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl").open()]
+    items = tmp_path / "mc.jsonl"  # the sample 8 times (new ids), one item per request, 2 in flight: a run of seconds
+    items.write_text("".join(json.dumps({**row, "id": f"{row['id']}-{k}"}) + "\n" for k in range(8) for row in sample))
+    task = EvalTaskConfig(name="mc", path=str(items))
+    settings = EvalConfig(concurrency=2, prompts_per_request=1)
+    args = dict(base_url=served["url"], model="pre", settings=settings, api_key=served["key"])
+    calm = run_task(task, items, **args)
+    assert calm["wall_time_s"] > 2.0, "the evaluation must still be running when the replica is killed after 1 s"
+
+    def replica() -> psutil.Process:
+        for p in psutil.Process(served["pid"]).children(recursive=True):
+            try:
+                title = " ".join(p.cmdline())
+            except psutil.Error:
+                continue
+            if "ServeReplica" in title and "LLMServer:pre" in title:
+                return p
+        raise AssertionError("no Serve replica of pre found")
+
+    victim = replica()
+    outcome: list = []
+    runner = threading.Thread(target=lambda: outcome.append(run_task(task, items, **args)))
+    runner.start()
+    time.sleep(1.0)
+    for p in [*victim.children(recursive=True), victim]:  # the engine core dies with it, as in a node crash
+        p.kill()
+    runner.join(timeout=600)
+    assert outcome, "the evaluation did not finish"
+    disturbed = outcome[0]
+    assert disturbed["scores"] == calm["scores"] and disturbed["n"] == calm["n"]
+    for a, b in zip(disturbed["items"], calm["items"]):
+        assert a["id"] == b["id"] and a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+    assert replica().pid != victim.pid, "a new replica serves pre"
 
 
 S3_SECRET = "s3-secret-e2e-" + os.urandom(8).hex()
@@ -721,27 +708,3 @@ def test_corpus_empty_after_filtering(ray_cluster, tmp_path):
     recipe = write_recipe(tmp_path, **{"run.name": "empty", "data.min_chars": 10_000_000})
     with pytest.raises(AmaliaError, match=r"corpus empty after filtering: 0 of \d+ documents kept"):
         Pipeline(load_recipe(recipe)).run(until="data")
-
-
-def test_a_recipe_submitted_as_a_ray_job(ray_cluster, tmp_path):
-    """`amalia submit RECIPE --address http://HEAD:8265 --follow` runs the pipeline as a Ray job on the cluster
-    (here this session's: its dashboard is the job server); `amalia status JOB` and `amalia logs JOB` read it
-    back."""
-    from ray._private.worker import get_dashboard_url
-
-    address = f"http://{get_dashboard_url()}"
-    recipe = write_recipe(tmp_path, **{"run.name": "job"})
-    cli = [sys.executable, "-m", "amalia_ray.cli"]
-    # --no-upload: this machine's environment has the project installed, as a cluster image would (uploading the
-    # working directory failed once here with Ray's "package prematurely deleted from the GCS", ray#36703)
-    proc = subprocess.run([*cli, "submit", str(recipe), "--address", address, "--until", "data", "--follow",
-                           "--python", sys.executable, "--no-upload"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    job_id = proc.stdout.split()[0]
-    assert job_id.startswith("raysubmit_") and f"job {job_id}: SUCCEEDED" in proc.stdout
-    stages = json.loads((tmp_path / "runs" / "job" / "manifest.json").read_text())["stages"]
-    assert list(stages) == ["data"] and stages["data"]["status"] == "completed"
-    status = subprocess.run([*cli, "status", job_id, "--address", address], capture_output=True, text=True)
-    assert status.returncode == 0 and json.loads(status.stdout)["status"] == "SUCCEEDED"
-    logs = subprocess.run([*cli, "logs", job_id, "--address", address], capture_output=True, text=True)
-    assert logs.returncode == 0 and "report: " in logs.stdout
