@@ -100,3 +100,40 @@ def test_serve_job_needs_a_cluster(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert serve.main([str(write_recipe(tmp_path))]) == 1
     assert "deploys onto a cluster" in capsys.readouterr().err
+
+
+def _finish_stage(run_dir, name, barrier) -> None:
+    from amalia_ray.core.manifest import Manifest, now_iso
+
+    manifest = Manifest.load_or_new(run_dir, "r")  # loaded before the other process saves: a stale copy of it
+    rec = manifest.stage(name)
+    rec.status, rec.attempts, rec.started_at = "completed", 1, now_iso()
+    barrier.wait()
+    manifest.save(run_dir, [name])
+
+
+def test_two_stage_jobs_finishing_at_the_same_moment_are_both_recorded(tmp_path):
+    """Two processes of one run (stage jobs) each load the manifest, finish a different stage and save at the same
+    moment, 50 times in a row: both stages are recorded every time, and the stage recorded before them stays."""
+    import multiprocessing
+
+    from amalia_ray.core.manifest import Manifest
+
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(50):
+        run_dir = tmp_path / str(attempt)
+        earlier = Manifest(run_name="r")
+        earlier.stage("pretrain").status = "completed"
+        earlier.save(run_dir, ["pretrain"])
+        barrier = ctx.Barrier(2)
+        jobs = [ctx.Process(target=_finish_stage, args=(run_dir, name, barrier)) for name in ("sft", "dpo")]
+        for job in jobs:
+            job.start()
+        for job in jobs:
+            job.join(60)
+            assert job.exitcode == 0
+        want = {"pretrain": "completed", "sft": "completed", "dpo": "completed"}
+        stages = json.loads((run_dir / "manifest.json").read_text())["stages"]
+        assert {name: rec["status"] for name, rec in stages.items()} == want, f"attempt {attempt}"
+        loaded = Manifest.load_or_new(run_dir, "r").stages
+        assert {name: rec.status for name, rec in loaded.items()} == want and list(loaded)[0] == "pretrain"

@@ -1,13 +1,21 @@
 """The run manifest: `runs/<name>/manifest.json`, one entry per stage with what it read, wrote and cost.
 
 A stage is skipped when its fingerprint (config hash + input content hashes) matches a completed entry.
+
+Stage jobs of one run may finish at the same moment in different processes (`python -m jobs.<stage>`), so a stage's
+record is written on its own, to `manifest.d/<stage>.json`, by the one process running that stage, and
+`manifest.json` is rebuilt from every record under a lock: no process writes back its stale copy of another
+stage's record. On object storage the records are separate objects too, merged when read.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -18,6 +26,8 @@ import amalia_ray
 from amalia_ray.core.storage import write_json
 
 Status = Literal["pending", "running", "completed", "failed", "skipped"]
+RECORDS = "manifest.d"  # one file per stage
+LOCK = ".manifest.lock"
 
 
 class StageRecord(BaseModel):
@@ -50,16 +60,45 @@ class Manifest(BaseModel):
     @classmethod
     def load_or_new(cls, run_dir: Path, run_name: str) -> Manifest:
         path = run_dir / "manifest.json"
-        if path.exists():
-            return cls.model_validate(json.loads(path.read_text(encoding="utf-8")))
-        return cls(run_name=run_name)
+        manifest = (cls.model_validate(json.loads(path.read_text(encoding="utf-8"))) if path.exists()
+                    else cls(run_name=run_name))
+        manifest.stages.update(read_records(run_dir))
+        return manifest
 
-    def save(self, run_dir: Path) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(run_dir / "manifest.json", self.model_dump(mode="json"))
+    def save(self, run_dir: Path, stages: Iterable[str] = ()) -> None:
+        """Write the records of `stages` (the ones this process runs) and rebuild manifest.json from the run's
+        fields and every stage's latest record; this copy takes in the records other processes wrote."""
+        stages = set(stages)
+        (run_dir / RECORDS).mkdir(parents=True, exist_ok=True)
+        for name in stages:
+            write_json(run_dir / RECORDS / f"{name}.json", self.stages[name].model_dump(mode="json"))
+        with locked(run_dir / LOCK):
+            for name, record in read_records(run_dir).items():
+                if name not in stages:
+                    self.stages[name] = record
+            write_json(run_dir / "manifest.json", self.model_dump(mode="json"))
 
     def stage(self, name: str) -> StageRecord:
         return self.stages.setdefault(name, StageRecord())
+
+
+def read_records(run_dir: Path) -> dict[str, StageRecord]:
+    """The stage records of `manifest.d/`, in the order the stages started."""
+    folder = run_dir / RECORDS
+    records = {f.stem: StageRecord.model_validate(json.loads(f.read_text(encoding="utf-8")))
+               for f in (folder.glob("*.json") if folder.is_dir() else [])}
+    return dict(sorted(records.items(), key=lambda kv: (kv[1].started_at or "", kv[0])))
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock between the processes of this machine (advisory, released when the holder dies)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def now_iso() -> str:

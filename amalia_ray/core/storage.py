@@ -48,7 +48,8 @@ def commit_dir(tmp: Path, path: Path) -> Path:
 
 
 def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # a name of this process's own: two processes writing one file never share (and clobber) a temporary
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import traceback
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,7 +20,7 @@ from amalia_ray.core.config import NAME_PATTERN, Recipe
 from amalia_ray.core.console import activity, stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import RunStore
-from amalia_ray.core.manifest import Manifest, Stopwatch, code_version, now_iso
+from amalia_ray.core.manifest import RECORDS, Manifest, Stopwatch, code_version, now_iso
 from amalia_ray.core.recipe import LoadedRecipe, config_hash
 from amalia_ray.core.storage import hash_path
 from amalia_ray.core.tracking import MLFLOW_DIR, NoTracker, Tracker, flatten
@@ -44,8 +45,11 @@ class Pipeline:
         secrets.remember_in(run.storage_options)  # so no log line or recorded error shows them
         secrets.remember(os.environ.get(self.recipe.serve.api_key_env))
         self.store = RunStore(run.storage, run.storage_options, self.run_name) if run.storage else None
+        self.own: set[str] = set()  # the stages this process runs: their manifest records are its to write
         if self.store and not (self.run_dir / "manifest.json").exists():  # a fresh machine: carry on the stored run
             self.store.pull("manifest.json", self.run_dir / "manifest.json")
+        if self.store:
+            self.pull_records()
         self.manifest = Manifest.load_or_new(self.run_dir, self.run_name)
         self.manifest.recipe_path = str(loaded.path)
         self.manifest.recipe_hash = config_hash(self.recipe)
@@ -86,10 +90,27 @@ class Pipeline:
         return fp, cfg, inputs
 
     # ---- the durable copy (run.storage) -------------------------------------------------------------------------
-    def save(self) -> None:
-        self.manifest.save(self.run_dir)
+    def save(self, stage: str) -> None:
+        """Record `stage` and rebuild the manifest with what other processes recorded meanwhile; with run.storage,
+        other machines' stored records are merged in first, and this stage's record and the manifest are stored."""
+        self.own.add(stage)
         if self.store:
+            self.pull_records()
+        self.manifest.save(self.run_dir, [stage])
+        if self.store:
+            self.store.push(self.run_dir / RECORDS / f"{stage}.json", f"{RECORDS}/{stage}.json")
             self.store.push(self.run_dir / "manifest.json", "manifest.json")
+
+    def pull_records(self) -> None:
+        """The stored records of the stages other processes run (a stage's record has one writer)."""
+        incoming = self.run_dir / f".{RECORDS}.{os.getpid()}"
+        shutil.rmtree(incoming, ignore_errors=True)
+        if self.store.pull(RECORDS, incoming):
+            (self.run_dir / RECORDS).mkdir(parents=True, exist_ok=True)
+            for f in incoming.glob("*.json"):
+                if f.stem not in self.own:
+                    os.replace(f, self.run_dir / RECORDS / f.name)
+        shutil.rmtree(incoming, ignore_errors=True)
 
     def pull_missing(self, paths) -> None:
         """Fetch run-folder paths this machine lacks from the store (a run carried on elsewhere)."""
@@ -118,7 +139,7 @@ class Pipeline:
                 stage_line(spec.name, "[green]skipped[/]: inputs and config unchanged since the completed run")
                 if self.store and not self.store.exists(spec.name):  # storage added to a run made without it
                     self.push_stage(spec)
-                    self.save()
+                    self.save(spec.name)
                 return rec.metrics
         if rec.status in ("running", "failed") and rec.fingerprint == fp:
             stage_line(spec.name, f"[yellow]resuming[/] an interrupted run (attempt {rec.attempts + 1})")
@@ -131,7 +152,7 @@ class Pipeline:
         rec.code_version, rec.resources, rec.started_at, rec.error = self.code_version, spec.resources, now_iso(), None
         rec.cost = {}
         rec.attempts += 1
-        self.save()
+        self.save(spec.name)
         with Stopwatch() as sw, self.tracker.stage(spec.name, self.params_of(spec), spec.metrics_file) as tracked:
             try:
                 # a training stage draws its own progress bar from its metrics
@@ -142,7 +163,7 @@ class Pipeline:
                 rec.finished_at, rec.wall_time_s = now_iso(), sw.seconds
                 rec.metrics = {"traceback": secrets.mask(traceback.format_exc(limit=5)[-2000:])}
                 rec.cost = stage_cost(spec.held({}), sw.seconds, None, self.recipe.accounting)
-                self.save()
+                self.save(spec.name)
                 raise
             rec.status, rec.metrics, rec.finished_at, rec.wall_time_s = "completed", metrics, now_iso(), sw.seconds
             rec.cost = stage_cost(spec.held(metrics), sw.seconds, spec.tokens(metrics), self.recipe.accounting)
@@ -151,7 +172,7 @@ class Pipeline:
                        for k, p in spec.outputs.items()}
         rec.output_hashes = {k: hash_path(p) for k, p in spec.outputs.items() if p.exists()}
         self.push_stage(spec)  # outputs first: a stored manifest never names outputs that are not stored
-        self.save()
+        self.save(spec.name)
         stage_line(spec.name, f"[green]done[/] in {sw.seconds:.1f}s")
         return metrics
 
