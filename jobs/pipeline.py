@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Callable
 
+from amalia_ray.core import secrets
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import LoadedRecipe, load_recipe
 from amalia_ray.pipeline.runner import Pipeline
@@ -30,16 +32,25 @@ def run_job(prog: str, description: str, argv: list[str] | None,
     if add_arguments:
         add_arguments(parser)
     args = parser.parse_args(argv)
+    secrets.install_log_masking()
     try:
         loaded = load_recipe(args.recipe)
         pipeline = Pipeline(loaded, run_name=args.run_name, force=args.force)
         only = select(loaded, args) if select else None
         report = pipeline.run(until=getattr(args, "until", None), only=only)
-    except AmaliaError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - the job's log is where a user reads why it failed
+        return failed(e)
     print(f"report: {report}")
     return 0
+
+
+def failed(e: Exception) -> int:
+    """Say why the job failed — the message of an expected error, the traceback of any other — with every secret
+    this process knows (storage credentials, the API key) masked, as the job's log is readable on the dashboard.
+    Returns the job's exit code."""
+    text = f"error: {e}" if isinstance(e, AmaliaError) else traceback.format_exc()
+    print(secrets.mask(text), file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

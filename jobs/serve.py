@@ -11,10 +11,12 @@ import os
 import sys
 
 from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+from amalia_ray.core import secrets
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import load_recipe
 from amalia_ray.pipeline.runner import Pipeline
 from amalia_ray.serve import app as serve_app
+from jobs.pipeline import failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", action="append", help="serve this train stage's checkpoint (repeatable; "
                         "default: every train stage)")
     args = parser.parse_args(argv)
+    secrets.install_log_masking()
     try:
         if not os.environ.get("RAY_ADDRESS"):
             raise AmaliaError("jobs.serve deploys onto a cluster (RAY_ADDRESS is not set); on this machine use "
@@ -37,9 +40,8 @@ def main(argv: list[str] | None = None) -> int:
             raise AmaliaError(f"no exported checkpoint at {', '.join(missing)}: run the training stages first")
         with ray_session():
             url = serve_app.start(models, pipeline.recipe.serve, cluster_has_gpu())
-    except AmaliaError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - the job's log is where a user reads why it failed
+        return failed(e)
     print(f"serving {', '.join(models)} at {url}")
     return 0
 

@@ -110,6 +110,24 @@ def test_kuberay_manifests_use_crd_fields_and_autoscale_between_min_and_max():
     _check_cluster_spec(job["spec"]["rayClusterSpec"], "rayjob.yaml")
 
 
+def test_every_cluster_file_runs_ray_with_token_auth_and_no_dashboard_open_to_all():
+    """Anyone who reaches a dashboard without token auth can run code on the cluster: cluster.yaml starts every node
+    with RAY_AUTH_MODE=token and the token mounted where Ray reads it, its dashboard on the head's loopback; the
+    KubeRay manifests turn on token auth through authOptions and keep the head service inside the cluster."""
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2 and all("RAY_AUTH_MODE=token " in c for c in starts), starts
+    (head,) = [c for c in starts if "--head" in c]
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head, head
+    assert config["file_mounts"].get("/home/ubuntu/.ray/auth_token") == "~/.ray/auth_token"
+    assert config["auth"]["ssh_user"] == "ubuntu", "the token is mounted into the ssh user's home"
+    cluster = yaml.safe_load((ROOT / "deploy" / "kuberay" / "raycluster.yaml").read_text())["spec"]
+    job = yaml.safe_load((ROOT / "deploy" / "kuberay" / "rayjob.yaml").read_text())["spec"]["rayClusterSpec"]
+    for where, spec in (("raycluster.yaml", cluster), ("rayjob.yaml", job)):
+        assert spec["authOptions"]["mode"] == "token", where
+        assert spec["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP", where
+
+
 def test_the_image_python_satisfies_the_project_and_the_build_context_leaves_local_state_out():
     import re
     import tomllib

@@ -20,6 +20,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not sys.platform.startswith("l
                                                   reason="the node stand-in needs Linux namespaces (root)")]
 
 CHECK = """
+import urllib.error, urllib.request
+try:
+    urllib.request.urlopen("http://127.0.0.1:8265/api/jobs/", timeout=30)
+    print("jobs api open")
+except urllib.error.HTTPError as e:
+    print("jobs api without the token:", e.code)
 import ray
 ray.init(address="127.0.0.1:6379", log_to_driver=False)
 alive = [n for n in ray.nodes() if n["Alive"]]
@@ -54,7 +60,8 @@ def _in_namespaces(script: str, env: dict, namespaces: list[str], timeout: int) 
 
 def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home(tmp_path):
     """What `ray up cluster.yaml` runs on each node, verbatim but for what only a real node has:
-    - the launcher's file mount (the repository in ~/amalia-ray) is a copy of the tracked files;
+    - the launcher's file mounts are copies: the repository's tracked files in ~/amalia-ray, and a token made by
+      `ray get-auth-token --generate` in ~/.ray/auth_token (what the user makes once on their machine);
     - uv is already in ~/.local/bin (its installer's host is out of reach here), so `command -v` skips the curl;
     - `.[gpu]` installs as `.`: vLLM's CUDA build has no use on a machine without a GPU;
     - `sudo` is a shim that runs its command (root here), and /mnt is a private tmpfs, so /mnt/shared is created
@@ -64,8 +71,9 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
       RAY_HEAD_IP=127.0.0.1;
     - the open-files limit stays where this machine caps it (`ulimit -n 65536` fails here, and the launcher, like
       this test, judges `ulimit …; ray start …` by `ray start`).
-    Then a driver connects, finds both nodes alive, imports the project, boto3 (the autoscaler's, installed by the
-    head setup into the venv) and torch from the venv, and `ray stop` from the venv stops them."""
+    Then the Jobs API refuses a request without the token (token auth is on), a driver with the token connects,
+    finds both nodes alive, imports the project, boto3 (the autoscaler's, installed by the head setup into the venv)
+    and torch from the venv, and `ray stop` from the venv stops them."""
     if not _namespaces_work():
         pytest.skip("unshare cannot make PID, mount and network namespaces here")
     local_wheels = os.environ.get("PIP_FIND_LINKS", "/opt/wheels")
@@ -93,7 +101,8 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
     (home / "ray_bootstrap_config.yaml").write_text(yaml.safe_dump(prepare_config(config)))
 
     env = {"HOME": str(home), "PATH": f"{tools}:/usr/local/bin:/usr/bin:/bin",
-           "RAY_HEAD_IP": "127.0.0.1", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           # a client of the cluster: token auth, the token where the file mount puts it
+           "RAY_HEAD_IP": "127.0.0.1", "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
            # this machine's package sources (its pip reads them from pip.conf; uv from the environment)
            "UV_FIND_LINKS": local_wheels, "UV_NATIVE_TLS": "1",
            **{k: v for k, v in os.environ.items() if k.startswith(("UV_", "SSL_", "http_", "https_", "HTTP", "NO_"))}}
@@ -102,6 +111,9 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
     done = _in_namespaces("mount -t tmpfs none /mnt\ncd ~\n" + _checked(setup), env, ["--mount"], timeout=900)
     assert done.returncode == 0, done.stdout[-6000:]
     assert (home / "venv" / "bin" / "ray").exists() and not (home / "venv" / "bin" / "pip").is_symlink()
+    token = subprocess.run([str(home / "venv" / "bin" / "ray"), "get-auth-token", "--generate"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert token.returncode == 0 and (home / ".ray" / "auth_token").exists(), token.stderr[-2000:]
 
     # the head in namespaces of its own; the worker in a PID and mount namespace nested in the head's (so its
     # `ray stop` sees only itself), kept alive in the background as a node would be
@@ -116,3 +128,4 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
     ran = _in_namespaces(script, env, ["--mount", "--net"], timeout=600)
     assert ran.returncode == 0, ran.stdout[-6000:]
     assert "nodes 2" in ran.stdout, ran.stdout[-2000:]
+    assert "jobs api without the token: 401" in ran.stdout, ran.stdout[-2000:]

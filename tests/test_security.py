@@ -156,3 +156,20 @@ def test_error_messages_are_masked_on_the_command_line(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["run", str(recipe)])
     assert result.exit_code == 1 and "corpus path not found" in result.output
     assert SECRET not in result.output and "/nonexistent/***/*.txt" in result.output
+
+
+@pytest.mark.parametrize("error", [AmaliaError, RuntimeError])
+def test_a_failing_job_prints_its_error_masked(tmp_path, monkeypatch, capsys, error):
+    """A Ray job's log is readable by anyone with the dashboard: `python -m jobs.pipeline` and `jobs.serve` print an
+    error that quotes a secret (an expected one, or any other with its traceback) masked, and exit 1."""
+    from jobs import pipeline as job
+
+    monkeypatch.setenv("AMALIA_API_KEY", SECRET)
+
+    def leak(self, **_):
+        raise error(f"the request with 'Authorization: Bearer {SECRET}' failed")
+
+    monkeypatch.setattr(Pipeline, "run", leak)
+    assert job.main([str(write_recipe(tmp_path))]) == 1
+    printed = capsys.readouterr()
+    assert "Authorization: Bearer ***" in printed.err and SECRET not in printed.err + printed.out

@@ -110,6 +110,27 @@ def test_stop_finds_no_server_and_says_where_it_looked(tmp_path, monkeypatch):
     assert not state.exists()
 
 
+def test_stop_leaves_alone_a_process_that_took_a_dead_servers_pid(tmp_path, monkeypatch):
+    """A server killed without cleaning up leaves its state file; when its PID now belongs to another process,
+    `amalia serve --stop` must not signal that process. The server's own PID and start time are what it checks."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("AMALIA_STATE_DIR", str(tmp_path))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with serve_app.local_state("127.0.0.1", 8000, "http://127.0.0.1:8000/v1", ["m"]) as state:
+            recorded = json.loads(state.read_text())
+            stale = {**recorded, "pid": bystander.pid}  # as if the server had been this PID, started earlier
+            state.write_text(json.dumps(stale))
+            said = serve_app.stop_local("127.0.0.1", 8000)
+            assert "left alone" in said and not state.exists()
+        assert bystander.poll() is None, "the unrelated process was signalled"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 @pytest.mark.parametrize("path,body,problem", [
     ("/v1/completions", b"{not json", "not valid JSON"),
     ("/v1/completions", b'{"model": "m", "prompt": NaN}', "NaN is not a JSON number"),

@@ -149,7 +149,8 @@ def _state_file(host: str, port: int) -> Path:
 def local_state(host: str, port: int, base_url: str, models: list[str]) -> Iterator[Path]:
     path = _state_file(host, port)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": os.getpid(), "base_url": base_url, "models": models}))
+    path.write_text(json.dumps({"pid": os.getpid(), "started": _start_time(os.getpid()), "base_url": base_url,
+                                "models": models}))
     try:
         yield path
     finally:
@@ -163,11 +164,15 @@ def stop_local(host: str, port: int, timeout_s: float = 120) -> str:
         raise AmaliaError(f"no `amalia serve` on {host}:{port} on this machine (nothing at {path}); "
                           "for a cluster deployment pass --address")
     state = json.loads(path.read_text())
-    try:
-        os.kill(state["pid"], signal.SIGTERM)
-    except ProcessLookupError:
+    started = _start_time(state["pid"])
+    if started is None:
         path.unlink(missing_ok=True)
         return f"nothing: process {state['pid']} had already exited"
+    if started != state.get("started"):  # the server died without cleaning up and its PID went to another process
+        path.unlink(missing_ok=True)
+        return (f"nothing: process {state['pid']} is not the server that recorded itself in {path} (it started "
+                "later; the server had exited), so it was left alone")
+    os.kill(state["pid"], signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         # the server removes its state file once serving has stopped (Ray itself shuts down after that)
@@ -176,6 +181,16 @@ def stop_local(host: str, port: int, timeout_s: float = 120) -> str:
             return f"{', '.join(state['models'])} at {state['base_url']} (process {state['pid']})"
         time.sleep(0.5)
     raise AmaliaError(f"process {state['pid']} serving {state['base_url']} did not stop within {timeout_s:.0f}s")
+
+
+def _start_time(pid: int) -> float | None:
+    """When the process started (with its PID, what tells it from a later process given the same PID)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
 
 
 def _alive(pid: int) -> bool:
