@@ -184,3 +184,31 @@ def test_dedup_cli_rejects_bad_input(tmp_path):
     assert result.exit_code == 1 and "dedup input not found" in result.output
     result = CliRunner().invoke(app, ["data", "dedup", str(tmp_path), str(tmp_path / "o"), "--num-perm", "100"])
     assert result.exit_code == 1 and "not a multiple of bands" in result.output
+
+
+@pytest.mark.e2e
+def test_two_sources_with_the_same_file_names_and_record_ids_lose_nothing(ray_cluster, tmp_path):
+    """Two exports numbered the way most are (`part-0.jsonl` each, records "0", "1", …), one record of the second a
+    near copy of one of the first: every document gets an id of its own (source, file, line), the records' own ids
+    stay in the metadata, and near-dedup finds the one near duplicate across the sources and nothing else."""
+    from amalia_ray.core.config import DataConfig, NearDedupConfig, SourceConfig
+    from amalia_ray.data.stage import curate
+
+    texts = [" ".join(f"{w}{(i * 7 + k) % 97}" for k, w in enumerate(
+        ["palavra", "texto", "frase", "linha", "termo", "nome", "coisa", "parte"] * 4)) for i in range(80)]
+    near = texts[3].rsplit(" ", 1)[0] + " diferente"  # one word of 32 changed
+    exports = {"a": texts[:40], "b": [*texts[40:52], near, *texts[53:80]]}
+    for name, rows in exports.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part-0.jsonl").write_text(
+            "".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(rows)))
+    cfg = DataConfig(min_chars=10, near_dedup=NearDedupConfig(threshold=0.7), sources=[
+        SourceConfig(name=name, paths=[str(tmp_path / name / "*.jsonl")], format="jsonl") for name in exports])
+    stats = curate(cfg, Path, tmp_path / "out")
+    assert stats["documents_after_filters"] == 80 and stats["near_duplicates_removed"] == 1, stats
+    kept = pq.read_table(tmp_path / "out" / "kept").to_pylist()
+    assert len({r["id"] for r in kept}) == len(kept) == 79
+    removed = pq.read_table(tmp_path / "out" / "near_duplicates").to_pylist()
+    assert [(r["id"], r["cluster_id"]) for r in removed] == [("b/part-0.jsonl#line 13", "a/part-0.jsonl#line 4")]
+    assert {json.loads(r["metadata"])["record_id"] for r in kept if r["source"] == "b"} == {
+        str(i) for i in range(40)} - {"12"}

@@ -32,8 +32,8 @@ def test_jsonl_plain_gz_zst_with_quarantine(tmp_path):
         out = rows(read_file(str(tmp_path / name), src("jsonl")))
         good = [r for r in out if r["drop_reason"] is None]
         bad = [r for r in out if r["drop_reason"]]
-        assert [r["id"] for r in good] == ["a1", f"s/{name}#line 4"]
-        assert json.loads(good[0]["metadata"]) == {"url": "https://exemplo.pt"}
+        assert [r["id"] for r in good] == [f"s/{name}#line 1", f"s/{name}#line 4"]
+        assert json.loads(good[0]["metadata"]) == {"record_id": "a1", "url": "https://exemplo.pt"}
         assert [(r["location"], r["drop_reason"].split(" (")[0]) for r in bad] == [
             ("line 2", "quarantine:invalid JSON"),
             ("line 3", "quarantine:field 'text' missing or not a non-empty string"),
@@ -44,7 +44,8 @@ def test_jsonl_plain_gz_zst_with_quarantine(tmp_path):
 def test_parquet_custom_fields(tmp_path):
     pq.write_table(pa.table({"doc": ["d1", "d2"], "conteudo": [TEXT, None]}), tmp_path / "p.parquet")
     out = rows(read_file(str(tmp_path / "p.parquet"), src("parquet", text_field="conteudo", id_field="doc")))
-    assert out[0]["id"] == "d1" and out[0]["text"] == TEXT and out[0]["drop_reason"] is None
+    assert out[0]["id"] == "s/p.parquet#row 0" and out[0]["text"] == TEXT and out[0]["drop_reason"] is None
+    assert json.loads(out[0]["metadata"]) == {"record_id": "d1"}
     assert out[1]["location"] == "row 1" and out[1]["drop_reason"].startswith("quarantine:field 'conteudo'")
 
 
@@ -73,7 +74,8 @@ def test_warc_html_responses(tmp_path):
     (tmp_path / "a.warc.gz").write_bytes(gzip.compress(data))
     out = rows(read_file(str(tmp_path / "a.warc.gz"), src("warc")))
     assert [json.loads(r["metadata"])["url"] for r in out] == ["https://arquivo.pt/a", "https://arquivo.pt/b"]
-    assert out[0]["id"].startswith("<urn:uuid:") and TEXT in out[0]["text"]
+    assert out[0]["id"].startswith("s/a.warc.gz#") and TEXT in out[0]["text"]
+    assert json.loads(out[0]["metadata"])["record_id"].startswith("<urn:uuid:")
 
 
 def test_unreadable_file_is_quarantined_not_fatal(tmp_path):

@@ -51,7 +51,8 @@ class SourceConfig(Strict):
     format: Literal["text", "jsonl", "parquet", "html", "warc"] = Field(
         "text", description="html: main text extracted (resiliparse); warc: HTML responses of a web archive")
     text_field: str = Field("text", description="jsonl/parquet: the field holding the document text")
-    id_field: str = Field("id", description="jsonl/parquet: the field holding the document id, if any")
+    id_field: str = Field("id", description="jsonl/parquet: the field holding the record's own id, if any (kept in "
+                          "the metadata as record_id; documents are identified by source, file and location)")
     split: Literal["file", "paragraph", "separator"] = Field(
         "paragraph", description="text format: one document per file, blank-line paragraph or separator block"
     )

@@ -228,20 +228,28 @@ def _attach(rows: pa.Table, clusters: pa.Table) -> pa.Table:
     return rows.append_column("cluster_id", cluster_id).append_column("cluster_size", size)
 
 
+def unique_ids(batches, what: str):
+    """Pass on the batches of a dataset sorted by id, stopping at the first id that repeats: near-dedup joins
+    documents to their clusters by id, so a repeated id would silently merge or drop documents."""
+    last = None
+    for batch in batches:
+        ids = batch["id"]
+        if len(ids) and (pc.count_distinct(ids).as_py() < len(ids) or ids[0].as_py() == last):
+            counts = pc.value_counts(pa.concat_arrays([pa.array([last], pa.string()), ids.combine_chunks()
+                                                       if isinstance(ids, pa.ChunkedArray) else ids]))
+            dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+            raise AmaliaError(f"{what}: ids must be unique; '{dup}' appears more than once")
+        last = ids[-1].as_py() if len(ids) else last
+        yield batch
+
+
 def _write_sorted_clusters(joined: ray.data.Dataset, path: Path) -> None:
     """clusters.parquet sorted by id; a repeated id (the input's ids must be unique) stops it with an error."""
-    last = None
     try:
         with pq.ParquetWriter(path, CLUSTER_SCHEMA) as writer:
-            for batch in (joined.select_columns(CLUSTER_SCHEMA.names).sort("id")
-                          .iter_batches(batch_format="pyarrow", batch_size=65536)):
-                ids = batch["id"]
-                if len(ids) and (pc.count_distinct(ids).as_py() < len(ids) or ids[0].as_py() == last):
-                    counts = pc.value_counts(pa.concat_arrays([pa.array([last], pa.string()), ids.combine_chunks()
-                                                               if isinstance(ids, pa.ChunkedArray) else ids]))
-                    dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
-                    raise AmaliaError(f"dedup input: ids must be unique; '{dup}' appears more than once")
-                last = ids[-1].as_py() if len(ids) else last
+            batches = (joined.select_columns(CLUSTER_SCHEMA.names).sort("id")
+                       .iter_batches(batch_format="pyarrow", batch_size=65536))
+            for batch in unique_ids(batches, "dedup input"):
                 writer.write_table(batch.select(CLUSTER_SCHEMA.names).cast(CLUSTER_SCHEMA))
     except AmaliaError:
         path.unlink(missing_ok=True)

@@ -17,6 +17,7 @@ import glob
 import gzip
 import io
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +45,8 @@ class Quarantine(Exception):
 
 
 def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
-    """Every file a source names, in sorted order; a path or glob that matches nothing is an error naming it."""
+    """Every file a source names, in sorted order, each once (patterns may overlap); a path or glob that matches
+    nothing is an error naming it."""
     files: list[str] = []
     for i, pattern in enumerate(source.paths):
         resolved = str(resolve(pattern))
@@ -55,7 +57,16 @@ def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
                 + (" (install the demo corpus with `make corpus`)" if pattern.startswith("/usr/share") else "")
             )
         files.extend(matches)
-    return files
+    return list(dict.fromkeys(files))
+
+
+def relative_names(files: list[str]) -> dict[str, str]:
+    """Each of a source's files by its path below the folder they all share (`part-0.jsonl`, `2024/a.warc.gz`):
+    with the source's name it tells apart files of the same name in different sources or folders."""
+    if not files:
+        return {}
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+    return {f: os.path.relpath(os.path.abspath(f), root) for f in files}
 
 
 class _ZstdStream(io.RawIOBase):
@@ -408,15 +419,21 @@ def _read_arc(path: str) -> Iterator[Record]:
 READERS = {"text": read_text, "jsonl": read_jsonl, "parquet": read_parquet, "html": read_html, "warc": read_warc}
 
 
-def read_file(path: str, src: SourceConfig) -> pa.Table:
-    rows = {name: [] for name in DOC_SCHEMA.names}
+def read_file(path: str, src: SourceConfig, name: str | None = None) -> pa.Table:
+    """The documents of one file. A document's id is `<source>/<name>#<location>` (`name`: the file's path below
+    its source's shared folder, default its file name), unique across sources and files whatever ids the records
+    carry; a record's own id (`id_field`, a WARC-Record-ID) is kept in the metadata as `record_id`."""
+    rows = {column: [] for column in DOC_SCHEMA.names}
+    name = name or Path(path).name
 
     def add(own_id, location, text, meta, problem: Quarantine | None):
         if problem is None and "\x00" in text:
             problem, text = Quarantine("NUL bytes in text", "binary content?"), _preview(text.encode())
         if problem is not None:
             meta = {**meta, "error": problem.detail} if problem.detail else meta
-        rows["id"].append(own_id or f"{src.name}/{Path(path).name}#{location}")
+        if own_id is not None:
+            meta = {"record_id": own_id, **meta}
+        rows["id"].append(f"{src.name}/{name}#{location}")
         rows["source"].append(src.name)
         rows["path"].append(path)
         rows["location"].append(location)
@@ -439,13 +456,14 @@ def read_file(path: str, src: SourceConfig) -> pa.Table:
 
 def read_sources(sources: list[SourceConfig], resolve) -> ray.data.Dataset:
     items = [
-        {"path": f, "source": i}
+        {"path": f, "source": i, "name": name}
         for i, s in enumerate(sources)
-        for f in expand_paths(s, resolve, f"data.sources[{i}]")
+        for f, name in relative_names(expand_paths(s, resolve, f"data.sources[{i}]")).items()
     ]
 
     def read_batch(batch: pa.Table) -> pa.Table:
-        tables = [read_file(p, sources[i]) for p, i in zip(batch["path"].to_pylist(), batch["source"].to_pylist())]
+        tables = [read_file(p, sources[i], name) for p, i, name in zip(
+            batch["path"].to_pylist(), batch["source"].to_pylist(), batch["name"].to_pylist())]
         return pa.concat_tables(tables) if tables else DOC_SCHEMA.empty_table()
 
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(

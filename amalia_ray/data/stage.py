@@ -14,7 +14,7 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.shards import rows_per_group
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.data.cleaning import Clean
-from amalia_ray.data.dedup import near_duplicate_clusters, with_clusters
+from amalia_ray.data.dedup import near_duplicate_clusters, unique_ids, with_clusters
 from amalia_ray.data.language import LanguageID, VarietyTag
 from amalia_ray.data.minhash import MinHashParams
 from amalia_ray.data.pack import TokenizeAndPack
@@ -81,6 +81,9 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     if cfg.dedup == "exact":
         kept = per_part(kept.map_batches(ContentHash(parts), batch_format="pyarrow"), keep_first_per_hash, parts)
     kept = kept.sort("id").materialize()
+    for _ in unique_ids(kept.select_columns(["id"]).iter_batches(batch_format="pyarrow", batch_size=65536),
+                        "data stage documents"):
+        pass  # ids are <source>/<file>#<location>: a repeat is a bug, and near-dedup would lose documents to it
     n_exact = kept.count()
     if cfg.near_dedup:
         kept = _near_dedup(kept, cfg.near_dedup, parts, tmp / "near_duplicates")
