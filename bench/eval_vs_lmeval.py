@@ -96,7 +96,7 @@ def main() -> None:
     export_lm_eval(task, items, tmp / "lm-eval")
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    url = serve_app.start({"bench": args.checkpoint}, ServeConfig(port=args.port), use_gpu=False)
+    url = serve_app.start({"bench": args.checkpoint}, ServeConfig(port=args.port), use_gpu=False, name="amalia-bench")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     bin_dir = Path(sys.executable).parent
 
@@ -121,7 +121,7 @@ def main() -> None:
                 times[name].append(timed(cmd, env))
         times["lm_eval_defaults"] = [timed(theirs("defaults", 1, 1), env)]  # one request at a time: once
     finally:
-        serve_app.stop()
+        serve_app.stop("amalia-bench")
         ray.shutdown()
     ours_result = json.loads((tmp / "ours.json").read_text())
     samples = sorted((tmp / "same").rglob("samples_bench-task_*.jsonl"))[-1]  # one per round: the last

@@ -107,7 +107,7 @@ def main() -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        ours_url = serve_app.start({"bench": args.checkpoint}, cfg, use_gpu=False)
+        ours_url = serve_app.start({"bench": args.checkpoint}, cfg, use_gpu=False, name="amalia-bench")
         wait_ready(bare_url)
         texts = prompts(args.requests)
         servers = {"ray_serve": ours_url, "bare_vllm": bare_url}
@@ -119,7 +119,7 @@ def main() -> None:
                 runs[name].append(asyncio.run(load(servers[name], "bench", texts, args.concurrency,
                                                    args.max_tokens)))
     finally:
-        serve_app.stop()
+        serve_app.stop("amalia-bench")
         ray.shutdown()
         bare.terminate()
         bare.wait(timeout=60)

@@ -1,5 +1,6 @@
 """Deploy a run's trained checkpoints with Ray Serve + vLLM on the cluster the job was submitted to, and leave them
-serving after the job ends (Serve applications outlive the driver). Stop with `amalia serve --stop --address …`.
+serving after the job ends (Serve applications outlive the driver), as the application `amalia-<run>-serve`.
+Stop with `amalia serve --stop --app amalia-<run>-serve --address …`.
 
     ray job submit --address http://HEAD:8265 --working-dir . -- python -m jobs.serve RECIPE [--stage sft]
 """
@@ -39,10 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing := [str(p) for p in models.values() if not (p / "config.json").exists()]:
             raise AmaliaError(f"no exported checkpoint at {', '.join(missing)}: run the training stages first")
         with ray_session():
-            url = serve_app.start(models, pipeline.recipe.serve, cluster_has_gpu())
+            name = serve_app.app_name(f"{pipeline.run_name}-serve")
+            url = serve_app.start(models, pipeline.recipe.serve, cluster_has_gpu(), name)
     except Exception as e:  # noqa: BLE001 - the job's log is where a user reads why it failed
         return failed(e)
-    print(f"serving {', '.join(models)} at {url}")
+    print(f"serving {', '.join(models)} at {url} as Serve application '{name}' (stop: amalia serve --stop --app "
+          f"{name} --address …)")
     return 0
 
 

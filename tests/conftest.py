@@ -77,8 +77,29 @@ def recipe_path(tmp_path_factory):
     })
 
 
+OTHER_TEAM_REPLY = "another team's application"
+
+
 @pytest.fixture(scope="session")
-def demo_run(ray_cluster, recipe_path):
+def other_team(ray_cluster):
+    """Another team's Serve application, up on the session's cluster before any of ours (its proxy on a port of its
+    own, its route /other): the shared cluster every end-to-end test that serves runs on. Yields its URL."""
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class OtherTeam:
+        async def __call__(self, request) -> str:
+            return OTHER_TEAM_REPLY
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(OtherTeam.bind(), name="other-team", route_prefix="/other")
+    yield f"http://127.0.0.1:{port}/other"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_run(ray_cluster, recipe_path, other_team):
     """The whole demo pipeline, run once per session. Its pretraining curve is also kept beside the run (as
     DEMO_PRETRAIN_METRICS): test_faults.py trains that stage again in the same run folder."""
     import shutil

@@ -126,6 +126,58 @@ def test_eval_over_http_scores_every_item(demo_run):
     assert (pipeline.run_dir / "eval.png").stat().st_size > 5_000
 
 
+def test_on_a_shared_serve_ours_come_and_go_and_another_teams_app_keeps_serving(demo_run, other_team, tmp_path):
+    """Another team's application ran on the cluster before ours. The eval stage joined that Serve on its proxy's
+    port (not the recipe's), under an application of the run's own name, and deleted only that; `amalia serve
+    --address` deploys beside it, prints the URL that answers and `--stop --app` deletes only its own; a start that
+    does not come up in time leaves no application and no replica behind. The other team's app answers throughout."""
+    import httpx
+    from ray import serve
+    from ray.util.state import list_actors
+
+    from amalia_ray.core.config import ServeConfig
+    from amalia_ray.serve import app as serve_app
+    from tests.conftest import OTHER_TEAM_REPLY
+
+    def other_answers() -> bool:
+        return httpx.get(other_team, timeout=30).text == OTHER_TEAM_REPLY
+
+    pipeline, _ = demo_run
+    shared_port = int(other_team.split(":")[2].split("/")[0])
+    assert pipeline.manifest.stages["eval"].metrics["base_url"] == f"http://127.0.0.1:{shared_port}/v1"
+    assert other_answers() and set(serve.status().applications) == {"other-team"}
+
+    ckpt = str(pipeline.checkpoint_of("pretrain"))
+    import ray
+
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cli = [sys.executable, "-m", "amalia_ray.cli", "serve"]
+    deployed = subprocess.run([*cli, ckpt, "--name", "ours", "--app", "amalia-cli", "--port", str(free_port())],
+                              env=env, capture_output=True, text=True, timeout=900)
+    assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-3000:]
+    url = f"http://127.0.0.1:{shared_port}/v1"
+    assert f"at {url} as Serve application 'amalia-cli'" in " ".join(deployed.stdout.split())
+    assert [m["id"] for m in httpx.get(f"{url}/models", timeout=30).json()["data"]] == ["ours"]
+    stopped = subprocess.run([*cli, "--stop", "--app", "amalia-cli"], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert stopped.returncode == 0 and "deleted" in stopped.stdout, stopped.stdout + stopped.stderr
+    assert set(serve.status().applications) == {"other-team"} and other_answers()
+
+    cfg = ServeConfig(port=free_port(), startup_timeout_s=2)
+    with pytest.raises(AmaliaError, match="serving did not come up within 2s"):
+        serve_app.start({"slow": pipeline.checkpoint_of("pretrain")}, cfg, use_gpu=False, name="amalia-slow")
+    assert set(serve.status().applications) == {"other-team"}
+
+    def replicas_left() -> list[str]:
+        return [a.name for a in list_actors(filters=[("state", "=", "ALIVE")]) if "amalia-slow" in (a.name or "")]
+
+    deadline = time.monotonic() + 60  # a replica killed mid-start takes a moment to be reported dead
+    while replicas_left() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not replicas_left(), replicas_left()
+    assert other_answers()
+
+
 def test_second_run_skips_unchanged_stages(demo_run, recipe_path, capsys):
     pipeline, _ = demo_run
     before = json.loads((pipeline.run_dir / "manifest.json").read_text())["stages"]

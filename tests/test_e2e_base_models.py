@@ -125,7 +125,7 @@ def test_every_family_export_is_served_by_vllm_over_http(trained):
     for i in range(0, len(exports), 2):
         models = dict(exports[i:i + 2])
         cfg = ServeConfig(port=free_port(), engine={"max_model_len": 256, "gpu_memory_utilization": 0.1})
-        base_url = serve_app.start(models, cfg, use_gpu=False)
+        base_url = serve_app.start(models, cfg, use_gpu=False, name="amalia-families")
         try:
             listed = {m["id"] for m in httpx.get(f"{base_url}/models", timeout=30).json()["data"]}
             assert set(models) <= listed
@@ -140,4 +140,4 @@ def test_every_family_export_is_served_by_vllm_over_http(trained):
                 assert r.status_code == 200, (model_id, r.text[:300])
                 assert r.json()["usage"]["prompt_tokens"] > 5, "the prompt went through the chat template"
         finally:
-            serve_app.stop()
+            serve_app.stop("amalia-families")

@@ -32,7 +32,7 @@ def test_serve_config_is_a_valid_serve_deploy_file(checkpoint, monkeypatch):
 
     monkeypatch.setenv("MY_KEY", "s3cret")
     cfg = ServeConfig(port=8111, min_replicas=1, max_replicas=3, target_ongoing_requests=4, api_key_env="MY_KEY")
-    config = serve_app.serve_config({"base": checkpoint, "sft": checkpoint}, cfg, use_gpu=False)
+    config = serve_app.serve_config({"base": checkpoint, "sft": checkpoint}, cfg, use_gpu=False, name="amalia-serve")
     text = yaml.safe_dump(config)
     assert "s3cret" not in text, "the key itself never goes in the config"
     schema = ServeDeploySchema.model_validate(yaml.safe_load(text))
@@ -73,6 +73,39 @@ def guarded_client(key: str | None, max_bytes: int = 1024) -> TestClient:
     app.add_middleware(BaseHTTPMiddleware, dispatch=errors_to_500)
     app.add_middleware(RequestGuard, api_key_sha256=key_digest(key) if key else None, max_request_bytes=max_bytes)
     return TestClient(app)
+
+
+def test_the_guard_applies_below_a_route_prefix():
+    """On a shared Serve another application may hold "/", so ours sits below a prefix (Serve's root_path): /health
+    stays open there and a request body is checked there as at the root."""
+    import asyncio
+
+    reached = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+
+    guard = RequestGuard(inner, api_key_sha256=key_digest("k"), max_request_bytes=1024)
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    def call(method: str, path: str, body: bytes = b"", key: str | None = None):
+        reached.clear(), sent.clear()
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        scope = {"type": "http", "method": method, "path": path, "root_path": "/amalia-team", "headers": headers}
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        asyncio.run(guard(scope, receive, send))
+        return next((m["status"] for m in sent if m["type"] == "http.response.start"), None)
+
+    assert call("GET", "/amalia-team/health") is None and reached == ["/amalia-team/health"], "open, no key"
+    assert call("GET", "/amalia-team/v1/models") == 401 and not reached
+    assert call("POST", "/amalia-team/v1/completions", b"{not json", key="k") == 400 and not reached
+    assert call("POST", "/amalia-team/v1/completions", b'{"model": "m", "prompt": "x"}', key="k") is None and reached
 
 
 @pytest.mark.reliability
@@ -161,7 +194,7 @@ def test_gpu_replicas_split_the_model_over_their_gpus(checkpoint, gpus, stages):
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
     cfg = ServeConfig(gpus_per_replica=gpus, pipeline_parallel_size=stages, cpus_per_replica=4)
-    config = serve_app.serve_config({"m": checkpoint}, cfg, use_gpu=True)
+    config = serve_app.serve_config({"m": checkpoint}, cfg, use_gpu=True, name="amalia-serve")
     llm = LLMConfig.model_validate(config["applications"][0]["args"]["llm_configs"][0])
     engine = llm.get_engine_config()
     assert (engine.tensor_parallel_degree, engine.pipeline_parallel_degree) == (gpus // stages, stages)

@@ -32,7 +32,9 @@ def serve(
     config_out: Annotated[Path | None, typer.Option("--config-out", help="write a Serve config YAML for "
                                                     "`serve deploy` and exit")] = None,
     stop: Annotated[bool, typer.Option("--stop", help="stop the deployment serving on --port (on a cluster: "
-                                       "delete the application)")] = False,
+                                       "delete the application --app)")] = False,
+    app_name: Annotated[str, typer.Option("--app", help="the Serve application's name: on a shared cluster each "
+                                          "deployment has its own, and --stop deletes only it")] = "amalia-serve",
 ) -> None:
     """Serve checkpoints over the OpenAI API with Ray Serve + vLLM. On the embedded local Ray it runs until
     interrupted or `amalia serve --stop`; with --address / RAY_ADDRESS it deploys to the cluster and returns."""
@@ -50,8 +52,8 @@ def serve(
     if stop:
         if on_cluster:
             with ray_session():
-                serve_app.delete()
-            console.print(f"[green]deleted[/] Serve application '{serve_app.APP_NAME}' on {os.environ['RAY_ADDRESS']}")
+                serve_app.stop(app_name)
+            console.print(f"[green]deleted[/] Serve application '{app_name}' on {os.environ['RAY_ADDRESS']}")
         else:
             console.print(f"[green]stopped[/] {serve_app.stop_local(host, port)}")
         return
@@ -68,19 +70,21 @@ def serve(
     models = dict(zip(names, checkpoints))
     if config_out:
         use_gpu = device == "cuda" or (device == "auto" and gpus_per_replica > 0)
-        config_out.write_text(yaml.safe_dump(serve_app.serve_config(models, cfg, use_gpu), sort_keys=False))
+        config_out.write_text(yaml.safe_dump(serve_app.serve_config(models, cfg, use_gpu, app_name), sort_keys=False))
         console.print(f"wrote {config_out} ({'GPU' if use_gpu else 'CPU'} replicas): `serve deploy {config_out}` "
                       "on a cluster with this package installed")
         return
     serve_app.require_vllm()
-    serve_app.check_port_free(host, port)
+    if not on_cluster:  # on a cluster, a Serve that already runs there is joined on its own port
+        serve_app.check_port_free(host, port)
     if not serve_app.api_key(cfg):
         console.print(f"[yellow]no API key[/]: {api_key_env} is not set, so the endpoint is open to anyone who can "
                       f"reach {host}:{port}")
     with ray_session():
-        url = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()))
+        url = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()), app_name)
         if on_cluster:
-            console.print(f"[green]deployed[/] {', '.join(names)} at {url} (stop: amalia serve --stop)")
+            console.print(f"[green]deployed[/] {', '.join(names)} at {url} as Serve application '{app_name}' (stop: "
+                          f"amalia serve --stop --app {app_name})")
             return
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
         with serve_app.local_state(host, port, url, names):
@@ -92,7 +96,7 @@ def serve(
             except _StopServing:
                 console.print("stop requested (SIGTERM): shutting down")
             finally:
-                serve_app.stop()
+                serve_app.stop(app_name)
 
 
 def _task_config(task: Path, format: str, method: str | None, name: str | None = None, **fields):

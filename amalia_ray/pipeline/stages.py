@@ -47,7 +47,7 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         serve_app.require_vllm()
         eval_rec = p.manifest.stages.get("eval")
         if p.force or eval_rec is None or eval_rec.status != "completed":
-            serve_app.check_port_free(r.serve.host, r.serve.port)
+            serve_app.check_can_serve(r.serve)
 
 
 def check_base_model(recipe, resolve) -> dict:
@@ -202,10 +202,10 @@ def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
 def _serve_and_evaluate(p: RunContext, models: dict[str, Path]) -> dict:
     """Serve every trained checkpoint side by side, score each task on each over HTTP, then stop serving."""
     r = p.recipe
-    base_url = serve_app.start(models, r.serve, use_gpu(p))
-    out: dict = {"base_url": base_url, "results": {}, "tokens_processed": 0,
-                 **({"base_model": p.model_id("base")} if r.model.base else {})}
+    name = serve_app.app_name(p.run_name)
+    out: dict = {"results": {}, "tokens_processed": 0, **({"base_model": p.model_id("base")} if r.model.base else {})}
     try:
+        out["base_url"] = base_url = serve_app.start(models, r.serve, use_gpu(p), name)
         for model_id in models:
             for task in r.eval.tasks:
                 res = run_task(task, p.loaded.resolve(task.path), base_url=base_url, model=model_id,
@@ -216,5 +216,5 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path]) -> dict:
                                                              "metric": metrics_of(task)[0]}
                 out["tokens_processed"] += sum(res["usage"].values())
     finally:
-        serve_app.stop()
+        serve_app.stop(name)
     return out

@@ -1,10 +1,15 @@
 """Serve checkpoints with `ray.serve.llm` + vLLM behind the OpenAI API, one Serve application for one or several
-checkpoints side by side (each a model id in /v1/models)."""
+checkpoints side by side (each a model id in /v1/models).
+
+Each run, sweep and `amalia serve` owns a Serve application of its own name: stopping deletes only that one, so on a
+shared cluster no one tears down another's models. Where Serve already runs, its HTTP proxy is joined (its host and
+port are the cluster's, not the recipe's), and an application takes the route prefix "/" unless another holds it."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -18,8 +23,14 @@ from amalia_ray.core.config import ServeConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.serve.ingress import build_app, key_digest
 
-APP_NAME = "amalia"
+APP_PREFIX = "amalia-"
 BUILDER = "amalia_ray.serve.ingress:build_app"
+_started_serve: set[str] = set()  # applications whose start also started Serve (their stop may shut it down)
+
+
+def app_name(label: str) -> str:
+    """The Serve application of a run (its name), a sweep or an `amalia serve`."""
+    return APP_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "-", label)
 
 
 def require_vllm() -> None:
@@ -86,28 +97,67 @@ def logging_config(cfg: ServeConfig) -> dict:
     return {"enable_access_log": cfg.access_log}
 
 
-def serve_config(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> dict:
+def serve_config(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str) -> dict:
     """A Serve config file for `serve deploy` / `serve run` (Ray's ServeDeploySchema): the same application."""
     return {
         "proxy_location": cfg.proxy_location,
         "http_options": {"host": cfg.host, "port": cfg.port},
-        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": BUILDER,
+        "applications": [{"name": name, "route_prefix": "/", "import_path": BUILDER,
                           "args": app_args(models, cfg, use_gpu), "logging_config": logging_config(cfg)}],
     }
 
 
-def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> str:
-    """Deploy and block until every model answers /v1/models; returns the base URL (…/v1)."""
+def running_serve() -> dict | None:
+    """What the Serve instance on the connected cluster says of itself (`http_options`, `applications`), or None
+    when Serve does not run there (or this process is not connected to Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return client.get_serve_details() if client else None
+
+
+def check_can_serve(cfg: ServeConfig) -> None:
+    """Before any work: the recipe's port must be free here when Serve is to be started by us; a Serve already
+    running on the cluster is joined instead, on its own port."""
+    if running_serve() is None:
+        check_port_free(cfg.host, cfg.port)
+
+
+def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str) -> str:
+    """Deploy the application `name` and block until every model answers /v1/models; returns the base URL (…/v1),
+    the one that answers. A start that does not come up deletes what it deployed."""
     require_vllm()
     from ray import serve
 
-    check_port_free(cfg.host, cfg.port)
-    serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build_app(app_args(models, cfg, use_gpu)), name=APP_NAME, route_prefix="/", blocking=False,
-              logging_config=logging_config(cfg))
-    base_url = f"http://{cfg.host}:{cfg.port}/v1"
-    wait_until_serving(base_url, set(models), cfg.startup_timeout_s, api_key(cfg))
+    running = running_serve()
+    if running is None:
+        check_port_free(cfg.host, cfg.port)
+        serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
+        _started_serve.add(name)
+        host, port, taken = cfg.host, cfg.port, set()
+    else:
+        http = running.get("http_options") or {}
+        host, port = http.get("host") or cfg.host, http.get("port") or cfg.port
+        taken = {a.get("route_prefix") for n, a in (running.get("applications") or {}).items() if n != name}
+    prefix = f"/{name}" if "/" in taken else "/"
+    base_url = f"http://{_reachable(host)}:{port}{prefix.rstrip('/')}/v1"
+    try:
+        serve.run(build_app(app_args(models, cfg, use_gpu)), name=name, route_prefix=prefix, blocking=False,
+                  logging_config=logging_config(cfg))
+        wait_until_serving(base_url, set(models), cfg.startup_timeout_s, api_key(cfg))
+    except BaseException:
+        stop(name)
+        raise
     return base_url
+
+
+def _reachable(host: str) -> str:
+    """The proxy's address as a client on this node dials it (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float, key: str | None = None) -> None:
@@ -126,17 +176,16 @@ def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float, key
     raise AmaliaError(f"serving did not come up within {timeout_s:.0f}s at {base_url} ({last})")
 
 
-def stop() -> None:
+def stop(name: str) -> None:
+    """Delete the application `name` and only it; Serve itself is shut down only when this process started it for
+    this application and no other application runs on it now."""
     from ray import serve
 
-    serve.shutdown()
-
-
-def delete() -> None:
-    """Remove the application from the cluster this process is connected to."""
-    from ray import serve
-
-    serve.delete(APP_NAME)
+    serve.delete(name)
+    if name in _started_serve:
+        _started_serve.discard(name)
+        if not (running_serve() or {}).get("applications"):
+            serve.shutdown()
 
 
 # A foreground `amalia serve` on the embedded Ray records itself here, so `amalia serve --stop` can find it.

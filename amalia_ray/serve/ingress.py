@@ -35,7 +35,12 @@ class RequestGuard:
         self.app, self.key, self.max_bytes = app, api_key_sha256, max_request_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        # below an application's route prefix (another holds "/" on a shared Serve), Serve sets it as root_path
+        path, root = scope["path"], scope.get("root_path", "").rstrip("/")
+        path = path[len(root):] or "/" if root and path.startswith(root + "/") else path
+        if path in OPEN_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.key:
@@ -60,8 +65,7 @@ class RequestGuard:
                 return await self._too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
-        if scope["method"] == "POST" and scope["path"].startswith("/v1/") and (problem := body_problem(
-                scope["path"], bytes(body))):
+        if scope["method"] == "POST" and path.startswith("/v1/") and (problem := body_problem(path, bytes(body))):
             return await _error(400, problem, "invalid_request_error")(scope, receive, send)
         replayed = False
 
