@@ -14,7 +14,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -150,7 +150,8 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str) -
                   logging_config=logging_config(cfg))
         wait_until_serving(base_url, set(models), cfg.startup_timeout_s, api_key(cfg))
     except BaseException:
-        stop(name)
+        with suppress(Exception):  # the cause, not a failed clean-up, is what the caller hears of
+            stop(name)
         raise
     return base_url
 
