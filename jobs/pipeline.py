@@ -29,13 +29,15 @@ def run_job(prog: str, description: str, argv: list[str] | None,
     parser.add_argument("recipe")
     parser.add_argument("--run-name")
     parser.add_argument("--force", action="store_true", help="rerun stages even when unchanged")
+    parser.add_argument("--reuse-stale", action="store_true", help="keep the results of stages completed by an "
+                        "older version of the code instead of rerunning them")
     if add_arguments:
         add_arguments(parser)
     args = parser.parse_args(argv)
     secrets.install_log_masking()
     try:
         loaded = load_recipe(args.recipe)
-        pipeline = Pipeline(loaded, run_name=args.run_name, force=args.force)
+        pipeline = Pipeline(loaded, run_name=args.run_name, force=args.force, reuse_stale=args.reuse_stale)
         only = select(loaded, args) if select else None
         report = pipeline.run(until=getattr(args, "until", None), only=only)
     except Exception as e:  # noqa: BLE001 - the job's log is where a user reads why it failed

@@ -137,3 +137,65 @@ def test_two_stage_jobs_finishing_at_the_same_moment_are_both_recorded(tmp_path)
         assert {name: rec["status"] for name, rec in stages.items()} == want, f"attempt {attempt}"
         loaded = Manifest.load_or_new(run_dir, "r").stages
         assert {name: rec.status for name, rec in loaded.items()} == want and list(loaded)[0] == "pretrain"
+
+
+def test_a_code_change_reruns_a_completed_stage_unless_reuse_stale(pipeline, tmp_path, monkeypatch, capsys):
+    """The package's code is part of a stage's fingerprint: after a change a completed stage runs again; with
+    --reuse-stale its result is kept on purpose, recorded, and the report says so."""
+    from amalia_ray.pipeline import runner
+    from amalia_ray.pipeline.report import write_report
+
+    source = tmp_path / "in.txt"
+    source.write_text("olá")
+    calls = []
+    pipeline.execute(make_spec(pipeline, source, calls))
+    first = pipeline.manifest.stages["thing"].code_hash
+    assert first == runner.code_hash() and len(first) == 16
+    monkeypatch.setattr(runner, "code_hash", lambda: "0123456789abcdef")  # the package's source changed
+
+    kept = Pipeline(pipeline.loaded, reuse_stale=True)
+    kept.execute(make_spec(kept, source, calls))
+    assert len(calls) == 1 and "reused" in capsys.readouterr().out
+    rec = kept.manifest.stages["thing"]
+    assert rec.reused_stale == "0123456789abcdef" and rec.code_hash == first
+    report = write_report(kept.run_dir, kept.manifest).read_text()
+    assert "completed (stale, reused)" in report and "Reused on purpose (--reuse-stale)" in report
+
+    again = Pipeline(pipeline.loaded)
+    again.execute(make_spec(again, source, calls))
+    assert len(calls) == 2 and "the code changed" in capsys.readouterr().out
+    rec = again.manifest.stages["thing"]
+    assert rec.code_hash == "0123456789abcdef" and rec.reused_stale is None
+    again.execute(make_spec(again, source, calls))
+    assert len(calls) == 2, "and now it is current"
+
+
+def test_an_unchanged_input_is_not_read_again(tmp_path, monkeypatch):
+    """Input hashing is incremental: a file whose size, mtime, ctime and inode are unchanged takes its digest from
+    the cache (no byte read); a changed or replaced file is read again; the digests are the contents'."""
+    import hashlib
+
+    from amalia_ray.core import storage
+
+    monkeypatch.setenv("AMALIA_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"part-{i}.jsonl").write_text(f'{{"text": "documento {i}"}}\n' * 1000)
+    reads = []
+    real = storage.hash_file
+    monkeypatch.setattr(storage, "hash_file", lambda path, h=None: reads.append(path) or real(path, h))
+    inputs = {"corpus": corpus, "one": corpus / "part-3.jsonl"}
+    first = storage.hash_paths(inputs)
+    assert len(reads) == 20 and first["one"] == "sha256:" + hashlib.sha256(
+        (corpus / "part-3.jsonl").read_bytes()).hexdigest()
+    reads.clear()
+    assert storage.hash_paths(inputs) == first and reads == [], "nothing read when nothing changed"
+    with open(corpus / "part-7.jsonl", "a") as f:
+        f.write('{"text": "mais um"}\n')
+    changed = storage.hash_paths(inputs)
+    assert reads == [corpus / "part-7.jsonl"] and changed["corpus"] != first["corpus"]
+    reads.clear()
+    (corpus / "new.tmp").write_bytes((corpus / "part-3.jsonl").read_bytes())
+    (corpus / "new.tmp").replace(corpus / "part-3.jsonl")  # same bytes, another inode: read again, same digest
+    assert storage.hash_paths(inputs) == changed and reads == [corpus / "part-3.jsonl"]

@@ -21,6 +21,9 @@ DEFAULT_RECIPE = Path("recipes/demo.yaml")
 RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML (default: recipes/demo.yaml)")]
 RunNameOpt = Annotated[str | None, typer.Option("--run-name", help="override run.name: the folder under runs/")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="rerun stages even when unchanged")]
+ReuseStaleOpt = Annotated[bool, typer.Option("--reuse-stale", help="keep the results of stages completed by an "
+                                             "older version of the code (same config and inputs) instead of "
+                                             "rerunning them; the report says which")]
 AddressOpt = Annotated[str | None, typer.Option("--address", help="Ray job server, e.g. http://HEAD:8265 "
                                               "(else RAY_ADDRESS)")]
 
@@ -77,11 +80,11 @@ def main_options(
         os.environ["RAY_ADDRESS"] = address
 
 
-def pipeline_of(recipe: Path, run_name: str | None, force: bool = False):
+def pipeline_of(recipe: Path, run_name: str | None, force: bool = False, reuse_stale: bool = False):
     from amalia_ray.core.recipe import load_recipe
     from amalia_ray.pipeline.runner import Pipeline
 
-    return Pipeline(load_recipe(recipe), run_name=run_name, force=force)
+    return Pipeline(load_recipe(recipe), run_name=run_name, force=force, reuse_stale=reuse_stale)
 
 
 def run_quietly(pipeline, **selection) -> Path:

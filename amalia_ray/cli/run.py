@@ -10,16 +10,17 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
-from amalia_ray.cli.common import (DEFAULT_RECIPE, AddressOpt, ForceOpt, RecipeArg, RunNameOpt, app, console,
-                                   guarded, pipeline_of, run_quietly)
+from amalia_ray.cli.common import (DEFAULT_RECIPE, AddressOpt, ForceOpt, RecipeArg, ReuseStaleOpt, RunNameOpt, app,
+                                   console, guarded, pipeline_of, run_quietly)
 
 
 @app.command()
 @guarded
 def run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False,
-        until: Annotated[str | None, typer.Option(help="last stage to run (default: all)")] = None) -> None:
+        until: Annotated[str | None, typer.Option(help="last stage to run (default: all)")] = None,
+        reuse_stale: ReuseStaleOpt = False) -> None:
     """Run the whole pipeline: data → tokenizer → pack → training stages → serve + eval → report."""
-    report = run_quietly(pipeline_of(recipe, run_name, force), until=until)
+    report = run_quietly(pipeline_of(recipe, run_name, force, reuse_stale), until=until)
     console.print(f"[bold green]done[/]: {report}")
 
 
@@ -56,9 +57,10 @@ app.add_typer(data_app, name="data")
 
 @data_app.command("run")
 @guarded
-def data_run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False) -> None:
+def data_run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False,
+             reuse_stale: ReuseStaleOpt = False) -> None:
     """Run the data stages of a recipe: curate, train the tokenizer, tokenize and pack."""
-    run_quietly(pipeline_of(recipe, run_name, force), until="pack")
+    run_quietly(pipeline_of(recipe, run_name, force, reuse_stale), until="pack")
 
 
 @data_app.command("dedup")
@@ -185,9 +187,10 @@ def train(
     stage: Annotated[str | None, typer.Option(help="last training stage to run (default: all)")] = None,
     run_name: RunNameOpt = None,
     force: ForceOpt = False,
+    reuse_stale: ReuseStaleOpt = False,
 ) -> None:
     """Run the training stages (and any data stage whose output is missing or stale)."""
-    p = pipeline_of(recipe, run_name, force)
+    p = pipeline_of(recipe, run_name, force, reuse_stale)
     run_quietly(p, until=stage or p.recipe.train[-1].name)
 
 

@@ -11,6 +11,8 @@ stage's record. On object storage the records are separate objects too, merged w
 from __future__ import annotations
 
 import fcntl
+import functools
+import hashlib
 import json
 import subprocess
 import time
@@ -42,6 +44,9 @@ class StageRecord(BaseModel):
     cost: dict = Field(default_factory=dict, description="this attempt's device-hours, tokens, energy, money")
     earlier_attempts_cost: dict = Field(default_factory=dict, description="failed attempts at this fingerprint")
     code_version: str | None = None
+    code_hash: str | None = Field(None, description="sha256 of the package's source the stage ran with")
+    reused_stale: str | None = Field(None, description="the code hash under which a completed stage of older code "
+                                     "was kept on purpose (--reuse-stale)")
     started_at: str | None = None
     finished_at: str | None = None
     wall_time_s: float | None = None
@@ -103,6 +108,17 @@ def locked(path: Path) -> Iterator[None]:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@functools.cache
+def code_hash() -> str:
+    """sha256 of the package's own source (every .py file's path and content): what a stage's result depends on
+    besides its config and inputs, whether or not the code runs from a git checkout (a wheel has no commit)."""
+    root = Path(amalia_ray.__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def code_version() -> str:

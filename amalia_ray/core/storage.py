@@ -1,4 +1,5 @@
-"""Filesystem helpers: content hashes of files and folders, atomic replacement of stage outputs."""
+"""Filesystem helpers: content hashes of files and folders (with a per-machine digest cache), atomic replacement of
+stage outputs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import hashlib
 import json
 import os
 import shutil
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _CHUNK = 1 << 20
@@ -19,17 +23,66 @@ def hash_file(path: Path, h=None) -> str:
     return h.hexdigest()
 
 
-def hash_path(path: str | Path) -> str:
-    """sha256 over a file, or over a folder's relative file names and contents (sorted, so order-independent)."""
+def hash_paths(paths: dict[str, Path]) -> dict[str, str]:
+    """hash_path of each, through one opening of the digest cache."""
+    with DigestCache.open() as cache:
+        return {k: hash_path(p, cache) for k, p in paths.items()}
+
+
+def hash_path(path: str | Path, cache: DigestCache | None = None) -> str:
+    """sha256 of a file's content, or over a folder's relative file names and their files' sha256 (sorted, so
+    order-independent). Each file's digest comes from the digest cache when its size, mtime, ctime and inode are
+    those it was hashed at, so an unchanged corpus is not read again."""
+    if cache is None:
+        with DigestCache.open() as cache:
+            return hash_path(path, cache)
     path = Path(path)
     if path.is_file():
-        return "sha256:" + hash_file(path)
+        return "sha256:" + cache.digest(path)
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(str(f.relative_to(path)).encode() + b"\0")
-        hash_file(f, h)
-        h.update(b"\0")
+        h.update(str(f.relative_to(path)).encode() + b"\0" + cache.digest(f).encode() + b"\0")
     return "sha256:" + h.hexdigest()
+
+
+class DigestCache:
+    """sha256 digests of files by absolute path, kept with the size, mtime, ctime and inode they were computed at
+    (SQLite under $AMALIA_CACHE_DIR, default ~/.cache/amalia: one per machine, shared by its runs and processes).
+    A file whose stat differs is read again; one whose stat is unchanged is trusted, as make and rsync trust it."""
+
+    def __init__(self, db):
+        self.db = db
+
+    @classmethod
+    @contextmanager
+    def open(cls) -> Iterator[DigestCache]:
+        root = Path(os.environ.get("AMALIA_CACHE_DIR") or Path.home() / ".cache" / "amalia")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(root / "file-digests.sqlite", timeout=60)
+            db.execute("CREATE TABLE IF NOT EXISTS digests (path TEXT PRIMARY KEY, stat TEXT, digest TEXT)")
+        except (OSError, sqlite3.Error):  # a read-only home: hash every time rather than fail
+            db = None
+        try:
+            yield cls(db)
+            if db is not None:
+                db.commit()
+        finally:
+            if db is not None:
+                db.close()
+
+    def digest(self, path: Path) -> str:
+        st = path.stat()
+        stat = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{st.st_dev}"
+        key = str(path.resolve())
+        if self.db is not None:
+            row = self.db.execute("SELECT stat, digest FROM digests WHERE path = ?", (key,)).fetchone()
+            if row and row[0] == stat:
+                return row[1]
+        digest = hash_file(path)
+        if self.db is not None:
+            self.db.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?)", (key, stat, digest))
+        return digest
 
 
 def fresh_dir(path: Path) -> Path:

@@ -257,9 +257,13 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
 
     parts += ["## Stages", "", _table(
         ["stage", "status", "wall time (s)", "attempts", "resources", "code version"],
-        [[n, r.status, r.wall_time_s, r.attempts, ", ".join(f"{k}={v}" for k, v in r.resources.items()),
-          r.code_version] for n, r in stages.items()],
+        [[n, r.status + (" (stale, reused)" if r.reused_stale else ""), r.wall_time_s, r.attempts,
+          ", ".join(f"{k}={v}" for k, v in r.resources.items()), f"{r.code_version} ({r.code_hash})" if r.code_hash
+          else r.code_version] for n, r in stages.items()],
     ), ""]
+    if stale := [n for n, r in stages.items() if r.reused_stale]:
+        parts += [f"Reused on purpose (--reuse-stale) although the code has changed since they ran: "
+                  f"{', '.join(stale)}; rerun them without it to get this code's results.", ""]
 
     data = stages.get("data")
     if data and data.metrics.get("per_filter"):

@@ -20,9 +20,9 @@ from amalia_ray.core.config import NAME_PATTERN, Recipe
 from amalia_ray.core.console import activity, stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import RunStore
-from amalia_ray.core.manifest import RECORDS, Manifest, Stopwatch, code_version, now_iso
+from amalia_ray.core.manifest import RECORDS, Manifest, Stopwatch, code_hash, code_version, now_iso
 from amalia_ray.core.recipe import LoadedRecipe, config_hash
-from amalia_ray.core.storage import hash_path
+from amalia_ray.core.storage import hash_paths
 from amalia_ray.core.tracking import MLFLOW_DIR, NoTracker, Tracker, flatten
 from amalia_ray.pipeline import stages
 from amalia_ray.pipeline.report import write_report
@@ -31,8 +31,15 @@ from amalia_ray.pipeline.spec import StageSpec
 DATA_STAGES = ("data", "tokenizer", "pack")
 
 
+def fingerprint_of(cfg: str, inputs: dict[str, str], code: str | None) -> str:
+    """A stage's fingerprint; `code` None is a record made before the code was part of it."""
+    parts = [cfg, inputs] + ([code] if code else [])
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
 class Pipeline:
-    def __init__(self, loaded: LoadedRecipe, run_name: str | None = None, force: bool = False):
+    def __init__(self, loaded: LoadedRecipe, run_name: str | None = None, force: bool = False,
+                 reuse_stale: bool = False):
         self.loaded = loaded
         self.recipe: Recipe = loaded.recipe
         self.run_name = run_name or self.recipe.run.name
@@ -40,7 +47,7 @@ class Pipeline:
             raise AmaliaError(f"run name {self.run_name!r}: letters, digits, '.', '_' and '-' only, not starting with "
                               "'.' or '-' (it names the run folder)")
         self.run_dir = (Path(self.recipe.run.output_dir) / self.run_name).resolve()
-        self.force = force
+        self.force, self.reuse_stale = force, reuse_stale
         run = self.recipe.run
         secrets.remember_in(run.storage_options)  # so no log line or recorded error shows them
         secrets.remember(os.environ.get(self.recipe.serve.api_key_env))
@@ -84,10 +91,10 @@ class Pipeline:
 
     # ---- stage execution ---------------------------------------------------------------------------------------
     def fingerprint(self, spec: StageSpec) -> tuple[str, str, dict[str, str]]:
+        """What a stage's result depends on: its config, its inputs' content and the package's code."""
         cfg = config_hash(*spec.config)
-        inputs = {k: hash_path(p) for k, p in sorted(spec.inputs.items())}
-        fp = hashlib.sha256(json.dumps([cfg, inputs], sort_keys=True).encode()).hexdigest()[:16]
-        return fp, cfg, inputs
+        inputs = hash_paths(dict(sorted(spec.inputs.items())))
+        return fingerprint_of(cfg, inputs, code_hash()), cfg, inputs
 
     # ---- the durable copy (run.storage) -------------------------------------------------------------------------
     def save(self, stage: str) -> None:
@@ -133,10 +140,20 @@ class Pipeline:
                               "that make them first (amalia run --until, or python -m jobs.<stage>)")
         fp, cfg, inputs = self.fingerprint(spec)
         rec = self.manifest.stage(spec.name)
-        if not self.force and rec.status == "completed" and rec.fingerprint == fp:
+        # completed with the same config and inputs by other code: rerun, unless kept on purpose
+        stale = (rec.status == "completed" and rec.fingerprint != fp
+                 and rec.fingerprint == fingerprint_of(cfg, inputs, rec.code_hash))
+        if not self.force and rec.status == "completed" and (rec.fingerprint == fp or (stale and self.reuse_stale)):
             self.pull_missing(spec.outputs.values())
             if all(p.exists() for p in spec.outputs.values()):
-                stage_line(spec.name, "[green]skipped[/]: inputs and config unchanged since the completed run")
+                if stale:
+                    stage_line(spec.name, "[yellow]reused[/]: completed by an older version of the code, kept as "
+                               "--reuse-stale asks")
+                    rec.reused_stale = code_hash()
+                    self.save(spec.name)
+                else:
+                    stage_line(spec.name, "[green]skipped[/]: inputs, config and code unchanged since the completed "
+                               "run")
                 if self.store and not self.store.exists(spec.name):  # storage added to a run made without it
                     self.push_stage(spec)
                     self.save(spec.name)
@@ -147,9 +164,11 @@ class Pipeline:
                 rec.earlier_attempts_cost = total_cost([rec.earlier_attempts_cost, rec.cost])
         else:
             rec.attempts, rec.earlier_attempts_cost = 0, {}  # attempts count tries at this fingerprint
-            stage_line(spec.name, "running")
+            stage_line(spec.name, "running again: the code changed since its completed run (--reuse-stale keeps "
+                       "such a result)" if stale else "running")
         rec.status, rec.fingerprint, rec.config_hash, rec.inputs = "running", fp, cfg, inputs
         rec.code_version, rec.resources, rec.started_at, rec.error = self.code_version, spec.resources, now_iso(), None
+        rec.code_hash, rec.reused_stale = code_hash(), None
         rec.cost = {}
         rec.attempts += 1
         self.save(spec.name)
@@ -170,7 +189,7 @@ class Pipeline:
             tracked.summary({**metrics, "wall_time_s": sw.seconds, "cost": rec.cost})
         rec.outputs = {k: str(p.relative_to(self.run_dir)) if p.is_relative_to(self.run_dir) else str(p)
                        for k, p in spec.outputs.items()}
-        rec.output_hashes = {k: hash_path(p) for k, p in spec.outputs.items() if p.exists()}
+        rec.output_hashes = hash_paths({k: p for k, p in spec.outputs.items() if p.exists()})
         self.push_stage(spec)  # outputs first: a stored manifest never names outputs that are not stored
         self.save(spec.name)
         stage_line(spec.name, f"[green]done[/] in {sw.seconds:.1f}s")
