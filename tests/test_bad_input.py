@@ -206,3 +206,63 @@ def test_the_data_stage_quarantines_every_bad_record_and_keeps_the_rest(ray_clus
     }
     assert stats["quarantined"] == sum(reasons.values())
     assert all(r["location"] for r in quarantine) and all(json.loads(r["metadata"])["error"] for r in quarantine)
+
+
+def test_an_error_that_is_not_the_inputs_fails_the_stage_naming_the_file(tmp_path, monkeypatch):
+    """Only what the input's bytes cause is quarantined: a reader that runs out of memory (or any bug) fails the
+    stage with the file named, instead of turning the rest of the file into a quarantine row."""
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.data import readers
+
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"text": good(0)}) + "\n")
+
+    def out_of_memory(p, src):
+        yield from readers.read_jsonl(p, src)
+        raise MemoryError
+
+    monkeypatch.setitem(readers.READERS, "jsonl", out_of_memory)
+    with pytest.raises(AmaliaError, match=rf"data source 's': reading {path} failed after 1 records, not because "
+                                          "of its content: MemoryError"):
+        read_file(str(path), src("jsonl"))
+
+
+def test_mostly_unreadable_input_fails_the_stage_with_the_counts_per_reason(tmp_path):
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.data.stage import check_quarantine
+
+    per_filter = [{"source": "web", "drop_reason": "quarantine:broken WARC record", "count()": 30},
+                  {"source": "json", "drop_reason": "quarantine:invalid JSON", "count()": 5},
+                  {"source": "json", "drop_reason": "min_chars", "count()": 40}, {"source": "json",
+                                                                                  "drop_reason": None, "count()": 25}]
+    check_quarantine(per_filter, 100, 0.35, tmp_path)  # 35 of 100: at the limit
+    with pytest.raises(AmaliaError, match=r"35 of 100 records \(35%\) could not be read, over "
+                                          r"data.max_quarantine_fraction=0.2: broken WARC record in web \(30\), "
+                                          r"invalid JSON in json \(5\); the records are in "):
+        check_quarantine(per_filter, 100, 0.2, tmp_path)
+
+
+def test_a_read_task_holds_a_bounded_part_of_a_large_file(tmp_path):
+    """A 200 MB jsonl read in a fresh process, its tables handed on as they fill: the process's peak memory grows by
+    far less than the file (reading it whole grew by more than the file)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.jsonl"
+    line = (json.dumps({"id": "x", "text": good(1) * 12}) + "\n").encode()
+    with open(path, "wb") as f:
+        for _ in range((200 << 20) // (len(line) * 1000)):
+            f.write(line * 1000)
+    probe = (
+        "import resource, sys\n"
+        "from amalia_ray.core.config import SourceConfig\n"
+        "from amalia_ray.data.readers import read_file_tables\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "rows = sum(t.num_rows for t in read_file_tables(sys.argv[1], SourceConfig(name='s', paths=['x'], "
+        "format='jsonl')))\n"
+        "print(rows, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows, grew = map(int, done.stdout.split())
+    assert rows * len(line) == path.stat().st_size
+    assert grew < 160 << 20, f"peak grew by {grew >> 20} MB reading a {path.stat().st_size >> 20} MB file"

@@ -1,6 +1,5 @@
 import pyarrow as pa
 
-from amalia_ray.data.readers import split_documents
 from amalia_ray.data.steps import ContentHash, MinLength, Normalize, is_validation, keep_first_per_hash
 
 
@@ -24,11 +23,25 @@ def test_exact_dedup_keeps_smallest_id_and_counts_copies():
     assert "part" not in kept.column_names
 
 
-def test_split_documents():
-    text = "primeiro parágrafo\ncontinua\n\n  \nsegundo"
-    assert split_documents(text, "paragraph", "%") == ["primeiro parágrafo\ncontinua", "segundo"]
-    assert split_documents("a\n%\nb\n%\n", "separator", "%") == ["a\n", "\nb\n", ""]
-    assert split_documents(text, "file", "%") == [text]
+def test_text_documents_are_split_as_the_file_streams(tmp_path, monkeypatch):
+    """Paragraphs, separator blocks and whole files, read a few bytes at a time (so every boundary, and a
+    character, falls across blocks): the same documents as splitting the whole text at once."""
+    from amalia_ray.core.config import SourceConfig
+    from amalia_ray.data import readers
+
+    monkeypatch.setattr(readers, "_CHUNK", 3)
+    text = "primeiro parágrafo\ncontinua\n\n  \nsegundo ção\n\n\n\nterceiro\n"
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "f.txt").write_text("a\n%\nb ão\nb2\n%\n\n%\nc\n%", encoding="utf-8")
+
+    def docs(name, split):
+        src = SourceConfig(name="s", paths=["x"], format="text", split=split)
+        return [(where, doc) for _, where, doc, _, problem in readers.read_text(str(tmp_path / name), src)]
+
+    assert docs("t.txt", "paragraph") == [("paragraph 0", "primeiro parágrafo\ncontinua"),
+                                          ("paragraph 1", "segundo ção"), ("paragraph 2", "terceiro\n")]
+    assert [d for _, d in docs("f.txt", "separator")] == ["a\n", "b ão\nb2\n", "c\n"]
+    assert docs("t.txt", "file") == [("file 0", text)]
 
 
 def test_validation_split_is_stable_and_near_fraction():

@@ -171,6 +171,9 @@ class DataConfig(Strict):
     quality: QualityConfig | None = Field(None, description="heuristic quality filters; null = off")
     dedup: Literal["exact", "none"] = Field("exact", description="exact: one copy of each identical text is kept")
     near_dedup: NearDedupConfig | None = Field(None, description="MinHash-LSH near-dedup after exact; null = off")
+    max_quarantine_fraction: float = Field(0.2, ge=0, le=1, description="the stage fails (with the counts per "
+                                           "reason) when more than this share of the records read could not be "
+                                           "read as documents: input that is mostly broken is a wrong input")
 
     @model_validator(mode="after")
     def _unique_source_names(self) -> DataConfig:

@@ -13,6 +13,7 @@ HTML (main text by resiliparse) and WARC/ARC web archives (records framed here, 
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import io
@@ -34,6 +35,7 @@ DOC_SCHEMA = pa.schema([
 ])
 _RAW_LIMIT = 2000
 _CHUNK = 1 << 20
+_TABLE_BYTES = 8 << 20  # the text a read task gathers before handing a table on (its memory is several times it)
 
 
 class Quarantine(Exception):
@@ -112,17 +114,36 @@ def open_binary(path: str) -> io.BufferedIOBase:
     return open(path, "rb")
 
 
-def read_all(path: str) -> tuple[bytes, Exception | None]:
-    """The (decompressed) bytes of a file, and the error that cut it short if any (truncated .gz/.zst): what was
-    read before the error is still returned."""
+def read_at_most(path: str, limit: int) -> tuple[bytes, int, Exception | None]:
+    """Up to `limit` (decompressed) bytes of a file, its whole (decompressed) size, and the error that cut it short
+    if any (truncated .gz/.zst): what was read before the error is still returned. Past `limit` the rest is only
+    counted, so a huge file never sits in memory."""
     chunks: list[bytes] = []
+    kept = size = 0
     try:
         with open_binary(path) as f:
             while chunk := f.read1(_CHUNK):  # read1: what was decompressed before an error is not lost with it
-                chunks.append(chunk)
+                size += len(chunk)
+                if kept < limit:
+                    chunks.append(chunk[:limit - kept])
+                    kept += len(chunks[-1])
     except (EOFError, OSError, ValueError) as e:
-        return b"".join(chunks), e
-    return b"".join(chunks), None
+        return b"".join(chunks), size, e
+    return b"".join(chunks), size, None
+
+
+def _decoded_blocks(path: str, encoding: str) -> Iterator[tuple[str, Exception | None]]:
+    """A file's text in blocks of about _CHUNK bytes, decoded incrementally (a character split across blocks stays
+    whole; bytes that do not decode become lone surrogates); the error that cut the file short comes last."""
+    decoder = codecs.getincrementaldecoder(encoding)(errors="surrogateescape")
+    try:
+        with open_binary(path) as f:
+            while chunk := f.read1(_CHUNK):
+                yield decoder.decode(chunk), None
+    except (EOFError, OSError, ValueError) as e:
+        yield decoder.decode(b"", final=True), e
+        return
+    yield decoder.decode(b"", final=True), None
 
 
 def truncated(error: Exception) -> Quarantine:
@@ -133,38 +154,55 @@ def _preview(raw: bytes) -> str:
     return raw[:_RAW_LIMIT].decode("utf-8", "replace").replace("\x00", "\\x00")
 
 
-def split_documents(text: str, split: str, separator: str) -> list[str]:
-    if split == "file":
-        return [text]
-    if split == "separator":
-        return re.split(rf"(?m)^{re.escape(separator)}\s*$", text)
-    return re.split(r"\n(?:[ \t]*\n)+", text)
-
-
 _UNDECODED = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of bytes that do not decode
 Record = tuple[str | None, str, str, dict, Quarantine | None]  # own id, location, text, metadata, why quarantined
 
 
-def read_text(path: str, src: SourceConfig) -> Iterator[Record]:
-    raw, error = read_all(path)
-    # undecodable bytes become lone surrogates, so each document knows whether it holds any
-    text = raw.decode(src.encoding, errors="surrogateescape")
-    docs = [d for d in split_documents(text, src.split, src.separator) if d.strip()]
-    for n, doc in enumerate(docs):
-        where = f"{src.split} {n}"
-        if error is not None and n == len(docs) - 1:  # the file was cut short: its last document may be too
-            yield None, where, _preview(doc.encode(src.encoding, "surrogateescape")), {}, truncated(error)
+def _text_documents(path: str, src: SourceConfig) -> Iterator[tuple[str, bool, Exception | None]]:
+    """(document, cut over max_record_bytes, error) in file order, streamed: a document is split off as soon as the
+    blank line or separator after it has been read, and one that grows past the cap keeps only its head."""
+    if src.split == "file":
+        raw, size, error = read_at_most(path, src.max_record_bytes + 1)
+        yield raw.decode(src.encoding, errors="surrogateescape"), size > src.max_record_bytes, error
+        return
+    boundary = (re.compile(rf"(?m)^{re.escape(src.separator)}[ \t\r]*\n") if src.split == "separator"
+                else re.compile(r"\n(?:[ \t]*\n)+"))
+    pending, oversized = "", False
+    for block, error in _decoded_blocks(path, src.encoding):
+        pending += block
+        start = 0
+        for match in boundary.finditer(pending):
+            if match.end() == len(pending) and error is None and block:
+                break  # the boundary may go on in the next block
+            yield pending[start:match.start()], oversized, None
+            start, oversized = match.end(), False
+        pending = pending[start:]
+        if len(pending) > src.max_record_bytes:  # keep the head for the preview, count the rest as cut
+            pending, oversized = pending[:_RAW_LIMIT], True
+        if error is not None:
+            yield pending, oversized, error
             return
-        if len(doc) > src.max_record_bytes:
+    last = pending if src.split != "separator" else re.sub(rf"(?m)^{re.escape(src.separator)}\s*\Z", "", pending)
+    yield last, oversized, None
+
+
+def read_text(path: str, src: SourceConfig) -> Iterator[Record]:
+    n = 0
+    for doc, oversized, error in _text_documents(path, src):
+        if not doc.strip() and not (error is not None and n == 0):
+            continue
+        where = f"{src.split} {n}" if doc.strip() else "file"
+        n += 1
+        if error is not None:  # the file was cut short: its last document may be too
+            yield None, where, _preview(doc.encode(src.encoding, "surrogateescape")), {}, truncated(error)
+        elif oversized or len(doc) > src.max_record_bytes:
             yield None, where, _preview(doc[:_RAW_LIMIT].encode(src.encoding, "surrogateescape")), {}, Quarantine(
-                "record too large", f"{len(doc)} characters, over max_record_bytes={src.max_record_bytes}")
+                "record too large", f"over max_record_bytes={src.max_record_bytes}")
         elif bad := len(_UNDECODED.findall(doc)):
             yield None, where, _preview(doc.encode(src.encoding, "surrogateescape")), {}, Quarantine(
                 f"invalid {src.encoding}", f"{bad} undecodable bytes")
         else:
             yield None, where, doc, {}, None
-    if error is not None and not docs:
-        yield None, "file", "", {}, truncated(error)
 
 
 def _lines(f, limit: int) -> Iterator[tuple[int, bytes, int]]:
@@ -192,9 +230,10 @@ def read_jsonl(path: str, src: SourceConfig) -> Iterator[Record]:
                 continue
             try:
                 row = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                 yield None, where, _preview(line), {}, Quarantine(
-                    "invalid UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON", str(e))
+                    "invalid UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON",
+                    "nested too deeply" if isinstance(e, RecursionError) else str(e))
                 continue
             yield from _from_mapping(row, src, where)
 
@@ -243,12 +282,12 @@ def html_main_text(html: str) -> str:
 def read_html(path: str, src: SourceConfig) -> Iterator[Record]:
     from resiliparse.parse.encoding import bytes_to_str, detect_encoding
 
-    raw, error = read_all(path)
+    raw, size, error = read_at_most(path, src.max_record_bytes + 1)
     if error is not None:
         yield None, "file", _preview(raw), {}, truncated(error)
-    elif len(raw) > src.max_record_bytes:
+    elif size > src.max_record_bytes:
         yield None, "file", _preview(raw), {}, Quarantine(
-            "record too large", f"{len(raw)} bytes, over max_record_bytes={src.max_record_bytes}")
+            "record too large", f"{size} bytes, over max_record_bytes={src.max_record_bytes}")
     elif raw.strip():
         text = html_main_text(bytes_to_str(raw, detect_encoding(raw)))
         if text.strip():
@@ -419,14 +458,33 @@ def _read_arc(path: str) -> Iterator[Record]:
 READERS = {"text": read_text, "jsonl": read_jsonl, "parquet": read_parquet, "html": read_html, "warc": read_warc}
 
 
+def _unreadable_errors() -> tuple[type[BaseException], ...]:
+    """What a file's bytes can make the readers raise: a broken compression stream, a malformed format. Anything
+    else (MemoryError, a bug) is not the input's fault and must not be turned into quarantine."""
+    import zstandard
+
+    return (OSError, ValueError, UnicodeError, zstandard.ZstdError, pa.ArrowException)
+
+
 def read_file(path: str, src: SourceConfig, name: str | None = None) -> pa.Table:
-    """The documents of one file. A document's id is `<source>/<name>#<location>` (`name`: the file's path below
-    its source's shared folder, default its file name), unique across sources and files whatever ids the records
-    carry; a record's own id (`id_field`, a WARC-Record-ID) is kept in the metadata as `record_id`."""
+    """All the documents of one file in one table (see read_file_tables)."""
+    return pa.concat_tables(list(read_file_tables(path, src, name)))
+
+
+def read_file_tables(path: str, src: SourceConfig, name: str | None = None) -> Iterator[pa.Table]:
+    """The documents of one file, streamed: a table is handed on whenever about _TABLE_BYTES of text have been read,
+    so a read task holds a bounded part of a file of any size. A document's id is `<source>/<name>#<location>`
+    (`name`: the file's path below its source's shared folder, default its file name), unique across sources and
+    files whatever ids the records carry; a record's own id (`id_field`, a WARC-Record-ID) is kept in the metadata
+    as `record_id`. A record that cannot be parsed, or a file whose format is broken from some point on, is
+    quarantined; any other error fails the stage, naming the file."""
     rows = {column: [] for column in DOC_SCHEMA.names}
     name = name or Path(path).name
+    count, held = 0, 0
 
     def add(own_id, location, text, meta, problem: Quarantine | None):
+        nonlocal count, held
+        count, held = count + 1, held + len(text)
         if problem is None and "\x00" in text:
             problem, text = Quarantine("NUL bytes in text", "binary content?"), _preview(text.encode())
         if problem is not None:
@@ -441,17 +499,29 @@ def read_file(path: str, src: SourceConfig, name: str | None = None) -> pa.Table
         rows["metadata"].append(json.dumps(meta, default=str, ensure_ascii=False) if meta else None)
         rows["drop_reason"].append(f"quarantine:{problem.reason}" if problem else None)
 
+    def table() -> pa.Table:
+        nonlocal held
+        out, held = pa.table(rows, schema=DOC_SCHEMA), 0
+        for column in rows.values():
+            column.clear()
+        return out
+
     try:
         for record in READERS[src.format](path, src):
             add(*record)
+            if held >= _TABLE_BYTES:
+                yield table()
     except EOFError as e:  # a .gz/.zst cut short: what came before it is kept
-        add(None, f"after {len(rows['id'])} records", "", {}, truncated(e))
-    except Exception as e:  # noqa: BLE001 - an unreadable file is quarantined, the rest of the corpus goes on
-        add(None, f"after {len(rows['id'])} records", "", {}, Quarantine(
-            "unreadable file", f"{type(e).__name__}: {e}"))
-    if not rows["id"]:
+        add(None, f"after {count} records", "", {}, truncated(e))
+    except _unreadable_errors() as e:  # the rest of the file cannot be read: what came before is kept
+        add(None, f"after {count} records", "", {}, Quarantine("unreadable file", f"{type(e).__name__}: {e}"))
+    except Exception as e:
+        raise AmaliaError(f"data source '{src.name}': reading {path} failed after {count} records, not because of "
+                          f"its content: {type(e).__name__}: {e}") from e
+    if not count:
         add(None, "file", "", {}, Quarantine("no documents in file", "empty, or nothing readable as a document"))
-    return pa.table(rows, schema=DOC_SCHEMA)
+    if rows["id"]:
+        yield table()
 
 
 def read_sources(sources: list[SourceConfig], resolve) -> ray.data.Dataset:
@@ -461,10 +531,9 @@ def read_sources(sources: list[SourceConfig], resolve) -> ray.data.Dataset:
         for f, name in relative_names(expand_paths(s, resolve, f"data.sources[{i}]")).items()
     ]
 
-    def read_batch(batch: pa.Table) -> pa.Table:
-        tables = [read_file(p, sources[i], name) for p, i, name in zip(
-            batch["path"].to_pylist(), batch["source"].to_pylist(), batch["name"].to_pylist())]
-        return pa.concat_tables(tables) if tables else DOC_SCHEMA.empty_table()
+    def read_batch(batch: pa.Table) -> Iterator[pa.Table]:
+        for p, i, name in zip(batch["path"].to_pylist(), batch["source"].to_pylist(), batch["name"].to_pylist()):
+            yield from read_file_tables(p, sources[i], name)
 
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         read_batch, batch_size=1, batch_format="pyarrow"

@@ -68,6 +68,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
     if n_quarantined := quarantined.count():
         write_shards(quarantined.select_columns(["source", "path", "location", "drop_reason", "metadata", "text"]),
                      tmp / "quarantine")
+    check_quarantine(per_filter.to_dict("records"), n_in, cfg.max_quarantine_fraction, tmp / "quarantine")
     kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
     n_filtered = kept.count()
     if n_filtered == 0:
@@ -108,6 +109,20 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
         **({"kept_by_variety": {r["pt_variety"]: int(r["count()"]) for r in by_variety.to_dict("records")}}
            if by_variety is not None else {}),
     }
+
+
+def check_quarantine(per_filter: list[dict], n_in: int, limit: float, where: Path) -> None:
+    """Fail when more than `limit` of the records read could not be read as documents, with the counts per reason
+    and source: a run on mostly broken input would train on what little is left without anyone noticing."""
+    bad = [r for r in per_filter if isinstance(r["drop_reason"], str) and r["drop_reason"].startswith("quarantine:")]
+    n_bad = sum(int(r["count()"]) for r in bad)
+    if n_in and n_bad / n_in > limit:
+        reasons = sorted(bad, key=lambda r: -int(r["count()"]))
+        raise AmaliaError(
+            f"{n_bad} of {n_in} records ({n_bad / n_in:.0%}) could not be read, over data.max_quarantine_fraction="
+            f"{limit}: " + ", ".join(f"{r['drop_reason'].removeprefix('quarantine:')} in {r['source']} "
+                                     f"({int(r['count()'])})" for r in reasons[:5])
+            + f"; the records are in {where}")
 
 
 def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, partitions: int, removed_dir: Path) -> ray.data.Dataset:
