@@ -110,6 +110,7 @@ def test_kuberay_manifests_use_crd_fields_and_autoscale_between_min_and_max():
     _check_cluster_spec(job["spec"]["rayClusterSpec"], "rayjob.yaml")
 
 
+@pytest.mark.reliability
 def test_every_cluster_file_runs_ray_with_token_auth_and_no_dashboard_open_to_all():
     """Anyone who reaches a dashboard without token auth can run code on the cluster: cluster.yaml starts every node
     with RAY_AUTH_MODE=token and the token mounted where Ray reads it, its dashboard on the head's loopback; the

@@ -126,6 +126,7 @@ def test_eval_over_http_scores_every_item(demo_run):
     assert (pipeline.run_dir / "eval.png").stat().st_size > 5_000
 
 
+@pytest.mark.reliability
 def test_on_a_shared_serve_ours_come_and_go_and_another_teams_app_keeps_serving(demo_run, other_team, tmp_path):
     """Another team's application ran on the cluster before ours. The eval stage joined that Serve on its proxy's
     port (not the recipe's), under an application of the run's own name, and deleted only that; `amalia serve

@@ -112,6 +112,7 @@ def _finish_stage(run_dir, name, barrier) -> None:
     manifest.save(run_dir, [name])
 
 
+@pytest.mark.reliability
 def test_two_stage_jobs_finishing_at_the_same_moment_are_both_recorded(tmp_path):
     """Two processes of one run (stage jobs) each load the manifest, finish a different stage and save at the same
     moment, 50 times in a row: both stages are recorded every time, and the stage recorded before them stays."""
@@ -139,6 +140,7 @@ def test_two_stage_jobs_finishing_at_the_same_moment_are_both_recorded(tmp_path)
         assert {name: rec.status for name, rec in loaded.items()} == want and list(loaded)[0] == "pretrain"
 
 
+@pytest.mark.reliability
 def test_a_code_change_reruns_a_completed_stage_unless_reuse_stale(pipeline, tmp_path, monkeypatch, capsys):
     """The package's code is part of a stage's fingerprint: after a change a completed stage runs again; with
     --reuse-stale its result is kept on purpose, recorded, and the report says so."""
@@ -170,6 +172,7 @@ def test_a_code_change_reruns_a_completed_stage_unless_reuse_stale(pipeline, tmp
     assert len(calls) == 2, "and now it is current"
 
 
+@pytest.mark.reliability
 def test_an_unchanged_input_is_not_read_again(tmp_path, monkeypatch):
     """Input hashing is incremental: a file whose size, mtime, ctime and inode are unchanged takes its digest from
     the cache (no byte read); a changed or replaced file is read again; the digests are the contents'."""

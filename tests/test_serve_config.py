@@ -75,6 +75,7 @@ def guarded_client(key: str | None, max_bytes: int = 1024) -> TestClient:
     return TestClient(app)
 
 
+@pytest.mark.reliability
 def test_the_guard_applies_below_a_route_prefix():
     """On a shared Serve another application may hold "/", so ours sits below a prefix (Serve's root_path): /health
     stays open there and a request body is checked there as at the root."""
@@ -143,6 +144,7 @@ def test_stop_finds_no_server_and_says_where_it_looked(tmp_path, monkeypatch):
     assert not state.exists()
 
 
+@pytest.mark.reliability
 def test_stop_leaves_alone_a_process_that_took_a_dead_servers_pid(tmp_path, monkeypatch):
     """A server killed without cleaning up leaves its state file; when its PID now belongs to another process,
     `amalia serve --stop` must not signal that process. The server's own PID and start time are what it checks."""
