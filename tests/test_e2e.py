@@ -313,7 +313,7 @@ def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):
 
 
 def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_path):
-    """`amalia sweep`: 4 trials of the pretraining stage's proxy (1 layer, 12 steps, validation every 3) on Ray
+    """`amalia sweep`: 4 trials of the pretraining stage's proxy (1 layer, 9 steps, validation every 3) on Ray
     Tune + Ray Train, two learning rates that learn and two that cannot; ASHA stops the hopeless ones at a
     validation, the winner is one that learns, and `amalia promote` carries it into a new recipe."""
     from amalia_ray.core.sweep_space import SweepSpace
@@ -323,7 +323,7 @@ def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_
     folder.mkdir()
     recipe = write_recipe(folder, **{
         "run.name": "e2e", "run.output_dir": str(recipe_path.parent / "runs"),
-        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 12, "validate_every": 3, "num_workers": 1},
+        "train.0.proxy": {"model": {"num_layers": 1}, "steps": 9, "validate_every": 3, "num_workers": 1},
     })
     space = SweepSpace.model_validate({
         "search": "grid", "max_concurrent_trials": 2, "scheduler": {"grace_period": 1, "reduction_factor": 2},
@@ -335,8 +335,8 @@ def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_
     hopeless = [t for t in trials if t["config"]["lr"] < 1e-6]
     # ASHA stops whatever falls below the cut at a rung: both hopeless trials, and possibly the weaker of the two
     # good ones if it reached the first rung behind the other
-    assert all(t["status"] == "stopped early" and t["steps"] < 12 for t in hopeless), trials
-    assert summary["best"]["config"]["lr"] in (0.01, 0.005) and summary["best"]["steps"] == 12
+    assert all(t["status"] == "stopped early" and t["steps"] < 9 for t in hopeless), trials
+    assert summary["best"]["config"]["lr"] in (0.01, 0.005) and summary["best"]["steps"] == 9
     for t in trials:  # every trial is a real training run, logged like any stage
         history = read_jsonl(out / "trials" / t["trial_id"] / "metrics.jsonl")
         # (a stopped trial may train a step or two past its last report before Tune stops it)

@@ -1,5 +1,6 @@
 """A recipe as a Ray job on a multi-node cluster (three Ray nodes on this machine, tests/multinode_job.py in its own
-process): `amalia submit --follow` runs data → tokenizer → pack → pretrain with workers SPREAD over the two worker
+process): `amalia submit --follow` runs the pipeline, its data stages carried over from the demo run (their manifest
+records and folders: curation on Ray Data is the demo's to test), pretraining with workers SPREAD over the two worker
 nodes, and `amalia status` / `amalia logs` read the job back.
 Elastic in both directions: one worker node is removed after the first checkpoint and the stage (num_workers
 [1, 2]) carries on with the worker that is left from that checkpoint; a node is added back after the next one and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +33,12 @@ def test_a_submitted_job_shrinks_and_grows_with_its_worker_nodes(demo_run, recip
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     run_dir = tmp_path / "runs" / "multinode"
+    demo, _ = demo_run
+    for stage in ("data", "tokenizer", "pack"):
+        shutil.copytree(demo.run_dir / stage, run_dir / stage)
+    carried = json.loads((demo.run_dir / "manifest.json").read_text())
+    carried.update(run_name="multinode", stages={k: carried["stages"][k] for k in ("data", "tokenizer", "pack")})
+    (run_dir / "manifest.json").write_text(json.dumps(carried))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "-m", "tests.multinode_job", str(recipe), str(run_dir), str(tmp_path)],
                           cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=1800)
@@ -49,6 +57,8 @@ def test_a_submitted_job_shrinks_and_grows_with_its_worker_nodes(demo_run, recip
     manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]
     assert list(manifest) == ["data", "tokenizer", "pack", "pretrain"]
     assert all(rec["status"] == "completed" for rec in manifest.values())
+    assert all(manifest[k]["attempts"] == carried["stages"][k]["attempts"] for k in ("data", "tokenizer", "pack")), \
+        "the data stages were carried over, not run again"
     history = read_jsonl(run_dir / "pretrain" / "metrics.jsonl")
     assert [h["step"] for h in history] == list(range(1, STEPS + 1)), "every step once, across the restarts"
     two = [h for h in history if h["world_size"] == 2]

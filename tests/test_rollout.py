@@ -134,6 +134,13 @@ def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
     before = sample()
 
     def engine_start(self):
+        # the engine is a Ray worker started before this test set MALLOC_MMAP_THRESHOLD_: set the same there, so a
+        # freed bucket goes back to the system instead of staying in the heap and adding to later measurements
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
         self._anon_peak = AnonPeak()
 
     def engine_stop(self):
