@@ -146,9 +146,12 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str) -
     prefix = f"/{name}" if "/" in taken else "/"
     base_url = f"http://{_reachable(host)}:{port}{prefix.rstrip('/')}/v1"
     try:
-        serve.run(build_app(app_args(models, cfg, use_gpu)), name=name, route_prefix=prefix, blocking=False,
-                  logging_config=logging_config(cfg))
-        wait_until_serving(base_url, set(models), cfg.startup_timeout_s, api_key(cfg))
+        # deployed without waiting here (serve.run would wait, with no time limit, until the engines are up):
+        # the wait below is bounded by serve.startup_timeout_s
+        serve.run_many([serve.RunTarget(target=build_app(app_args(models, cfg, use_gpu)), name=name,
+                                        route_prefix=prefix, logging_config=logging_config(cfg))],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        wait_until_serving(base_url, set(models), cfg.startup_timeout_s)
     except BaseException:
         with suppress(Exception):  # the cause, not a failed clean-up, is what the caller hears of
             stop(name)
@@ -161,19 +164,23 @@ def _reachable(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float, key: str | None = None) -> None:
+def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float) -> None:
+    """Until every model's engine answers (the app's /health asks each one; /v1/models alone lists the models as
+    soon as the ingress is up, before any engine has loaded), within `timeout_s` in all."""
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    while time.monotonic() < deadline:
+    health = base_url.removesuffix("/v1") + "/health"
+    while (left := deadline - time.monotonic()) > 0:
         try:
-            r = httpx.get(f"{base_url}/models", timeout=10, headers=headers)
-            if r.status_code == 200 and model_ids <= {m["id"] for m in r.json().get("data", [])}:
+            r = httpx.get(health, timeout=min(10.0, left))
+            models = r.json().get("models", {}) if r.headers.get("content-type", "").startswith("application/json") \
+                else {}
+            if r.status_code == 200 and model_ids <= {m for m, state in models.items() if state == "ok"}:
                 return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as e:
+            last = f"HTTP {r.status_code}" + (f": {models}" if models else "")
+        except (httpx.HTTPError, ValueError) as e:
             last = type(e).__name__
-        time.sleep(2)
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
     raise AmaliaError(f"serving did not come up within {timeout_s:.0f}s at {base_url} ({last})")
 
 
