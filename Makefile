@@ -75,6 +75,7 @@ bench: install corpus
 	$(RUN_BENCH) variety_accuracy variety_accuracy.py
 	$(RUN_BENCH) skip_decision skip_decision.py
 	$(RUN_BENCH) reader_memory reader_memory.py
+	$(RUN_BENCH) quality_classifier quality_classifier.py
 
 # docs/recipe.md is written from the recipe's pydantic models (a test fails when it is stale)
 docs: install

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import sys
 
-from amalia_ray.pipeline.runner import DATA_STAGES
 from jobs.pipeline import run_job
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_job("python -m jobs.data", __doc__.splitlines()[0], argv, select=lambda loaded, args: [*DATA_STAGES])
+    return run_job("python -m jobs.data", __doc__.splitlines()[0], argv, select=lambda loaded, args: loaded.recipe.data_stages)
 
 
 if __name__ == "__main__":

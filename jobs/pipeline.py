@@ -39,6 +39,8 @@ def run_job(prog: str, description: str, argv: list[str] | None,
         loaded = load_recipe(args.recipe)
         pipeline = Pipeline(loaded, run_name=args.run_name, force=args.force, reuse_stale=args.reuse_stale)
         only = select(loaded, args) if select else None
+        if only is not None and not only:
+            raise AmaliaError(f"{args.recipe}: nothing for {prog} to run in this recipe (it has no such stages)")
         report = pipeline.run(until=getattr(args, "until", None), only=only)
     except Exception as e:  # noqa: BLE001 - the job's log is where a user reads why it failed
         return failed(e)

@@ -1,6 +1,6 @@
 import pyarrow as pa
 
-from amalia_ray.data.steps import ContentHash, MinLength, Normalize, is_validation, keep_first_per_hash
+from amalia_ray.data.steps import ContentHash, MinLength, Normalize, is_validation, keep_best_per_hash
 
 
 def test_normalize_nfc_and_whitespace():
@@ -17,7 +17,7 @@ def test_min_length_marks_instead_of_dropping():
 
 def test_exact_dedup_keeps_smallest_id_and_counts_copies():
     group = pa.table({"id": ["src/b#2", "src/a#9", "src/c#1", "src/d#4", "src/e#0"], "text": ["t", "t", "u", "t", "u"]})
-    kept = keep_first_per_hash(ContentHash(partitions=1)(group)).sort_by("id")
+    kept = keep_best_per_hash()(ContentHash(partitions=1)(group)).sort_by("id")
     assert kept["id"].to_pylist() == ["src/a#9", "src/c#1"]
     assert kept["duplicates"].to_pylist() == [3, 2]
     assert "part" not in kept.column_names

@@ -276,3 +276,38 @@ def test_lm_eval_export(tmp_path):
     assert gen["output_type"] == "generate_until" and gen["doc_to_target"] == "{{letter}}"
     with pytest.raises(AmaliaError, match="no counterpart for 'variety'"):
         export_lm_eval(EvalTaskConfig(name="v", path=str(path), format="variety"), path, tmp_path / "out")
+
+
+def test_items_seen_in_a_runs_corpus_are_flagged_and_scored_apart(tmp_path):
+    """`--contamination-of`: an item whose text (question + choices) a training document quotes is `seen`; the
+    scores on the unseen items come beside the full ones. Corpora: a run folder's curated Parquet, or jsonl whose
+    every string field counts (chat sets)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    quoted = ("Em que ano foi assinado o tratado que fixou a fronteira entre Portugal e Castela ao longo do rio "
+              "Guadiana e das terras de Riba-Coa?")
+    items = [{"id": "a", "question": quoted, "choices": ["1297", "1143"], "answer": 0},
+             {"id": "b", "question": "Qual é a cor do céu?", "choices": ["verde", "azul"], "answer": 0}]
+    run = tmp_path / "runs" / "r"
+    (run / "data" / "kept").mkdir(parents=True)
+    pq.write_table(pa.table({"id": ["d"], "text": [f"Um texto de história. {quoted} Resposta: 1297."]}),
+                   run / "data" / "kept" / "part-000000.parquet")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Qual é a cor do céu? verde azul"}]},
+                                ensure_ascii=False) + "\n")
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in items))
+    cfg = EvalTaskConfig(name="t", path=str(path), format="mcq")
+    fake = FakeModel(liked={"1297", "azul"})
+    result = run_task(cfg, path, base_url="http://fake/v1", model="m", settings=EvalConfig(tasks=[cfg]),
+                      transport=httpx.MockTransport(fake), contamination_of=[run])
+    assert [r["seen"] for r in result["items"]] == [True, False]
+    assert result["n_seen"] == 1 and result["n_clean"] == 1
+    assert result["scores"]["acc"] == 0.5 and result["scores_clean"]["acc"] == 0.0
+    both = run_task(cfg, path, base_url="http://fake/v1", model="m", settings=EvalConfig(tasks=[cfg]),
+                    transport=httpx.MockTransport(fake), contamination_of=[run, chats])
+    assert both["n_seen"] == 2 and both["scores_clean"] is None  # the short item is matched whole in the chat
+    with pytest.raises(Exception, match="not found"):
+        run_task(cfg, path, base_url="http://fake/v1", model="m", settings=EvalConfig(tasks=[cfg]),
+                 transport=httpx.MockTransport(fake), contamination_of=[tmp_path / "nope"])

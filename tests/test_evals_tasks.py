@@ -47,8 +47,16 @@ def test_json_array_keeps_line_numbers(tmp_path):
     path = tmp_path / "pheb.json"
     path.write_text('[\n {"year": 2020, "phase": 1, "subject": "H", "question": "q", "choices": ["a", "b"],\n'
                     '  "answer": 0},\n {"year": 2020, "phase": 1, "question": "q", "choices": ["a", "b"], "answer": 0}\n]')
-    with pytest.raises(AmaliaError, match=rf"{path}:4: missing field 'subject'"):
+    with pytest.raises(AmaliaError, match=rf"{path}:4 \(item 2\): missing field 'subject'"):
         load_task(path, "pheb")
+
+
+def test_a_minified_json_array_without_ids_numbers_its_items(tmp_path):
+    """PHEB's all.json items carry no id: each is numbered by its place in the array, whatever the line breaks."""
+    row = {"year": 2020, "phase": "1.ª Fase", "subject": "H", "question": "q", "choices": ["a", "b"], "answer": 0}
+    path = tmp_path / "all.json"
+    path.write_text(json.dumps([row, row, row]))
+    assert [item.id for item in load_task(path, "pheb")] == ["1", "2", "3"]
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,28 @@ def test_stage_jobs_reject_unknown_stages_before_any_work(tmp_path, capsys, job,
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("job, message", [
+    ("train", "nothing for python -m jobs.train to run in this recipe"),
+    ("eval", "unknown stage 'eval'; stages of this recipe: data"),
+])
+def test_a_curation_recipe_has_only_data_stages(tmp_path, capsys, job, message):
+    """A recipe with only `data` is valid; its stages are the data stage (and tokenizer/pack when given), and the
+    train and eval jobs say there is nothing for them."""
+    import importlib
+
+    import yaml
+
+    data = yaml.safe_load(write_recipe(tmp_path).read_text())
+    recipe = tmp_path / "curate.yaml"
+    recipe.write_text(yaml.safe_dump({"run": data["run"], "data": data["data"]}))
+    assert Pipeline(load_recipe(recipe)).stage_names() == ["data"]
+    assert importlib.import_module(f"jobs.{job}").main([str(recipe)]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    recipe.write_text(yaml.safe_dump({"run": data["run"], "data": data["data"], "pack": {"seq_len": 64}}))
+    assert Pipeline(load_recipe(recipe)).stage_names() == ["data", "tokenizer", "pack"]
+
+
 def test_serve_job_needs_a_cluster(tmp_path, capsys, monkeypatch):
     from jobs import serve
 

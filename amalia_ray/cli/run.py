@@ -60,7 +60,8 @@ app.add_typer(data_app, name="data")
 def data_run(recipe: RecipeArg = DEFAULT_RECIPE, run_name: RunNameOpt = None, force: ForceOpt = False,
              reuse_stale: ReuseStaleOpt = False) -> None:
     """Run the data stages of a recipe: curate, train the tokenizer, tokenize and pack."""
-    run_quietly(pipeline_of(recipe, run_name, force, reuse_stale), until="pack")
+    p = pipeline_of(recipe, run_name, force, reuse_stale)
+    run_quietly(p, until=p.recipe.data_stages[-1])
 
 
 @data_app.command("dedup")
@@ -92,6 +93,32 @@ def data_dedup(
     with ray_session():
         stats = dedup(input, output, params, threshold or None)
     console.print_json(json.dumps(stats))
+
+
+@data_app.command("train-quality")
+@guarded
+def data_train_quality(
+    output: Annotated[Path, typer.Argument(help="the model folder to write (quality_model.json, weights.npz)")],
+    positive: Annotated[list[str], typer.Option(help="high-quality documents (repeatable): jsonl, Parquet, WARC, "
+                                                "HTML or plain text (split into paragraphs); .gz/.zst read as well")],
+    negative: Annotated[list[str], typer.Option(help="raw web documents (repeatable), the same formats")],
+    text_field: Annotated[str, typer.Option(help="jsonl/Parquet: the field holding the text")] = "text",
+    holdout: Annotated[float, typer.Option(help="share of each side held back to measure precision and recall")
+                       ] = 0.1,
+    max_docs: Annotated[int, typer.Option(help="documents per side at most (a fixed hash-chosen subset)")] = 200_000,
+    min_chars: Annotated[int, typer.Option(help="shorter documents are left out")] = 200,
+    seed: int = 0,
+) -> None:
+    """Train a quality classifier (DCLM's recipe: curated positives against raw web negatives) that the data stage
+    applies with data.quality_model."""
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.data.quality_model import train_quality_model
+
+    if not 0 <= holdout < 1:
+        raise AmaliaError(f"--holdout must be within [0, 1), got {holdout}")
+    meta = train_quality_model(output, positive, negative, text_field=text_field, holdout=holdout,
+                               max_docs=max_docs, min_chars=min_chars, seed=seed)
+    console.print_json(json.dumps({"model": str(output), **meta["metrics"]}))
 
 
 @data_app.command("faq-chat")
@@ -191,6 +218,10 @@ def train(
 ) -> None:
     """Run the training stages (and any data stage whose output is missing or stale)."""
     p = pipeline_of(recipe, run_name, force, reuse_stale)
+    if not p.recipe.train:
+        from amalia_ray.core.errors import AmaliaError
+
+        raise AmaliaError(f"{recipe}: the recipe has no train stages (a curation recipe): use `amalia run`")
     run_quietly(p, until=stage or p.recipe.train[-1].name)
 
 

@@ -147,6 +147,10 @@ def eval_(
     api_key_env: Annotated[str, typer.Option(help="env var holding the server's API key")] = "AMALIA_API_KEY",
     judge_model: Annotated[str | None, typer.Option(help="judge tasks: the served model that grades")] = None,
     judge_base_url: Annotated[str | None, typer.Option(help="judge's base URL (default: --base-url)")] = None,
+    contamination_of: Annotated[list[Path] | None, typer.Option(
+        "--contamination-of", help="a run folder (its curated corpus) or a jsonl/Parquet corpus the model trained on "
+        "(repeatable): each item is flagged when it shares a 13-gram with it, and the unseen items are scored "
+        "apart")] = None,
 ) -> None:
     """Score a served model on one task over HTTP and write the result JSON (scores, n, per-item predictions)."""
     from pydantic import ValidationError
@@ -165,10 +169,12 @@ def eval_(
     except ValidationError as e:
         raise AmaliaError(_options_error(e)) from None
     result = run_task(task_cfg, task, base_url=base_url, model=model, settings=settings, output=output,
-                      api_key=os.environ.get(api_key_env) or None)
+                      api_key=os.environ.get(api_key_env) or None, contamination_of=contamination_of or None)
+    clean = {"n_seen": result["n_seen"], "n_clean": result["n_clean"], "scores_clean": result["scores_clean"]} \
+        if contamination_of else {}
     console.print_json(json.dumps({"task": result["task"], "format": result["format"], "method": result["method"],
                                    "model": model, "n": result["n"], **result["scores"],
-                                   **({"rejected": result["rejected"]} if result["rejected"] else {})}))
+                                   **({"rejected": result["rejected"]} if result["rejected"] else {}), **clean}))
 
 
 @app.command("export-lm-eval")

@@ -61,6 +61,10 @@ class SourceConfig(Strict):
                           "decode is quarantined")
     max_record_bytes: int = Field(16 << 20, ge=1024, description="a line, row, page or WARC record over this many bytes "
                                   "is quarantined instead of read (one huge record never fills a worker's memory)")
+    url_field: str = Field("url", description="jsonl/parquet: the field holding the page's URL, if any (web "
+                           "archives: WARC-Target-URI); data.captures keeps one capture per URL")
+    date_field: str = Field("date", description="jsonl/parquet: the field holding the capture's date, if any (ISO "
+                            "8601, a 14-digit archive timestamp or epoch seconds; web archives: WARC-Date)")
 
     @field_validator("encoding")
     @classmethod
@@ -143,6 +147,60 @@ class VarietyConfig(Strict):
     margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
 
 
+TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety"]
+
+
+class EvalTaskConfig(Strict):
+    """One benchmark: a task file in one of the formats `amalia_ray/evals/tasks.py` reads."""
+    name: str = Field(..., pattern=NAME_PATTERN, description="names the task in results and the report")
+    path: str = Field(..., description="the task file (jsonl or JSON), relative to the recipe")
+    format: TaskFormat = Field("mcq", description="the file's schema and how items are scored")
+    method: Literal["loglik", "generate"] | None = Field(
+        None, description="mcq / pheb / binary: score the choices by log-likelihood (the default) or generate and "
+        "extract the answer (a letter or \\boxed{}); the other formats always generate")
+    chat: bool = Field(False, description="generation through /v1/chat/completions (instruction-tuned models)")
+    max_tokens: int = Field(32, ge=1, description="generated tokens per item (generation, cloze, judge, variety)")
+    limit: int | None = Field(None, ge=1, description="score only the first N items")
+
+    @model_validator(mode="after")
+    def _method(self) -> EvalTaskConfig:
+        if self.method == "loglik" and self.format not in ("mcq", "pheb", "binary"):
+            raise ValueError(f"task '{self.name}': method 'loglik' applies to mcq, pheb and binary tasks, "
+                             f"not '{self.format}'")
+        return self
+
+    @property
+    def scoring(self) -> str:
+        return self.method or ("loglik" if self.format in ("mcq", "pheb", "binary") else "generate")
+
+
+KeepRule = Literal["smallest_id", "longest", "quality", "latest"]
+KEEP_RULES = ("smallest_id (deterministic, whatever else the documents hold), longest (most characters), quality "
+              "(highest quality_score: the quality model's, else the heuristic filters'), latest (newest capture); "
+              "ties go to the smallest id")
+
+
+class SiteBoilerplateConfig(Strict):
+    """Lines a site repeats across its pages (cookie notices, rights lines) that main-text extraction leaves in."""
+    min_pages: int = Field(5, ge=2, description="a line must appear on at least this many of a site's pages")
+    min_share: float = Field(0.5, gt=0, le=1, description="and on at least this share of them")
+
+
+class DecontaminationConfig(Strict):
+    """Training documents that share word n-grams with benchmark items (question, choices, reference) are dropped
+    or flagged, the 13-gram rule of GPT-3 and lm-eval's decontamination."""
+    tasks: list[str | EvalTaskConfig] = Field(..., min_length=1, description="benchmarks to check against: names of "
+                                              "eval.tasks, or task files ({name, path, format}) like eval.tasks")
+    ngram: int = Field(13, ge=1, description="words per n-gram (lower-cased, punctuation removed)")
+    min_overlap: int = Field(1, ge=1, description="distinct n-grams a document must share with one item to count "
+                             "as contaminated by it")
+    min_item_words: int = Field(8, ge=1, description="an item with fewer than ngram words is matched whole; one "
+                                "with fewer words than this is not checked (too short to tell)")
+    action: Literal["drop", "flag"] = Field("drop", description="drop: the document is dropped with "
+                                            "contamination:<task>; flag: kept, with the items it overlaps listed "
+                                            "in its contamination column")
+
+
 class NearDedupConfig(Strict):
     """MinHash-LSH near-duplicate removal (see `amalia data dedup`)."""
 
@@ -152,6 +210,7 @@ class NearDedupConfig(Strict):
     num_perm: int = Field(112, ge=1, description="MinHash permutations")
     bands: int = Field(14, ge=1, description="LSH bands; rows per band = num_perm / bands")
     seed: int = Field(1, description="seeds the MinHash permutations")
+    keep: KeepRule = Field("smallest_id", description="which member of a duplicate cluster stays: " + KEEP_RULES)
 
     @model_validator(mode="after")
     def _bands_divide(self) -> NearDedupConfig:
@@ -169,7 +228,20 @@ class DataConfig(Strict):
     language: LanguageConfig | None = Field(None, description="language ID filter; null = off")
     variety: VarietyConfig | None = Field(None, description="pt-PT / pt-BR tagging and filtering; null = off")
     quality: QualityConfig | None = Field(None, description="heuristic quality filters; null = off")
+    quality_model: str | None = Field(None, description="a quality classifier trained by `amalia data "
+                                      "train-quality` (its folder): every document gets its quality_score")
+    quality_threshold: float | None = Field(None, ge=0, le=1, description="documents whose quality_score is "
+                                            "below this are dropped (quality_model:below_threshold); null = score only")
+    site_boilerplate: SiteBoilerplateConfig | None = Field(
+        SiteBoilerplateConfig(), description="documents with a URL: lines repeated across a site's pages are "
+        "removed from them (site = the URL's host); null = off")
+    captures: Literal["latest", "earliest", "all"] = Field(
+        "latest", description="web archives: one document per page (URL normalised), the latest or earliest "
+        "capture by date; the others are dropped as capture:older / capture:newer. all: every capture stays")
     dedup: Literal["exact", "none"] = Field("exact", description="exact: one copy of each identical text is kept")
+    dedup_keep: KeepRule = Field("smallest_id", description="which of identical copies stays: " + KEEP_RULES)
+    decontaminate: DecontaminationConfig | None = Field(None, description="drop (or flag) documents that share "
+                                                        "n-grams with benchmark items; null = off")
     near_dedup: NearDedupConfig | None = Field(None, description="MinHash-LSH near-dedup after exact; null = off")
     max_quarantine_fraction: float = Field(0.2, ge=0, le=1, description="the stage fails (with the counts per "
                                            "reason) when more than this share of the records read could not be "
@@ -180,6 +252,13 @@ class DataConfig(Strict):
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"source names must be unique, got {names}")
+        keeps = {"dedup_keep": self.dedup_keep, "near_dedup.keep": self.near_dedup.keep if self.near_dedup else None}
+        for field, keep in keeps.items():
+            if keep == "quality" and self.quality is None and self.quality_model is None:
+                raise ValueError(f"{field}: quality needs a quality score: set data.quality (heuristic score) or "
+                                 "data.quality_model")
+        if self.quality_threshold is not None and self.quality_model is None:
+            raise ValueError("quality_threshold applies to data.quality_model's score: set quality_model")
         return self
 
 
@@ -575,9 +654,6 @@ class ServeConfig(Strict):
         return self
 
 
-TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety"]
-
-
 class JudgeConfig(Strict):
     """An LLM judge reached over the OpenAI API."""
     model: str = Field(..., description="model id of the judge: one of the run's served checkpoints, or a model "
@@ -589,30 +665,6 @@ class JudgeConfig(Strict):
     rubric: str | None = Field(None, description="default rubric for items without their own")
 
 
-class EvalTaskConfig(Strict):
-    """One benchmark: a task file in one of the formats `amalia_ray/evals/tasks.py` reads."""
-    name: str = Field(..., pattern=NAME_PATTERN, description="names the task in results and the report")
-    path: str = Field(..., description="the task file (jsonl or JSON), relative to the recipe")
-    format: TaskFormat = Field("mcq", description="the file's schema and how items are scored")
-    method: Literal["loglik", "generate"] | None = Field(
-        None, description="mcq / pheb / binary: score the choices by log-likelihood (the default) or generate and "
-        "extract the answer (a letter or \\boxed{}); the other formats always generate")
-    chat: bool = Field(False, description="generation through /v1/chat/completions (instruction-tuned models)")
-    max_tokens: int = Field(32, ge=1, description="generated tokens per item (generation, cloze, judge, variety)")
-    limit: int | None = Field(None, ge=1, description="score only the first N items")
-
-    @model_validator(mode="after")
-    def _method(self) -> EvalTaskConfig:
-        if self.method == "loglik" and self.format not in ("mcq", "pheb", "binary"):
-            raise ValueError(f"task '{self.name}': method 'loglik' applies to mcq, pheb and binary tasks, "
-                             f"not '{self.format}'")
-        return self
-
-    @property
-    def scoring(self) -> str:
-        return self.method or ("loglik" if self.format in ("mcq", "pheb", "binary") else "generate")
-
-
 class EvalConfig(Strict):
     """The eval stage: every task scored on every served checkpoint, over HTTP."""
     tasks: list[EvalTaskConfig] = Field(default_factory=list, description="the benchmarks")
@@ -622,6 +674,10 @@ class EvalConfig(Strict):
     request_timeout_s: float = Field(120, gt=0, description="a request taking longer is retried, then fails the item")
     retries: int = Field(3, ge=0, description="retries of a request on a transient error (connection, 408/429/5xx)")
     judge: JudgeConfig | None = Field(None, description="the model that grades `judge` tasks")
+    contamination_of: list[str] = Field(
+        default_factory=list, description="training text each item is checked against (13-gram overlap): run "
+        "folders (their curated corpus) or jsonl/Parquet corpora, relative to the recipe; `this_run` is this run's "
+        "curated corpus. Results flag the items seen and score the unseen ones apart (scores_clean)")
 
     @model_validator(mode="after")
     def _judge(self) -> EvalConfig:
@@ -685,11 +741,16 @@ class Recipe(Strict):
     run: RunConfig = RunConfig()
     resources: ResourcesConfig = ResourcesConfig()
     data: DataConfig
-    tokenizer: TokenizerConfig = TokenizerConfig()
-    pack: PackConfig = PackConfig()
+    tokenizer: TokenizerConfig | None = Field(
+        None, description="the tokenizer stage; defaults apply when the recipe trains, and a recipe without train "
+        "stages runs it only when this section (or pack) is given")
+    pack: PackConfig | None = Field(
+        None, description="the pack stage; defaults apply when the recipe trains, and a recipe without train stages "
+        "runs it only when this section is given")
     model: ModelConfig = ModelConfig()
-    train: Annotated[list[TrainStage], Field(min_length=1, description="the training stages, in order; each starts "
-                                             "from the previous one's checkpoint unless init_from: scratch")]
+    train: list[TrainStage] = Field(
+        default_factory=list, description="the training stages, in order; each starts from the previous one's "
+        "checkpoint unless init_from: scratch; none: a curation recipe (data, and tokenizer/pack when given)")
     serve: ServeConfig = ServeConfig()
     eval: EvalConfig = EvalConfig()
     plan: PlanConfig = PlanConfig()
@@ -699,8 +760,31 @@ class Recipe(Strict):
         default_factory=list, description="where promoted values came from (written by `amalia promote`: sweep id, "
         "stage, winning values and their metric, the proxy); copied into the run manifest")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _data_stages(cls, data: Any) -> Any:
+        """Training reads packed tokens, so a recipe that trains has a tokenizer and a pack stage (defaults unless
+        given); packing needs a tokenizer too."""
+        if isinstance(data, dict):
+            wanted = ("tokenizer", "pack") if data.get("train") else ("tokenizer",) if data.get("pack") is not None \
+                else ()
+            data = {**data, **{k: {} for k in wanted if data.get(k) is None}}
+        return data
+
+    @property
+    def data_stages(self) -> list[str]:
+        return ["data", *(["tokenizer"] if self.tokenizer else []), *(["pack"] if self.pack else [])]
+
     @model_validator(mode="after")
     def _stages(self) -> Recipe:
+        if self.eval.tasks and not self.train and not self.model.base:
+            raise ValueError("eval.tasks: nothing to evaluate: the recipe has no train stages and no base model "
+                             "(model.from)")
+        if self.data.decontaminate:
+            tasks = {t.name for t in self.eval.tasks}
+            if unknown := [t for t in self.data.decontaminate.tasks if isinstance(t, str) and t not in tasks]:
+                raise ValueError(f"data.decontaminate.tasks: {unknown} are not names of eval.tasks {sorted(tasks)}; "
+                                 "name one of them or give a task file ({name, path, format})")
         names = [s.name for s in self.train]
         if len(set(names)) != len(names):
             raise ValueError(f"train stage names must be unique, got {names}")
@@ -710,10 +794,10 @@ class Recipe(Strict):
         if unknown := set(self.plan.reported_gpu_hours) - set(names):
             raise ValueError(f"plan.reported_gpu_hours names unknown train stage(s) {sorted(unknown)}; "
                              f"stages: {names}")
-        if self.model.base and self.tokenizer.from_ != "model":
+        if self.model.base and self.tokenizer and self.tokenizer.from_ != "model":
             raise ValueError("model.from starts from a base model, whose embeddings fit its own tokenizer: set "
                              "tokenizer: {from: model}")
-        if self.tokenizer.from_ == "model" and not self.model.base:
+        if self.tokenizer and self.tokenizer.from_ == "model" and not self.model.base:
             raise ValueError("tokenizer.from: model needs a base model (model.from)")
         if self.model.base and "base" in names:
             raise ValueError("train stage name 'base' is taken by the base model (model.from) in serving and reports")
@@ -736,7 +820,7 @@ class Recipe(Strict):
                     raise ValueError(f"train stage '{stage.name}': curriculum names unknown source(s) "
                                      f"{sorted(unknown)}; data.sources are {sorted(sources)}")
         # a base model's positions limit comes from its config.json, checked once the model is at hand
-        if not self.model.base and self.pack.seq_len > self.model.max_position_embeddings:
+        if self.pack and not self.model.base and self.pack.seq_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"pack.seq_len {self.pack.seq_len} exceeds model.max_position_embeddings "
                 f"{self.model.max_position_embeddings}"

@@ -134,6 +134,39 @@ def fineweb_reason(text: str, cfg: FineWebConfig) -> str | None:
     return None
 
 
+def heuristic_score(text: str, language: str) -> float:
+    """A score in [0, 1] from the measures the filters threshold, for ranking documents that all passed them (the
+    best copy of a duplicate cluster): the mean of the share of lines ending in punctuation, of alphabetic words,
+    of characters outside repeated lines and outside repeated 5-grams, and of stop words (scaled so that 30 % or
+    more counts as 1: running text, not lists)."""
+    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
+    tokens = text.split()
+    words = words_of(text)
+    if not lines or not words:
+        return 0.0
+    stop = STOP_WORDS.get(language, set())
+    parts = [
+        sum(ln.endswith(_TERMINAL_PUNCT) for ln in lines) / len(lines),
+        sum(any(ch.isalpha() for ch in t) for t in tokens) / len(tokens),
+        1 - _dup_fraction(lines)[1],
+        1 - duplicated_ngram_fraction(words, 5),
+        min(1.0, sum(w in stop for w in words) / len(words) / 0.3) if stop else 1.0,
+    ]
+    return sum(parts) / len(parts)
+
+
+class HeuristicScore:
+    """Adds `quality_score` (heuristic_score) to every document not dropped yet (null for the dropped)."""
+
+    def __init__(self, language: str):
+        self.language = language
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        done = already_dropped(batch)
+        scores = [None if d else heuristic_score(t, self.language) for t, d in zip(batch["text"].to_pylist(), done)]
+        return batch.append_column("quality_score", pa.array(scores, pa.float64()))
+
+
 class QualityFilter:
     """Applies one rule function to every not-yet-dropped document of a batch."""
 

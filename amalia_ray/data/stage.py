@@ -13,27 +13,35 @@ from amalia_ray.core.config import DataConfig, NearDedupConfig, PackConfig, Toke
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.shards import rows_per_group
 from amalia_ray.core.storage import commit_dir, fresh_dir
+from amalia_ray.core.ngrams import ItemIndex
+from amalia_ray.data.boilerplate import StripBoilerplate, boilerplate_lines
+from amalia_ray.data.captures import CaptureKeys, capture_parts, latest_capture
 from amalia_ray.data.cleaning import Clean
+from amalia_ray.data.decontaminate import Decontaminate, contamination_report
 from amalia_ray.data.dedup import near_duplicate_clusters, unique_ids, with_clusters
 from amalia_ray.data.language import LanguageID, VarietyTag
 from amalia_ray.data.minhash import MinHashParams
 from amalia_ray.data.pack import TokenizeAndPack
 from amalia_ray.data.partitions import (
     configure_data_context,
+    map_blocks,
     partition_count,
     per_part,
+    with_part,
     write_ordered_shards,
     write_shards,
 )
-from amalia_ray.data.quality import quality_steps
+from amalia_ray.data.quality import HeuristicScore, quality_steps
+from amalia_ray.data.quality_model import QualityModelScore
 from amalia_ray.data.readers import expand_paths, read_sources
 from amalia_ray.data.steps import (
     ContentHash,
     MinLength,
     MixBySource,
     Normalize,
+    best_of_cluster,
     is_validation,
-    keep_first_per_hash,
+    keep_best_per_hash,
 )
 from amalia_ray.data.tokenizer import base_tokenizer, train_tokenizer
 
@@ -42,10 +50,12 @@ def input_files(cfg: DataConfig, resolve) -> list[str]:
     return [f for i, s in enumerate(cfg.sources) for f in expand_paths(s, resolve, f"data.sources[{i}]")]
 
 
-def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
-    """Read, clean, filter, exact- and (optionally) near-dedup the corpus into `out_dir/kept`; every dropped document
-    goes to `out_dir/dropped` with its reason, unreadable records also to `out_dir/quarantine` with their location,
-    near duplicates to `out_dir/near_duplicates` with the id of the document kept for them."""
+def curate(cfg: DataConfig, resolve, out_dir: Path,
+           benchmark_items: dict[str, list[tuple[str, str]]] | None = None) -> dict:
+    """Read, clean, filter, keep one capture per page, score, decontaminate, exact- and (optionally) near-dedup the
+    corpus into `out_dir/kept`; every dropped document goes to `out_dir/dropped` with its reason, unreadable
+    records also to `out_dir/quarantine` with their location, near duplicates to `out_dir/near_duplicates` with
+    the id of the document kept for them. `benchmark_items`: task -> [(item id, item text)] for decontamination."""
     configure_data_context()
     tmp = fresh_dir(out_dir)
     docs = (
@@ -53,14 +63,34 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
         .map_batches(Clean(cfg.cleaning), batch_format="pyarrow")
         .map_batches(Normalize(cfg.normalization), batch_format="pyarrow")
         .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")
+        .map_batches(CaptureKeys({s.name: (s.url_field, s.date_field) for s in cfg.sources}), batch_format="pyarrow")
     )
+    docs, boilerplate = _web_pages(docs.materialize(), cfg)
     steps = [*([LanguageID(cfg.language)] if cfg.language else []), *([VarietyTag(cfg.variety)] if cfg.variety else []),
              *quality_steps(cfg.quality)]
+    if cfg.quality and not cfg.quality_model:
+        steps.append(HeuristicScore(cfg.quality.language))
     for step in steps:
         docs = docs.map_batches(step, batch_format="pyarrow")
+    if cfg.quality_model:
+        docs = docs.map_batches(
+            QualityModelScore, fn_constructor_args=(str(resolve(cfg.quality_model)), cfg.quality_threshold),
+            batch_format="pyarrow", batch_size=1024,
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, int(ray.cluster_resources().get("CPU", 1)))))
+    index = None
+    if cfg.decontaminate:
+        d = cfg.decontaminate
+        index = ItemIndex.build(benchmark_items or {}, d.ngram, d.min_item_words)
+        docs = docs.map_batches(Decontaminate(index, d.min_overlap, d.action), batch_format="pyarrow")
     docs = docs.materialize()
     per_filter = docs.groupby(["source", "drop_reason"], num_partitions=partition_count(0)).count().to_pandas()
     n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
+    contamination = None
+    if index is not None:
+        flagged = docs.filter(expr=col("contamination").is_not_null()).select_columns(["contamination"])
+        contamination = contamination_report(
+            index, [c for b in flagged.iter_batches(batch_format="pyarrow") for c in b["contamination"].to_pylist()],
+            {t: len(items) for t, items in (benchmark_items or {}).items()})
     dropped = docs.filter(expr=col("drop_reason").is_not_null())
     write_shards(dropped, tmp / "dropped")
     quarantined = dropped.map_batches(
@@ -80,7 +110,8 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
         )
     parts = partition_count(n_filtered)
     if cfg.dedup == "exact":
-        kept = per_part(kept.map_batches(ContentHash(parts), batch_format="pyarrow"), keep_first_per_hash, parts)
+        kept = per_part(kept.map_batches(ContentHash(parts), batch_format="pyarrow"), keep_best_per_hash(cfg.dedup_keep),
+                        parts)
     kept = kept.sort("id").materialize()
     for _ in unique_ids(kept.select_columns(["id"]).iter_batches(batch_format="pyarrow", batch_size=65536),
                         "data stage documents"):
@@ -108,7 +139,28 @@ def curate(cfg: DataConfig, resolve, out_dir: Path) -> dict:
         "per_filter": rows,
         **({"kept_by_variety": {r["pt_variety"]: int(r["count()"]) for r in by_variety.to_dict("records")}}
            if by_variety is not None else {}),
+        **({"contamination": contamination} if contamination is not None else {}),
+        **({"site_boilerplate_lines": boilerplate} if boilerplate else {}),
     }
+
+
+def _web_pages(docs: ray.data.Dataset, cfg: DataConfig) -> tuple[ray.data.Dataset, int]:
+    """The documents that have a URL: one capture per page (after the cheap filters, so an empty or error page
+    captured last does not hide the page's content), then each site's boilerplate lines removed. Only these
+    documents take part in the shuffles. Returns the documents and the number of boilerplate lines found."""
+    pages = docs.filter(expr=col("url_key").is_not_null()).materialize()
+    if not (n_pages := pages.count()) or (cfg.captures == "all" and not cfg.site_boilerplate):
+        return docs, 0
+    parts = partition_count(n_pages)
+    if cfg.captures != "all":
+        pages = per_part(map_blocks(pages, capture_parts(parts)), latest_capture(cfg.captures), parts).materialize()
+    found = 0
+    if cfg.site_boilerplate:
+        lines = boilerplate_lines(pages, cfg.site_boilerplate.min_pages, cfg.site_boilerplate.min_share, parts)
+        found = len(lines)
+        pages = (pages.map_batches(StripBoilerplate(lines), batch_format="pyarrow")
+                 .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow"))
+    return docs.filter(expr=col("url_key").is_null()).union(pages), found
 
 
 def check_quarantine(per_filter: list[dict], n_in: int, limit: float, where: Path) -> None:
@@ -126,11 +178,16 @@ def check_quarantine(per_filter: list[dict], n_in: int, limit: float, where: Pat
 
 
 def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, partitions: int, removed_dir: Path) -> ray.data.Dataset:
-    """MinHash-LSH near-dedup of the kept documents: the smallest id of each cluster stays, with `cluster_size` for
-    rehydration; the others are written to `removed_dir` with the id of the document kept for them."""
+    """MinHash-LSH near-dedup of the kept documents: the member of each cluster that `cfg.keep` picks stays, with
+    `cluster_size` for rehydration; the others are written to `removed_dir` with the id of the document kept for
+    them (`cluster_id`)."""
     params = MinHashParams(ngram=cfg.ngram, num_perm=cfg.num_perm, bands=cfg.bands, seed=cfg.seed)
     clusters, _ = near_duplicate_clusters(kept, params, cfg.threshold or None, partitions)
-    joined = with_clusters(kept, clusters.materialize(), partitions).materialize()
+    joined = with_clusters(kept, clusters.materialize(), partitions)
+    if cfg.keep != "smallest_id":  # clusters are labelled by their smallest id; another member may be the best
+        joined = per_part(map_blocks(joined, lambda b: with_part(b, "cluster_id", partitions)),
+                          best_of_cluster(cfg.keep), partitions).sort("id")
+    joined = joined.materialize()
     removed = joined.filter(expr=col("id") != col("cluster_id"))
     if removed.count():
         write_shards(removed.select_columns(["id", "source", "cluster_id", "cluster_size", "text"]), removed_dir)

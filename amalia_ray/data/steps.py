@@ -87,16 +87,45 @@ class ContentHash:
                          self.partitions)
 
 
-def keep_first_per_hash(group: pa.Table) -> pa.Table:
-    """Rows of one part -> per content_hash the row with the smallest id (deterministic whatever the block order),
-    with `duplicates` = how many copies there were."""
-    rows = group.sort_by([("content_hash", "ascending"), ("id", "ascending")])
-    hashes = rows["content_hash"].to_numpy(zero_copy_only=False)
+_RANK = {"smallest_id": [], "longest": [("_length", "descending")], "quality": [("quality_score", "descending")],
+         "latest": [("captured_at", "descending")]}
+
+
+def best_first(rows: pa.Table, group: str, keep: str) -> tuple[pa.Table, np.ndarray]:
+    """Rows sorted by `group`, the best of each group first by the keep rule (smallest_id, longest, quality,
+    latest; a missing score or date ranks last, ties go to the smallest id: deterministic whatever the block
+    order), and the mask of each group's first row."""
+    if keep == "longest":
+        rows = rows.append_column("_length", pc.utf8_length(rows["text"]))
+    rows = rows.sort_by([(group, "ascending"), *_RANK[keep], ("id", "ascending")], null_placement="at_end")
+    if keep == "longest":
+        rows = rows.drop_columns(["_length"])
+    keys = rows[group].to_numpy(zero_copy_only=False)
     first = np.ones(len(rows), dtype=bool)
-    first[1:] = hashes[1:] != hashes[:-1]
-    copies = np.diff(np.append(np.flatnonzero(first), len(rows)))
-    return (rows.filter(pa.array(first)).drop_columns(["part"])
-            .append_column("duplicates", pa.array(copies, pa.int64())))
+    first[1:] = keys[1:] != keys[:-1]
+    return rows, first
+
+
+def keep_best_per_hash(keep: str = "smallest_id"):
+    """Rows of one part -> per content_hash the copy the keep rule picks, with `duplicates` = how many copies
+    there were."""
+    def pick(group: pa.Table) -> pa.Table:
+        rows, first = best_first(group, "content_hash", keep)
+        copies = np.diff(np.append(np.flatnonzero(first), len(rows)))
+        return (rows.filter(pa.array(first)).drop_columns(["part"])
+                .append_column("duplicates", pa.array(copies, pa.int64())))
+    return pick
+
+
+def best_of_cluster(keep: str):
+    """Rows of one part, with `cluster_id` -> the same rows, `cluster_id` now the id of the member the keep rule
+    picks (the one that stays)."""
+    def pick(group: pa.Table) -> pa.Table:
+        rows, first = best_first(group.drop_columns(["part"]), "cluster_id", keep)
+        starts = np.flatnonzero(first)
+        best = rows["id"].take(pa.array(np.repeat(starts, np.diff(np.append(starts, len(rows))))))
+        return rows.set_column(rows.schema.get_field_index("cluster_id"), "cluster_id", best)
+    return pick
 
 
 def unit_hash(key: str) -> float:

@@ -17,6 +17,7 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
 from amalia_ray.core.storage import write_json
 from amalia_ray.evals import generate, judge, loglik
+from amalia_ray.evals.contamination import seen_items, with_contamination
 from amalia_ray.evals.metrics import by_group, rejected_row, summarize
 from amalia_ray.evals.tasks import CHOICE_FORMATS, load_task
 
@@ -63,8 +64,13 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
 
 def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str, settings: EvalConfig,
              output: Path | None = None, api_key: str | None = None,
-             transport: httpx.AsyncBaseTransport | None = None) -> dict:
+             transport: httpx.AsyncBaseTransport | None = None,
+             contamination_of: list[Path] | None = None, seen: set[str] | None = None) -> dict:
+    """Score the task's items; with `contamination_of` (run folders or corpora), also flag each item seen in that
+    training text and score the unseen ones apart (`seen`: those ids, when already computed)."""
     items = load_task(task_path, task.format, task.limit)
+    if contamination_of and seen is None:
+        seen = seen_items(items, contamination_of, task.name)
     client_args = {"concurrency": settings.concurrency, "timeout_s": settings.request_timeout_s,
                    "retries": settings.retries, "transport": transport}
 
@@ -110,6 +116,8 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
     if task.format == "judge":
         result["judge"] = settings.judge.model
     result["items"] = rows
+    if contamination_of:
+        result = with_contamination(result, seen, metrics, contamination_of)
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         write_json(output, result)

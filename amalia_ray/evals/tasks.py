@@ -15,6 +15,7 @@ Formats (AMALIA's public benchmark shapes plus our own):
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import string
@@ -101,11 +102,11 @@ def _json_array(path: Path, text: str) -> Iterator[tuple[str, dict]]:
     decoder = json.JSONDecoder()
     line_of = lambda pos: text.count("\n", 0, pos) + 1  # noqa: E731
     pos = text.index("[") + 1
-    while True:
+    for index in itertools.count(1):
         pos = _skip_space(text, pos)
         if pos < len(text) and text[pos] == "]":
             return
-        where = f"{path}:{line_of(pos)}"
+        where = f"{path}:{line_of(pos)} (item {index})"  # a minified array has every item on line 1
         try:
             row, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
@@ -177,7 +178,12 @@ def _answer(value, choices: list[str], where: str) -> int:
 
 
 def _id(row: dict, where: str) -> str:
-    return str(row.get("id", where.rsplit(":", 1)[-1]))
+    """The item's own id, else its position: the item number in a JSON array (PHEB's items have no id), the line
+    in a JSON-lines file."""
+    if "id" in row:
+        return str(row["id"])
+    item = re.search(r"\(item (\d+)\)$", where)
+    return item.group(1) if item else where.rsplit(":", 1)[-1]
 
 
 def _mc(row: dict, where: str, meta_fields: tuple[str, ...] = ()) -> MCItem:
@@ -221,6 +227,16 @@ def _prompt(row: dict, where: str) -> PromptItem:
 
 
 PARSERS = {"mcq": _mc, "pheb": _pheb, "binary": _binary, "cloze": _cloze, "judge": _prompt, "variety": _prompt}
+
+
+def item_text(item: Item) -> str:
+    """What of an item could appear in training text: the question and its choices, the context and its target,
+    the prompt and its reference (decontamination looks for these)."""
+    if isinstance(item, MCItem):
+        return "\n".join([item.question, *item.choices])
+    if isinstance(item, ClozeItem):
+        return f"{item.context} {item.target}"
+    return "\n".join([item.prompt, *([item.reference] if item.reference else [])])
 
 
 def load_task(path: Path, fmt: str, limit: int | None = None) -> list[Item]:

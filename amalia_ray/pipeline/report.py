@@ -98,6 +98,15 @@ def evaluation_section(run_dir: Path, metrics: dict) -> list[str]:
     against = f"; in brackets each stage's change against the base model {base}" if base else ""
     parts = ["## Evaluation", "", f"Served at {metrics.get('base_url')} with Ray Serve + vLLM; scored over HTTP "
              f"(mean ± standard error{against}).", "", _table(["task", "metric", *models, "chance", "n"], rows), ""]
+    if any("n_seen" in r for r in results.values()):
+        clean_rows = []
+        for task in tasks:
+            first = _first(results, models, task)
+            metric = _headline(first)[0]
+            clean_rows.append([task, first.get("n_seen"), *[results.get(f"{m}/{task}", {}).get(f"{metric}_clean")
+                                                            for m in models]])
+        parts += ["Items seen in the training text (eval.contamination_of) and each checkpoint's score on the "
+                  "unseen items:", "", _table(["task", "items seen", *models], clean_rows), ""]
     png = plot_evaluation(run_dir, results, base)
     if png:
         parts += [f"![evaluation]({png.name})", ""]
@@ -277,6 +286,11 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
         if m.get("kept_by_variety"):
             parts += ["Kept documents by Portuguese variety: "
                       + ", ".join(f"{k} {v}" for k, v in sorted(m["kept_by_variety"].items())) + ".", ""]
+        if m.get("contamination"):
+            parts += ["Benchmark decontamination (word n-gram overlap with each task's items):", "",
+                      _table(["task", "items", "items checked", "items overlapping", "documents overlapping"],
+                             [[t, c["items"], c["items_checked"], c["items_overlapping"], c["documents_overlapping"]]
+                              for t, c in sorted(m["contamination"].items())]), ""]
     pack = stages.get("pack")
     if pack and pack.metrics:
         parts += [f"Packed: {pack.metrics.get('train_sequences')} training and "

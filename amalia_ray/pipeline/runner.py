@@ -28,7 +28,6 @@ from amalia_ray.pipeline import stages
 from amalia_ray.pipeline.report import write_report
 from amalia_ray.pipeline.spec import StageSpec
 
-DATA_STAGES = ("data", "tokenizer", "pack")
 
 
 def fingerprint_of(cfg: str, inputs: dict[str, str], code: str | None) -> str:
@@ -205,7 +204,8 @@ class Pipeline:
 
     # ---- the recipe's stages -----------------------------------------------------------------------------------
     def stage_names(self) -> list[str]:
-        return [*DATA_STAGES, *(s.name for s in self.recipe.train), "eval"]
+        return [*self.recipe.data_stages, *(s.name for s in self.recipe.train),
+                *(["eval"] if self.recipe.train or self.recipe.eval.tasks else [])]
 
     def select(self, until: str | None = None, only: list[str] | None = None) -> tuple[list[str], list[str]]:
         """(the stages to build, up to the last one that runs; the stages that run)."""

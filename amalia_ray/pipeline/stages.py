@@ -12,8 +12,10 @@ from amalia_ray.cluster.local import cluster_has_gpu, ray_session
 from amalia_ray.core import hf_model
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data import stage as data_stage
+from amalia_ray.data.quality_model import QualityModel
+from amalia_ray.evals.contamination import seen_items
 from amalia_ray.evals.runner import metrics_of, run_task
-from amalia_ray.evals.tasks import load_task
+from amalia_ray.evals.tasks import item_text, load_task
 from amalia_ray.pipeline.spec import RunContext, StageSpec
 from amalia_ray.serve import app as serve_app
 from amalia_ray.train.model import check_config
@@ -36,6 +38,13 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         if not path.is_file():
             raise AmaliaError(f"eval.tasks[{i}].path: task file not found: {path}")
         load_task(path, task.format, task.limit)
+    for i, task in enumerate(r.data.decontaminate.tasks if r.data.decontaminate else []):
+        if not isinstance(task, str) and not p.loaded.resolve(task.path).is_file():
+            raise AmaliaError(f"data.decontaminate.tasks[{i}].path: task file not found: {p.loaded.resolve(task.path)}")
+        if not isinstance(task, str):
+            load_task(p.loaded.resolve(task.path), task.format)
+    if r.data.quality_model:
+        QualityModel(p.loaded.resolve(r.data.quality_model))  # a missing or foreign model fails here, not in a worker
     if r.model.base:
         check_base_model(r, p.loaded.resolve)
     judge = r.eval.judge
@@ -58,7 +67,7 @@ def check_base_model(recipe, resolve) -> dict:
         hf_model.resolve(m.base, m.revision, hf_model.CONFIG_FILES))
     config = hf_model.recipe_config(m, resolve)
     limit = check_config(config, m.trust_remote_code, source).max_position_embeddings
-    lengths = {"pack.seq_len": recipe.pack.seq_len,
+    lengths = {**({"pack.seq_len": recipe.pack.seq_len} if recipe.pack else {}),
                **{f"train stage '{s.name}' seq_len": s.sequence_length for s in recipe.train if s.sequence_length}}
     if too_long := {k: v for k, v in lengths.items() if v > limit}:
         raise AmaliaError(f"{', '.join(f'{k} {v}' for k, v in too_long.items())} exceed(s) the base model's "
@@ -122,9 +131,13 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
     cluster_cpus = {"CPU": p.cluster_info["billable_cpus"]}  # Ray Data spreads over the whole cluster
     files = {f"corpus:{f}": Path(f) for f in data_stage.input_files(r.data, p.loaded.resolve)}
     if "data" in names:
-        yield StageSpec("data", [r.data], files, {"corpus": d("data")},
-                        lambda: data_stage.curate(r.data, p.loaded.resolve, d("data")), cpus,
-                        held=lambda m: cluster_cpus)
+        benchmarks = decontamination_tasks(r)
+        yield StageSpec("data", [r.data, *([[t.model_dump() for t in benchmarks]] if benchmarks else [])],
+                        {**files, **{f"benchmark:{t.name}": p.loaded.resolve(t.path) for t in benchmarks},
+                         **({"quality_model": p.loaded.resolve(r.data.quality_model)} if r.data.quality_model else {})},
+                        {"corpus": d("data")},
+                        lambda: data_stage.curate(r.data, p.loaded.resolve, d("data"), benchmark_items(p, benchmarks)),
+                        cpus, held=lambda m: cluster_cpus)
     if "tokenizer" in names:
         base = base_model_dir(p)
         # a base model's tokenizer depends on its tokenizer files, not its weights; on the corpus only when tokens
@@ -176,6 +189,19 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
                         held=lambda m: serve_held, tokens=lambda m: m.get("tokens_processed"))
 
 
+def decontamination_tasks(r) -> list:
+    """The task files the data stage decontaminates against (eval tasks named by data.decontaminate, or its own)."""
+    if not r.data.decontaminate:
+        return []
+    by_name = {t.name: t for t in r.eval.tasks}
+    return [by_name[t] if isinstance(t, str) else t for t in r.data.decontaminate.tasks]
+
+
+def benchmark_items(p: RunContext, tasks: list) -> dict[str, list[tuple[str, str]]]:
+    return {t.name: [(item.id, item_text(item)) for item in load_task(p.loaded.resolve(t.path), t.format)]
+            for t in tasks}
+
+
 def _train_held(stage, gpu: bool, billable_cpus: float):
     def held(metrics: dict) -> dict[str, float]:
         workers = metrics.get("mean_world_size") or stage.worker_range[1]  # a failed attempt: what it asked for
@@ -204,16 +230,22 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path]) -> dict:
     r = p.recipe
     name = serve_app.app_name(p.run_name)
     out: dict = {"results": {}, "tokens_processed": 0, **({"base_model": p.model_id("base")} if r.model.base else {})}
+    targets = [p.run_dir if t == "this_run" else p.loaded.resolve(t) for t in r.eval.contamination_of]
+    seen = {t.name: seen_items(load_task(p.loaded.resolve(t.path), t.format, t.limit), targets, t.name)
+            for t in r.eval.tasks} if targets else {}
     try:
         out["base_url"] = base_url = serve_app.start(models, r.serve, use_gpu(p), name)
         for model_id in models:
             for task in r.eval.tasks:
                 res = run_task(task, p.loaded.resolve(task.path), base_url=base_url, model=model_id,
                                settings=r.eval, output=p.stage_dir("eval") / model_id / f"{task.name}.json",
-                               api_key=serve_app.api_key(r.serve))
+                               api_key=serve_app.api_key(r.serve), contamination_of=targets or None,
+                               seen=seen.get(task.name))
+                clean = {"n_seen": res["n_seen"], **{f"{k}_clean": v for k, v in (res["scores_clean"] or {}).items()
+                                                     if not k.endswith("_stderr")}} if targets else {}
                 out["results"][f"{model_id}/{task.name}"] = {**res["scores"], "n": res["n"],
                                                              "rejected": res["rejected"],
-                                                             "metric": metrics_of(task)[0]}
+                                                             "metric": metrics_of(task)[0], **clean}
                 out["tokens_processed"] += sum(res["usage"].values())
     finally:
         serve_app.stop(name)

@@ -1,0 +1,87 @@
+"""Site boilerplate: lines that a site repeats on many of its pages (cookie notices, "all rights reserved", a
+newsletter box) which main-content extraction leaves in. A line is boilerplate for a site when it appears on at least
+`min_pages` of the site's pages and on at least `min_share` of them; it is removed from every page of that site.
+Counted over the documents that have a URL (`url_key`, site = its host), after capture selection, in two passes that
+scale with the number of distinct lines, not with the size of a site: one keyed shuffle counts each (site, line) once
+per page, and the set of boilerplate lines (64-bit hashes) is then sent to every task that cleans the pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import ray
+from ray.data.expressions import col
+
+from amalia_ray.data.partitions import map_blocks, per_part, to_arrow, with_part
+from amalia_ray.data.steps import already_dropped, map_text
+
+LINE_KEYS = pa.schema([("site", pa.string()), ("key", pa.uint64()), ("part", pa.int32())])
+
+
+def site_of(url_key: str) -> str:
+    return url_key.split("/", 1)[0]
+
+
+def _line_hashes(site: str, lines: list[str]) -> np.ndarray:
+    """A stable 64-bit hash of each (site, stripped line)."""
+    if not lines:
+        return np.empty(0, np.uint64)
+    return pl.Series([f"{site}\n{line.strip()}" for line in lines], dtype=pl.String).hash(seed=7).to_numpy()
+
+
+def _page_lines(text: str) -> list[str]:
+    return [line for line in text.split("\n") if line.strip()]
+
+
+def boilerplate_lines(pages: ray.data.Dataset, min_pages: int, min_share: float, partitions: int) -> np.ndarray:
+    """The sorted hashes of every (site, line) that is boilerplate, from the live documents with a URL."""
+    def emit(batch: pa.Table) -> pa.Table:
+        sites, keys = [], []
+        for url_key, text, dropped in zip(batch["url_key"].to_pylist(), batch["text"].to_pylist(),
+                                          already_dropped(batch)):
+            if url_key is None or dropped:
+                continue
+            site = site_of(url_key)
+            hashed = np.unique(_line_hashes(site, _page_lines(text)))
+            sites += [site] * len(hashed)
+            keys.append(hashed)
+        keys_arr = pa.array(np.concatenate(keys) if keys else np.empty(0, np.uint64), pa.uint64())
+        return with_part(pa.table({"site": pa.array(sites, pa.string()), "key": keys_arr}), "key", partitions)
+
+    site_pages = (pages.filter(expr=col("drop_reason").is_null())
+                  .map_batches(lambda b: pa.table({"site": [site_of(u) for u in b["url_key"].to_pylist()]}),
+                               batch_format="pyarrow")
+                  .groupby("site").count().to_pandas())
+    if not len(site_pages):
+        return np.empty(0, np.uint64)
+    totals = dict(zip(site_pages["site"], site_pages["count()"]))
+
+    def repeated(group: pa.Table) -> pa.Table:
+        counts = pl.from_arrow(group.select(["site", "key"])).group_by("site", "key").len()
+        need = pl.Series([float(max(min_pages, min_share * totals.get(s, 0))) for s in counts["site"]],
+                         dtype=pl.Float64)
+        return to_arrow(counts.filter(counts["len"] >= need).select("site", "key")
+                        .with_columns(part=pl.lit(0, pl.Int32)), LINE_KEYS)
+
+    found = per_part(map_blocks(pages, emit), repeated, partitions)
+    keys = [t["key"].to_numpy() for t in ray.get(found.to_arrow_refs()) if len(t)]
+    return np.sort(np.concatenate(keys)) if keys else np.empty(0, np.uint64)
+
+
+class StripBoilerplate:
+    """Removes a site's boilerplate lines from each of its live pages."""
+
+    def __init__(self, lines: np.ndarray):
+        self.lines = lines
+
+    def strip(self, text: str, url_key: str | None) -> str:
+        if url_key is None or not len(self.lines):
+            return text
+        lines = text.split("\n")
+        hashed = _line_hashes(site_of(url_key), lines)
+        drop = np.isin(hashed, self.lines) & np.array([bool(line.strip()) for line in lines])
+        return "\n".join(line for line, d in zip(lines, drop) if not d).strip() if drop.any() else text
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return map_text(batch, self.strip, batch["url_key"].to_pylist())

@@ -1,0 +1,89 @@
+"""Which benchmark items a model may have seen in training: every item's word n-grams (the data stage's
+decontamination rule, `core/ngrams.py`) looked up in a run's curated corpus (`runs/NAME/data/kept`) or in any corpus
+file or folder (jsonl or Parquet: every string field of a record is its text, so chat and preference sets are read
+too). The eval reports each item's `seen` flag and the scores on the unseen items beside the full scores."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.ngrams import ItemIndex
+from amalia_ray.evals.metrics import summarize
+from amalia_ray.evals.tasks import Item, item_text
+
+NGRAM, MIN_OVERLAP, MIN_ITEM_WORDS = 13, 1, 8
+
+
+def corpus_files(target: Path) -> list[Path]:
+    """A run folder's curated corpus, or the jsonl/Parquet files of a file or folder."""
+    if (target / "data" / "kept").is_dir():
+        target = target / "data" / "kept"
+    if not target.exists():
+        raise AmaliaError(f"--contamination-of: not found: {target} (a run folder, or a jsonl/Parquet corpus)")
+    files = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file())
+    files = [f for f in files if f.suffix == ".parquet" or f.name.endswith((".jsonl", ".jsonl.gz", ".json"))]
+    if not files:
+        raise AmaliaError(f"--contamination-of {target}: no jsonl or Parquet files (a run folder must have run its "
+                          "data stage)")
+    return files
+
+
+def _strings(value) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _texts(path: Path) -> Iterator[str]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        f = pq.ParquetFile(path)
+        text_only = ["text"] if "text" in f.schema_arrow.names else None
+        for batch in f.iter_batches(batch_size=1024, columns=text_only):
+            for row in batch.to_pylist():
+                yield "\n".join(_strings(row))
+        return
+    import gzip
+
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    yield "\n".join(_strings(json.loads(line)))
+                except json.JSONDecodeError:
+                    yield line
+
+
+def seen_items(items: list[Item], targets: list[Path], task: str = "task") -> set[str]:
+    """Ids of the items that share at least one 13-gram (or, for an item shorter than 13 words, its whole text)
+    with some document of the targets."""
+    index = ItemIndex.build({task: [(it.id, item_text(it)) for it in items]}, NGRAM, MIN_ITEM_WORDS)
+    seen: set[str] = set()
+    for target in targets:
+        for path in corpus_files(target):
+            for text in _texts(path):
+                seen.update(index.items[i][1] for i in index.overlaps(text, MIN_OVERLAP))
+            if len(seen) == len(index.items):
+                return seen
+    return seen
+
+
+def with_contamination(result: dict, seen: set[str], metrics: tuple[str, ...], targets: list[Path]) -> dict:
+    """The result with every item's `seen` flag and the scores on the unseen items (`scores_clean`, `n_clean`)."""
+    rows = result["items"]
+    for row in rows:
+        row["seen"] = str(row.get("id")) in seen
+    clean = [r for r in rows if not r["seen"] and "rejected" not in r]
+    return {**result, "contamination_of": [str(t) for t in targets],
+            "n_seen": sum(r["seen"] for r in rows if "rejected" not in r), "n_clean": len(clean),
+            "scores_clean": summarize(clean, metrics) if clean else None, "items": rows}
