@@ -320,3 +320,52 @@ def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path):
     assert metrics["contamination"]["exames"] == {"items": 5, "items_checked": 5, "items_overlapping": 2,
                                                   "documents_overlapping": 2}
     assert len(originals) == len(pages) - len(quoted) - sum(str(r).startswith("language") for r in reasons)
+
+
+@pytest.mark.e2e
+def test_the_data_stage_scores_with_a_trained_model_and_flags_contamination(ray_cluster, tmp_path):
+    """The other settings on the data stage itself: a jsonl export with its own URL and date fields, the earliest
+    capture kept, the trained classifier scoring every document on Ray actors (threshold drops the licence text),
+    exact copies resolved by `latest`, and contamination flagged instead of dropped."""
+    import pyarrow.parquet as pq
+
+    from amalia_ray.data.stage import curate
+
+    reference = _paragraphs(REFERENCE_TXT, 400)
+    neg = _package_boilerplate(400)
+    (tmp_path / "pos.jsonl").write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in reference[:300]))
+    (tmp_path / "neg.jsonl").write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in neg[:300]))
+    train_quality_model(tmp_path / "model", [str(tmp_path / "pos.jsonl")], [str(tmp_path / "neg.jsonl")])
+    from amalia_ray.data.steps import Normalize
+
+    portuguese = [Normalize().clean(p) for p in reference[300:] if " não " in p or " é " in p]
+    good, bad, quoted = portuguese[0], neg[350], portuguese[1]
+    rows = [
+        {"texto": good, "link": "http://a.pt/x?utm_source=y", "quando": "20200101000000"},
+        {"texto": good + " Revisto.", "link": "https://www.a.pt/x/", "quando": "2024-01-01"},  # a later capture
+        {"texto": bad, "link": "https://a.pt/licenca", "quando": "2021"},
+        {"texto": quoted, "link": "https://a.pt/q1", "quando": "2021"},
+        {"texto": quoted, "link": "https://a.pt/q2", "quando": "2023"},  # the same text at another URL, later
+    ]
+    (tmp_path / "web.jsonl").write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows))
+    exam = web_archive.write_json(tmp_path / "exam.json", web_archive.exam_items(
+        [next(s for s in quoted.split(". ") if len(s.split()) >= 15)], []))
+    cfg = DataConfig.model_validate({
+        "sources": [{"name": "web", "paths": [str(tmp_path / "web.jsonl")], "format": "jsonl", "text_field": "texto",
+                     "url_field": "link", "date_field": "quando"}],
+        "min_chars": 100, "captures": "earliest", "quality_model": str(tmp_path / "model"), "quality_threshold": 0.5,
+        "dedup_keep": "latest", "decontaminate": {"tasks": [{"name": "exam", "path": str(exam), "format": "pheb"}],
+                                                  "action": "flag"}})
+    from amalia_ray.evals.tasks import item_text, load_task
+
+    items = {"exam": [(it.id, item_text(it)) for it in load_task(exam, "pheb")]}
+    metrics = curate(cfg, lambda p: Path(p), tmp_path / "out", items)
+    kept = {d["text"][:40]: d for d in pq.read_table(tmp_path / "out" / "kept").to_pylist()}
+    dropped = pq.read_table(tmp_path / "out" / "dropped").to_pylist()
+    assert sorted(d["drop_reason"] for d in dropped) == ["capture:newer", "quality_model:below_threshold"]
+    page = kept[good[:40]]
+    assert page["text"] == good and page["url_key"] == "a.pt/x" and page["quality_score"] > 0.5
+    copy = kept[quoted[:40]]  # exact copies: the latest capture stays, flagged with the item it quotes
+    assert copy["url_key"] == "a.pt/q2" and copy["duplicates"] == 2 and copy["contamination"] == ["exam/1"]
+    assert metrics["contamination"]["exam"] == {"items": 1, "items_checked": 1, "items_overlapping": 1,
+                                                "documents_overlapping": 2}
