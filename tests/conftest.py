@@ -73,7 +73,7 @@ def recipe_path(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     return write_recipe(tmp, **{
         "run.name": "e2e", "train.0.steps": STEPS, "train.0.checkpoint_every": 20, "train.0.warmup_steps": 5,
-        "train.0.max_failures": 0, "serve.port": free_port(),
+        "train.0.max_failures": 0, "serve.port": free_port(), "eval.contamination_of": ["this_run"],
     })
 
 

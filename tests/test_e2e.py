@@ -108,6 +108,9 @@ def test_eval_over_http_scores_every_item(demo_run):
     pipeline, report = demo_run
     result = json.loads((pipeline.run_dir / "eval" / "e2e-pretrain" / "pt-mc-sample.json").read_text())
     assert result["n"] == 20 and len(result["items"]) == 20
+    # eval.contamination_of: [this_run]: each item checked against the run's curated corpus
+    assert result["contamination_of"] == [str(pipeline.run_dir)] and all("seen" in it for it in result["items"])
+    assert result["n_seen"] + result["n_clean"] == 20 and "Items seen in the training text" in report.read_text()
     assert result["base_url"].startswith("http://127.0.0.1:")
     assert 0.0 <= result["scores"]["acc"] <= 1.0
     for item in result["items"]:
@@ -562,16 +565,25 @@ def test_eval_command_line_contract(served, tmp_path):
     env = {**os.environ, "AMALIA_API_KEY": served["key"]}
     tasks = Path(__file__).parent.parent / "evals" / "tasks"
     cli_eval = [sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"]]
+    # a training corpus that quotes the first exam question: --contamination-of flags that item
+    first = json.loads((tasks / "pheb_sample.json").read_text())[0]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"text": f"Exame nacional. {first['question']} " + " ".join(first["choices"])},
+                                 ensure_ascii=False) + "\n")
     for fmt, name, metric in [("pheb", "pheb_sample.json", "acc"), ("variety", "variety_sample.jsonl", "pt_pt")]:
         out = tmp_path / f"{fmt}.json"
         proc = subprocess.run([sys.executable, "-m", "amalia_ray.cli", "eval", "--base-url", served["url"],
                                "--model", "pre", "--task", str(tasks / name), "--format", fmt,
-                               "--output", str(out)], env=env, capture_output=True, text=True, timeout=300)
+                               "--output", str(out), *(["--contamination-of", str(corpus)] if fmt == "pheb" else [])],
+                              env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         result = json.loads(out.read_text())
         assert result["model"] == "pre" and result["format"] == fmt and len(result["items"]) == result["n"] >= 8
         assert 0.0 <= result["scores"][metric] <= 1.0 and f"{metric}_stderr" in result["scores"]
-    assert set(json.loads((tmp_path / "pheb.json").read_text())["by_subject"]) >= {"Matemática", "História"}
+    pheb = json.loads((tmp_path / "pheb.json").read_text())
+    assert set(pheb["by_subject"]) >= {"Matemática", "História"}
+    assert [it["seen"] for it in pheb["items"]][:2] == [True, False] and pheb["n_seen"] == 1
+    assert pheb["n_clean"] == pheb["n"] - 1 and "acc" in pheb["scores_clean"]
     # an item over the served context (512 tokens) is refused by vLLM (400): reported, the others still scored
     rows = [json.loads(ln) for ln in (tasks / "pt_mc_sample.jsonl").open()][:3]
     rows[1]["question"] = "Qual é a palavra que se repete? " + "palavra " * 800

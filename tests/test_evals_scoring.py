@@ -291,6 +291,9 @@ def test_items_seen_in_a_runs_corpus_are_flagged_and_scored_apart(tmp_path):
              {"id": "b", "question": "Qual é a cor do céu?", "choices": ["verde", "azul"], "answer": 0}]
     run = tmp_path / "runs" / "r"
     (run / "data" / "kept").mkdir(parents=True)
+    (run / "manifest.json").write_text("{}")
+    (run / "pack").mkdir()  # a run folder's other Parquet files are not its corpus
+    pq.write_table(pa.table({"text": [quoted + " " + "Qual é a cor do céu? verde azul"]}), run / "pack" / "p.parquet")
     pq.write_table(pa.table({"id": ["d"], "text": [f"Um texto de história. {quoted} Resposta: 1297."]}),
                    run / "data" / "kept" / "part-000000.parquet")
     chats = tmp_path / "chats.jsonl"

@@ -19,7 +19,9 @@ NGRAM, MIN_OVERLAP, MIN_ITEM_WORDS = 13, 1, 8
 
 def corpus_files(target: Path) -> list[Path]:
     """A run folder's curated corpus, or the jsonl/Parquet files of a file or folder."""
-    if (target / "data" / "kept").is_dir():
+    if (target / "manifest.json").is_file():  # a run folder: what its data stage kept
+        if not (target / "data" / "kept").is_dir():
+            raise AmaliaError(f"--contamination-of {target}: the run has no curated corpus (data/kept) yet")
         target = target / "data" / "kept"
     if not target.exists():
         raise AmaliaError(f"--contamination-of: not found: {target} (a run folder, or a jsonl/Parquet corpus)")
