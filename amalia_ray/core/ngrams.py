@@ -82,11 +82,10 @@ class ItemIndex:
         tokens = words(text)
         grams = [ngram_hashes(tokens, k) for k in sorted({self.n, *self.short_lengths})]
         doc = np.unique(np.concatenate(grams)) if len(grams) > 1 else grams[0]
-        found = doc[np.isin(doc, self.hashes, assume_unique=False)]
-        if not len(found):
+        lo = np.searchsorted(self.hashes, doc, "left")
+        hi = np.searchsorted(self.hashes, doc, "right")  # lo < hi: the document's n-gram is some item's
+        if not (hit := hi > lo).any():
             return []
-        lo = np.searchsorted(self.hashes, found, "left")
-        hi = np.searchsorted(self.hashes, found, "right")
-        owners = np.concatenate([self.owners[a:b] for a, b in zip(lo, hi)])
+        owners = np.concatenate([self.owners[a:b] for a, b in zip(lo[hit], hi[hit])])
         ids, counts = np.unique(owners, return_counts=True)
         return ids[counts >= min_overlap].tolist()

@@ -65,7 +65,9 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")
         .map_batches(CaptureKeys({s.name: (s.url_field, s.date_field) for s in cfg.sources}), batch_format="pyarrow")
     )
-    docs, boilerplate = _web_pages(docs.materialize(), cfg)
+    boilerplate = 0
+    if any(s.format in URL_FORMATS for s in cfg.sources):  # plain text and HTML files carry no URL
+        docs, boilerplate = _web_pages(docs.materialize(), cfg)
     steps = [*([LanguageID(cfg.language)] if cfg.language else []), *([VarietyTag(cfg.variety)] if cfg.variety else []),
              *quality_steps(cfg.quality)]
     if cfg.quality and not cfg.quality_model:
@@ -142,6 +144,10 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         **({"contamination": contamination} if contamination is not None else {}),
         **({"site_boilerplate_lines": boilerplate} if boilerplate else {}),
     }
+
+
+# the source formats whose documents can carry a URL and capture date (WARC headers, jsonl/Parquet fields)
+URL_FORMATS = ("warc", "jsonl", "parquet")
 
 
 def _web_pages(docs: ray.data.Dataset, cfg: DataConfig) -> tuple[ray.data.Dataset, int]:
