@@ -1,17 +1,16 @@
-"""Faults, end to end on the session's Ray cluster: training workers SIGKILLed three times within the failure budget,
-the driver killed mid-stage, a checkpoint write that fails half way, and the same recipe run twice giving the same
-data hashes and (before the driver is killed) the same loss at every step. (A Serve replica killed during an evaluation: tests/test_e2e.py, beside the server.)"""
+"""Faults, end to end on the session's Ray cluster: in one run, training workers SIGKILLed three times within the
+failure budget and then the driver killed mid-stage; a checkpoint write that fails half way; and the same recipe run
+twice giving the same data hashes and (before the first kill) the same loss at every step. (A Serve replica killed
+during an evaluation: tests/test_e2e.py, beside the server.)"""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -52,74 +51,61 @@ def assert_same_losses(history: list[dict], reference: list[dict], tolerance: fl
         assert abs(got["loss"] - want["loss"]) <= tolerance * max(1.0, abs(want["loss"])), (got["step"], got, want)
 
 
-def test_three_killed_workers_within_the_budget_end_at_the_same_loss(demo_run, recipe_path, uninterrupted):
-    """max_failures: 3 and a training worker SIGKILLed at three random steps: Ray Train restarts the workers from
-    the latest checkpoint each time, the stage completes in the same run, each kill costs at most one checkpoint
-    interval, and the loss at every step (the final one included) equals the uninterrupted run's."""
-    recipe = fault_recipe(recipe_path, "three-kills", **{"train.0.max_failures": 3})
-    pipeline = Pipeline(load_recipe(recipe))
-    metrics = pipeline.run_dir / "pretrain" / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)  # the earlier history of this stage
-    rng = random.Random(int(os.environ.get("AMALIA_FAULT_SEED", "8")))
-    targets = [rng.randint(6, 9), rng.randint(16, 19), rng.randint(26, 29)]
-    errors: list[BaseException] = []
-    runner = threading.Thread(target=_capture, args=(errors, functools.partial(pipeline.run, until="pretrain")))
-    runner.start()
-    killed_at, resumable = [], []
-    for target in targets:
-        # a worker dies once the step is reached and the checkpoint of its interval is registered
-        _wait(lambda: (step := _last_step(metrics)) >= target
-              and _registered_step(pipeline.run_dir) >= step // EVERY * EVERY, f"step {target} and its checkpoint",
-              runner)
-        resumable.append(_registered_step(pipeline.run_dir))
-        _kill_a_training_worker()
-        killed_at.append(_last_step(metrics))
-    runner.join(timeout=600)
-    assert not runner.is_alive() and not errors, errors
-    rec = pipeline.manifest.stages["pretrain"]
-    assert rec.status == "completed" and rec.attempts == 1, "recovered inside the stage, not by a rerun"
-    history = read_jsonl(metrics)
-    starts = sorted({h["attempt_start_step"] for h in history})  # where each of the four attempts began
-    assert len(starts) == 4 and starts[0] == 0, (starts, resumable, killed_at)
-    for killed, registered, resumed in zip(killed_at, resumable, starts[1:]):
-        assert registered <= resumed <= killed and resumed % EVERY == 0, (starts, resumable, killed_at)
-        assert killed - resumed <= EVERY, "at most one checkpoint interval is trained again"
-    assert_same_losses(history, uninterrupted, 1e-4)
-    assert abs(history[-1]["loss"] - uninterrupted[-1]["loss"]) <= 1e-4
-
-
-def test_a_killed_driver_resumes_on_the_next_run(demo_run, recipe_path, uninterrupted):
-    """`amalia run` SIGKILLed mid-stage (its Ray job and workers die with it); running it again resumes the stage
-    from its checkpoint, not step 0, and logs the same loss at every step as the uninterrupted run: bit for bit
-    before the kill (the same recipe run twice, each from step 0), within 1e-5 after the resume."""
+def test_killed_workers_then_a_killed_driver_resume_at_the_same_losses(demo_run, recipe_path, uninterrupted):
+    """`amalia run` with max_failures: 3, and a training worker SIGKILLed at three random steps: Ray Train restarts
+    the workers from the latest checkpoint each time, inside the same run, each kill costing at most one checkpoint
+    interval. Then the driver itself is SIGKILLed (its Ray job and workers die with it): the manifest shows the stage
+    as interrupted, and running it again resumes from its checkpoint, not step 0. The loss at every step equals the
+    uninterrupted run's: bit for bit before the first kill (the same recipe run twice, each from step 0), within
+    1e-4 after the restarts, the final step included."""
     import ray
 
-    recipe = fault_recipe(recipe_path, "driver-kill", **{"train.0.max_failures": 0})
+    recipe = fault_recipe(recipe_path, "kills", **{"train.0.max_failures": 3})
     run_dir = recipe_path.parent / "runs" / "e2e"
-    (run_dir / "pretrain" / "metrics.jsonl").unlink(missing_ok=True)
+    metrics = run_dir / "pretrain" / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # the earlier history of this stage
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     log = recipe.parent / "driver.log"
     driver = subprocess.Popen([sys.executable, "-m", "amalia_ray.cli", "run", str(recipe), "--until", "pretrain"],
                               env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     driver.log = log
-    _wait(lambda: _registered_step(run_dir) >= EVERY and _last_step(run_dir / "pretrain" / "metrics.jsonl") > EVERY,
-          "a registered checkpoint", driver)
+    rng = random.Random(int(os.environ.get("AMALIA_FAULT_SEED", "8")))
+    targets = [rng.randint(6, 8), rng.randint(14, 16), rng.randint(22, 24)]
+    killed_at, resumable = [], []
+    for target in targets:
+        # a worker dies once the step is reached and the checkpoint of its interval is registered
+        _wait(lambda: (step := _last_step(metrics)) >= target
+              and _registered_step(run_dir) >= step // EVERY * EVERY, f"step {target} and its checkpoint", driver)
+        resumable.append(_registered_step(run_dir))
+        _kill_a_training_worker()
+        killed_at.append(_last_step(metrics))
+    # then the driver, past the next registered checkpoint of the fourth attempt
+    _wait(lambda: _registered_step(run_dir) > killed_at[-1] and _last_step(metrics) > _registered_step(run_dir),
+          "a registered checkpoint after the third restart", driver)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
+    driver_killed_at = _last_step(metrics)
     _wait(lambda: not _training_workers(), "the killed job's workers to go")
     rec = json.loads((run_dir / "manifest.json").read_text())["stages"]["pretrain"]
-    assert rec["status"] == "running", "the manifest shows the stage as interrupted"
+    assert rec["status"] == "running" and rec["attempts"] == 1, "the workers' kills were recovered inside the stage"
+    driver_resumable = _last_registered_checkpoint(run_dir, rec["fingerprint"])
 
     resumed = Pipeline(load_recipe(recipe))
     resumed.run(until="pretrain")
     rec = resumed.manifest.stages["pretrain"]
-    assert rec.status == "completed" and rec.attempts == 2
-    history = read_jsonl(resumed.run_dir / "pretrain" / "metrics.jsonl")
-    resumed_at = max(h["attempt_start_step"] for h in history)
-    assert resumed_at >= EVERY and resumed_at % EVERY == 0, "the second run starts from a checkpoint, not step 0"
-    assert all(h["attempt_start_step"] == 0 for h in history[:resumed_at])
-    assert [h["loss"] for h in history[:resumed_at]] == [h["loss"] for h in uninterrupted[:resumed_at]], "reproducible"
-    assert_same_losses(history, uninterrupted, 1e-5)  # exact resume
+    assert rec.status == "completed" and rec.attempts == 2, "the driver's kill took a second run"
+    history = read_jsonl(metrics)
+    starts = sorted({h["attempt_start_step"] for h in history})  # where each of the five attempts began
+    assert len(starts) == 5 and starts[0] == 0, (starts, resumable, killed_at)
+    for killed, registered, restart in zip(killed_at, resumable, starts[1:4]):
+        assert registered <= restart <= killed and restart % EVERY == 0, (starts, resumable, killed_at)
+        assert killed - restart <= EVERY, "at most one checkpoint interval is trained again"
+    assert driver_resumable <= starts[4] <= driver_killed_at and starts[4] % EVERY == 0 and starts[4] > starts[3], (
+        "the second run starts from the last checkpoint, not step 0", starts, driver_resumable, driver_killed_at)
+    first = starts[1]
+    assert [h["loss"] for h in history[:first]] == [h["loss"] for h in uninterrupted[:first]], "reproducible"
+    assert_same_losses(history, uninterrupted, 1e-4)
+    assert abs(history[-1]["loss"] - uninterrupted[-1]["loss"]) <= 1e-4
 
 
 def test_a_checkpoint_write_that_fails_half_way(demo_run, recipe_path, monkeypatch):
@@ -157,7 +143,7 @@ def test_a_checkpoint_write_that_fails_half_way(demo_run, recipe_path, monkeypat
 def test_the_same_recipe_twice_gives_the_same_data(demo_run, recipe_path):
     """Reproducibility: the demo run's recipe run again under another run name, the data stages from scratch —
     identical output hashes of the data, tokenizer and pack stages. (The same loss at every step from the same
-    data: test_a_killed_driver_resumes_on_the_next_run, before the kill.)"""
+    data: test_killed_workers_then_a_killed_driver_resume_at_the_same_losses, before the first kill.)"""
     first = json.loads((recipe_path.parent / "runs" / "e2e" / "manifest.json").read_text())["stages"]
     again = Pipeline(load_recipe(recipe_path), run_name="e2e-again")
     again.run(until="pack")
@@ -200,6 +186,11 @@ def _last_step(metrics: Path) -> int:
         return 0
 
 
+def _last_registered_checkpoint(run_dir: Path, fingerprint: str) -> int:
+    snapshot = run_dir / "pretrain" / "ray" / f"pretrain-{fingerprint}" / "checkpoint_manager_snapshot.json"
+    return max(int(r["metrics"]["step"]) for r in json.loads(snapshot.read_text())["checkpoint_results"])
+
+
 def _registered_step(run_dir: Path) -> int:
     """The step of the latest checkpoint the running pretrain stage's Ray Train controller has registered."""
     try:
@@ -211,10 +202,3 @@ def _registered_step(run_dir: Path) -> int:
         return max(int(r["metrics"]["step"]) for r in results) if results else -1
     except (OSError, KeyError, ValueError, TypeError):
         return -1
-
-
-def _capture(errors: list, fn) -> None:
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - handed to the test thread
-        errors.append(e)

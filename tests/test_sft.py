@@ -59,6 +59,23 @@ def test_only_assistant_turns_are_targets(tokenizer):
     assert tok.decode(enc.ids) == tok.apply_chat_template(messages, tokenize=False)
 
 
+@pytest.mark.parametrize(("style", "targets"), [
+    ("llama", "Bom dia.<|eot_id|>Até logo.<|eot_id|>"), ("chatml", "Bom dia.<|im_end|>\nAté logo.<|im_end|>\n"),
+    ("mistral", "Bom dia.<eos>Até logo.<eos>"), ("gemma", "Bom dia.<end_of_turn>\nAté logo.<end_of_turn>\n")])
+def test_each_base_model_family_template_trains_on_its_answers_only(tmp_path, faq_text, style, targets):
+    """A base model's own chat template (Llama 3 headers, ChatML, [INST], Gemma turns): the targets are each answer
+    and the token that ends its turn, and the rendered ids are the template's own text. (Ray Train runs SFT on a
+    Llama and a Gemma 3 base in test_e2e_base_models.py.)"""
+    from tests.base_models import family_tokenizer
+
+    tok = family_tokenizer(tmp_path, style)
+    messages = [{"role": "user", "content": "Olá?"}, {"role": "assistant", "content": "Bom dia."},
+                {"role": "user", "content": "E depois?"}, {"role": "assistant", "content": "Até logo."}]
+    enc = encode_conversation(tok, messages)
+    assert tok.decode([i for i, t in zip(enc.ids, enc.train) if t]) == targets
+    assert tok.decode(enc.ids) == tok.apply_chat_template(messages, tokenize=False)
+
+
 def test_best_fit_decreasing_packs_tightly():
     bins = best_fit_decreasing([7, 5, 4, 3, 2, 1], capacity=8)
     sizes = sorted(sum([7, 5, 4, 3, 2, 1][i] for i in b) for b in bins)

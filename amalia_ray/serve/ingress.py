@@ -148,6 +148,20 @@ def _ingress_class():
     return AmaliaIngress
 
 
+def local_checkpoint_callback():
+    """The LLM deployment's node-initialization callback for a model read from a folder (the only kind we serve).
+    Ray Serve LLM otherwise starts one Ray task per node of the replica to fetch the model from a hub or bucket
+    mirror; for a folder that task only returns the path it was given, and starting it (a new worker process that
+    imports torch and transformers) costs about 10 s of every engine start."""
+    from ray.llm._internal.common.callbacks.base import CallbackBase
+
+    class LocalCheckpoint(CallbackBase):
+        async def on_before_node_init(self) -> None:
+            self.ctx.run_init_node = False
+
+    return LocalCheckpoint
+
+
 def build_app(args: dict):
     """Serve application builder. args: `llm_configs` (ray.serve.llm LLMConfig dicts), `api_key_sha256` (or null),
     `max_request_bytes`."""
@@ -157,7 +171,8 @@ def build_app(args: dict):
     from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, init, make_fastapi_ingress
     from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 
-    configs = [LLMConfig.model_validate(c) for c in args["llm_configs"]]
+    configs = [LLMConfig.model_validate({**c, "callback_config": {"callback_class": local_checkpoint_callback()}})
+               for c in args["llm_configs"]]
     ids = [c.model_id for c in configs]
     if not ids or len(set(ids)) != len(ids):
         raise ValueError(f"serve needs at least one model and unique model ids, got {ids}")
