@@ -83,6 +83,9 @@ def test_vllm_not_installed(tmp_path, monkeypatch):
           "--method", "loglik"], "error: --options: Value error, task 't': method 'loglik' applies to mcq, pheb"),
         (["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--task", "t.jsonl", "--format", "exam"],
          "error: --format: Input should be 'mcq', 'pheb'"),
+        (["eval", "--task", "t.jsonl", "--format", "mcq"], "error: amalia eval needs --base-url and --model"),
+        (["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--task", "nope.jsonl"],
+         "error: task file not found: nope.jsonl"),
     ],
 )
 def test_bad_serve_and_eval_options_are_one_line(args, message, tmp_path, monkeypatch):
@@ -90,6 +93,28 @@ def test_bad_serve_and_eval_options_are_one_line(args, message, tmp_path, monkey
     code, lines = invoke(*args)
     assert code == 1 and len(lines) == 1
     assert lines[0].startswith(message), lines[0]
+
+
+def test_show_prompt_prints_what_is_sent_without_a_server(tmp_path):
+    """`amalia eval --show-prompt`: the exact text of the first items' requests, the format told by the fields."""
+    import json
+
+    rows = [{"year": 2019, "phase": "1.ª Fase", "subject": "Portuguese", "question_group": "II",
+             "question_number": n, "question": q, "choices": ["uma", "duas"], "answer": 0, "is_completion": c}
+            for n, q, c in (("1", "O texto serve ao autor como", True), ("2", "Quantas são?", False))]
+    path = tmp_path / "all.json"
+    path.write_text(json.dumps(rows, ensure_ascii=False))
+    result = runner.invoke(app, ["eval", "--task", str(path), "--show-prompt", "--limit", "2"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert shown["format"] == "pheb" and shown["method"] == "loglik"
+    first, second = shown["items"]
+    assert first["id"] == "2019 1.ª Fase Portuguese II 1" and first["context"] == "O texto serve ao autor como"
+    assert first["prompts"] == ["O texto serve ao autor como uma", "O texto serve ao autor como duas"]
+    assert second["prompts"][0] == "Pergunta: Quantas são?\nResposta: uma"
+    result = runner.invoke(app, ["eval", "--task", str(path), "--show-prompt", "--method", "generate", "--chat"])
+    (item,) = json.loads(result.output)["items"]
+    assert item["endpoint"].startswith("/v1/chat/completions") and "A. uma\nB. duas" in item["prompt"]
 
 
 @pytest.mark.parametrize("space, message", [

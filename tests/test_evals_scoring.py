@@ -162,6 +162,30 @@ def test_pheb_is_scored_per_subject(tmp_path):
     assert result["by_subject"]["Geografia"]["acc"] == 1.0 and result["by_subject"]["Ciências"]["acc"] == 0.0
 
 
+def test_a_pheb_completion_item_is_scored_as_the_sentence_each_choice_completes(tmp_path):
+    """PHEB's `is_completion` items: the question is a sentence to complete, so each choice continues the sentence
+    itself, not a "Pergunta: …\\nResposta:" frame; the other items keep the frame, and the lm-eval export carries
+    the same context for both."""
+    rows = [{"year": 2019, "phase": "1.ª Fase", "subject": "Portuguese", "question_group": "II",
+             "question_number": "1", "question": "Segundo o autor, classificar a obra torna-se ",
+             "choices": ["impossível.", "indiferente."], "answer": 1, "is_completion": True},
+            {"year": 2019, "phase": "1.ª Fase", "subject": "Portuguese", "question_group": "II",
+             "question_number": "2", "question": "Qual é a capital de Portugal?", "choices": ["Madrid", "Lisboa"],
+             "answer": 1, "is_completion": False}]
+    fake = FakeModel(liked={"indiferente", "Lisboa"})
+    result = run(fake, tmp_path, "pheb", rows)
+    sentence = "Segundo o autor, classificar a obra torna-se"
+    assert fake.requests[0]["prompt"][:3] == [sentence, sentence + " impossível.", sentence + " indiferente."]
+    assert fake.requests[0]["prompt"][3] == "Pergunta: Qual é a capital de Portugal?\nResposta:"
+    assert [r["id"] for r in result["items"]] == ["2019 1.ª Fase Portuguese II 1", "2019 1.ª Fase Portuguese II 2"]
+    assert result["scores"]["acc"] == 1.0
+    path = tmp_path / "pheb.jsonl"
+    exported = export_lm_eval(EvalTaskConfig(name="pheb", path=str(path), format="pheb"), path, tmp_path / "lm")
+    assert yaml.safe_load(exported.read_text())["doc_to_text"] == "{{context}}"
+    contexts = [json.loads(ln)["context"] for ln in (tmp_path / "lm" / "pheb.jsonl").read_text().splitlines()]
+    assert contexts == [sentence, "Pergunta: Qual é a capital de Portugal?\nResposta:"]
+
+
 def test_multiple_choice_by_generation(tmp_path):
     fake = FakeModel()
     result = run(fake, tmp_path, "mcq", MC, method="generate", chat=True)
@@ -267,10 +291,11 @@ def test_lm_eval_export(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in MC))
     spec = yaml.safe_load(export_lm_eval(EvalTaskConfig(name="t", path=str(path)), path, tmp_path / "out").read_text())
-    assert spec["output_type"] == "multiple_choice" and spec["doc_to_text"] == "Pergunta: {{question}}\nResposta:"
+    assert spec["output_type"] == "multiple_choice" and spec["doc_to_text"] == "{{context}}"
     assert spec["target_delimiter"] == " " and [m["metric"] for m in spec["metric_list"]] == ["acc", "acc_norm"]
     rows = [json.loads(ln) for ln in open(spec["dataset_kwargs"]["data_files"]["test"])]
     assert rows[0]["choices"] == MC[0]["choices"] and rows[0]["answer"] == 1 and rows[0]["letter"] == "B"
+    assert rows[0]["context"] == "Pergunta: Qual é a capital de Portugal?\nResposta:"
     gen = yaml.safe_load(export_lm_eval(EvalTaskConfig(name="g", path=str(path), method="generate"), path,
                                         tmp_path / "out").read_text())
     assert gen["output_type"] == "generate_until" and gen["doc_to_target"] == "{{letter}}"

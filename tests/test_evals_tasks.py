@@ -6,7 +6,7 @@ import pytest
 
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.evals.metrics import by_group, mean_and_stderr
-from amalia_ray.evals.tasks import FORMATS, ClozeItem, MCItem, PromptItem, load_task
+from amalia_ray.evals.tasks import FORMATS, ClozeItem, MCItem, PromptItem, detect_format, is_completion, load_task
 from tests.conftest import ROOT
 
 SAMPLES = {"mcq": "pt_mc_sample.jsonl", "pheb": "pheb_sample.json", "binary": "saudade_sample.jsonl",
@@ -104,3 +104,55 @@ def test_stderr_and_groups():
             {"acc": 1.0, "meta": {"subject": "H"}}]
     groups = by_group(rows, "subject", ("acc",))
     assert groups["M"]["acc"] == 0.5 and groups["M"]["n"] == 2 and groups["H"]["acc"] == 1.0
+
+
+def pheb_item(subject: str, group: str, number: str, question: str, completion: bool, answer: int = 0) -> dict:
+    """An item in the schema of PHEB's own files (all.json and the per-subject files): no id."""
+    return {"year": 2019, "phase": "1.ª Fase", "subject": subject, "question_group": group,
+            "question_number": number, "question": question, "answer": answer,
+            "choices": ["uma", "duas", "três", "quatro"], "is_completion": completion}
+
+
+def test_pheb_files_as_published_a_folder_of_subjects_and_the_format_told_by_the_fields(tmp_path):
+    """PHEB's layout: all.json joins the per-subject files, whose items carry year, phase, subject, group, number
+    and is_completion but no id. The folder reads the subject files (not all.json again), each item named by its
+    exam and question — the same names as all.json gives them — and the format needs no flag."""
+    portuguese = [pheb_item("Portuguese", "GRUPO II", "1", "Texto.\n\nO recurso a interrogativas serve ao autor como",
+                            True), pheb_item("Portuguese", "GRUPO II", "2", "Qual é a função do advérbio?", False, 2)]
+    maths = [pheb_item("Mathematics A", "I", "1.1", "Quantas soluções tem a equação?", False, 1)]
+    folder = tmp_path / "pheb"
+    folder.mkdir()
+    (folder / "portuguese.json").write_text(json.dumps(portuguese, ensure_ascii=False, indent=2))
+    (folder / "mathematics_a.json").write_text(json.dumps(maths, ensure_ascii=False, indent=2))
+    (folder / "all.json").write_text(json.dumps(portuguese + maths, ensure_ascii=False, indent=2))
+    assert detect_format(folder) == "pheb" == detect_format(folder / "all.json")
+    items = load_task(folder, "pheb")
+    assert [it.id for it in items] == ["2019 1.ª Fase Mathematics A I 1.1", "2019 1.ª Fase Portuguese GRUPO II 1",
+                                       "2019 1.ª Fase Portuguese GRUPO II 2"]
+    assert sorted(it.id for it in load_task(folder / "all.json", "pheb")) == [it.id for it in items]
+    assert [is_completion(it) for it in items] == [False, True, False] and items[2].answer == 2
+    assert items[1].meta["question_group"] == "GRUPO II" and items[1].meta["subject"] == "Portuguese"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{**maths[0], "is_completion": "sim"}]))
+    with pytest.raises(AmaliaError, match=rf"{bad}:1 \(item 1\): field 'is_completion' must be true or false"):
+        load_task(bad, "pheb")
+
+
+@pytest.mark.parametrize(("row", "fmt"), [
+    ({"question": "q", "choices": ["a", "b"], "answer": 0}, "mcq"),
+    ({"event_a": "a", "event_b": "b", "answer": 0}, "binary"),
+    ({"text": "O céu é azul"}, "cloze"), ({"context": "O céu é", "target": "azul"}, "cloze")])
+def test_the_format_is_told_by_the_first_items_fields(tmp_path, row, fmt):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    assert detect_format(path) == fmt
+
+
+def test_a_prompt_only_file_or_an_empty_folder_says_what_is_missing(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": "Escreve um poema."}) + "\n")
+    with pytest.raises(AmaliaError, match=rf"{path}:1: cannot tell the task's format from its fields \(prompt\)"):
+        detect_format(path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AmaliaError, match="a task folder needs .json or .jsonl files"):
+        load_task(tmp_path / "empty", "mcq")

@@ -131,10 +131,12 @@ def _stop_on_sigterm(*_) -> None:
 @app.command("eval")
 @guarded
 def eval_(
-    base_url: Annotated[str, typer.Option("--base-url", help="OpenAI API base URL, e.g. http://127.0.0.1:8000/v1")],
-    model: Annotated[str, typer.Option("--model", help="served model id")],
-    task: Annotated[Path, typer.Option("--task", help="task file (JSON lines or a JSON array)")],
-    format: Annotated[str, typer.Option("--format", help="mcq|pheb|binary|cloze|judge|variety")] = "mcq",
+    task: Annotated[Path, typer.Option("--task", help="task file (JSON lines or a JSON array), or a folder of them")],
+    base_url: Annotated[str | None, typer.Option(
+        "--base-url", help="OpenAI API base URL, e.g. http://127.0.0.1:8000/v1")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="served model id")] = None,
+    format: Annotated[str | None, typer.Option(
+        "--format", help="mcq|pheb|binary|cloze|judge|variety (default: told by the first item's fields)")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="result JSON")] = None,
     method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
     chat: Annotated[bool, typer.Option(help="generate through /v1/chat/completions")] = False,
@@ -151,6 +153,9 @@ def eval_(
         "--contamination-of", help="a run folder (its curated corpus) or a jsonl/Parquet corpus the model trained on "
         "(repeatable): each item is flagged when it shares a 13-gram with it, and the unseen items are scored "
         "apart")] = None,
+    show_prompt: Annotated[bool, typer.Option(
+        "--show-prompt", help="print the exact text sent for the first item (--limit N: the first N) and exit; "
+        "needs no server")] = False,
 ) -> None:
     """Score a served model on one task over HTTP and write the result JSON (scores, n, per-item predictions)."""
     from pydantic import ValidationError
@@ -158,7 +163,21 @@ def eval_(
     from amalia_ray.core.config import EvalConfig, JudgeConfig
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.evals.runner import run_task
+    from amalia_ray.evals.tasks import detect_format
 
+    format = format or detect_format(task)
+    if show_prompt:
+        from amalia_ray.evals.runner import requests_of
+        from amalia_ray.evals.tasks import load_task
+
+        shown = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit or 1)
+        items = load_task(task, shown.format, shown.limit)
+        console.print_json(json.dumps({"task": shown.name, "format": shown.format, "method": shown.scoring,
+                                       "items": [requests_of(shown, it) for it in items]}, ensure_ascii=False))
+        return
+    if not base_url or not model:
+        raise AmaliaError("amalia eval needs --base-url and --model (the served model to score), "
+                          "or --show-prompt to print what would be sent")
     if format == "judge" and not judge_model:
         raise AmaliaError("--format judge needs --judge-model (the served model that grades the answers)")
     try:
@@ -180,14 +199,16 @@ def eval_(
 @app.command("export-lm-eval")
 @guarded
 def export_lm_eval(
-    task: Annotated[Path, typer.Argument(help="task file (JSON lines or a JSON array)")],
+    task: Annotated[Path, typer.Argument(help="task file (JSON lines or a JSON array), or a folder of them")],
     output: Annotated[Path, typer.Option("--output", help="folder for the task YAML and its items")],
-    format: Annotated[str, typer.Option("--format", help="mcq|pheb|binary|cloze")] = "mcq",
+    format: Annotated[str | None, typer.Option(
+        "--format", help="mcq|pheb|binary|cloze (default: told by the first item's fields)")] = None,
     method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
     name: Annotated[str | None, typer.Option(help="lm-eval task name (default: the file's stem)")] = None,
 ) -> None:
     """Write one of our tasks as an lm-eval task YAML: `lm_eval --include_path OUTPUT --tasks NAME`."""
     from amalia_ray.evals.lmeval_export import export_lm_eval as export
+    from amalia_ray.evals.tasks import detect_format
 
-    cfg = _task_config(task, format, method, name=name)
+    cfg = _task_config(task, format or detect_format(task), method, name=name)
     console.print(f"wrote {export(cfg, task, output)}")

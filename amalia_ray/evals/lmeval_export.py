@@ -40,7 +40,7 @@ def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path
                      {"function": "take_first"}]}],
                  "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}
     elif task.scoring == "loglik":
-        spec |= {"output_type": "multiple_choice", "doc_to_text": _jinja(loglik.TEMPLATE),
+        spec |= {"output_type": "multiple_choice", "doc_to_text": "{{context}}",
                  "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}", "target_delimiter": loglik.DELIMITER,
                  "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
                                  for m in ("acc", "acc_norm")]}
@@ -63,4 +63,4 @@ def _row(item) -> dict:
         return {"id": item.id, "context": item.context, "target": item.target}
     assert isinstance(item, MCItem)
     return {"id": item.id, "question": item.question, "choices": item.choices, "answer": item.answer,
-            "letter": LETTERS[item.answer], "options": lettered_options(item.choices)}
+            "letter": LETTERS[item.answer], "options": lettered_options(item.choices), "context": loglik.context_of(item)}

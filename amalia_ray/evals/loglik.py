@@ -14,13 +14,17 @@ import asyncio
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
 from amalia_ray.evals.metrics import rejected_row
-from amalia_ray.evals.tasks import MCItem
+from amalia_ray.evals.tasks import MCItem, is_completion
 
 TEMPLATE = "Pergunta: {question}\nResposta:"
 DELIMITER = " "
 
 
 def context_of(item: MCItem) -> str:
+    """What each choice continues: the question asked and answered ("Pergunta: …\nResposta:"), or, for a question
+    that is a sentence to complete, the sentence itself (its trailing space left to the delimiter)."""
+    if is_completion(item):
+        return item.question.rstrip()
     return TEMPLATE.format(question=item.question)
 
 

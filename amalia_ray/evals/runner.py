@@ -62,6 +62,25 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
     return lambda items: asyncio.gather(*(kept(item) for item in items))
 
 
+def requests_of(task: EvalTaskConfig, item) -> dict:
+    """The exact text the harness sends for one item (what `amalia eval --show-prompt` prints): for log-likelihood,
+    the context and each context + delimiter + choice scored on /v1/completions; for generation, the prompt, sent
+    as the user's turn on /v1/chat/completions when the task is `chat`. (A judge task's grading prompt depends on
+    the answer, so only the question is shown.)"""
+    if task.format in CHOICE_FORMATS and task.scoring == "loglik":
+        context = loglik.context_of(item)
+        return {"id": item.id, "endpoint": "/v1/completions (echo, logprobs)", "context": context,
+                "prompts": [context + loglik.DELIMITER + c for c in item.choices]}
+    if task.format in CHOICE_FORMATS:
+        prompt = generate.mc_prompt(item)
+    elif task.format == "cloze":
+        prompt = item.context
+    else:
+        prompt = item.prompt
+    endpoint = "/v1/chat/completions (as the user's turn)" if task.chat else "/v1/completions"
+    return {"id": item.id, "endpoint": endpoint, "prompt": prompt}
+
+
 def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str, settings: EvalConfig,
              output: Path | None = None, api_key: str | None = None,
              transport: httpx.AsyncBaseTransport | None = None,

@@ -4,8 +4,10 @@ problem is reported with the file and line it is on, before any request is sent.
 Formats (AMALIA's public benchmark shapes plus our own):
 - `mcq`: CulturaVivaPT / ALBA-MCQ style multiple choice — question, choices (a list, or a dict keyed A, B, …), answer
   (an index, a letter, or the text of the right choice);
-- `pheb`: Portuguese national exams (PHEB JSON) — `year`, `phase`, `subject`, `question`, `choices`, `answer` index;
-  scores are also broken down by subject;
+- `pheb`: Portuguese national exams, PHEB's own files (`all.json` or its per-subject files, or a folder of them) —
+  `year`, `phase`, `subject`, `question`, `choices`, `answer` index, and where the file has them `question_group`,
+  `question_number` (together they name the item) and `is_completion` (the question is a sentence the right choice
+  completes); scores are also broken down by subject;
 - `binary`: SAUDADE-style binary ordering — `event_a`, `event_b` and which came first (`answer` 0/1 or A/B), or a
   question with exactly two choices;
 - `cloze`: last-word prediction — `text` whose last word is the target, or `context` and `target`;
@@ -75,10 +77,28 @@ class TaskError(AmaliaError):
     pass
 
 
-def read_records(path: Path) -> Iterator[tuple[str, dict]]:
-    """(location, record) for every item of a JSON-lines file or a JSON array, location = `file:line`."""
-    if not path.is_file():
+def task_files(path: Path) -> list[Path]:
+    """A task file, or every JSON / JSON-lines file of a folder in name order; in a folder that also holds other files,
+    `all.json` is left out (PHEB's layout: it joins the per-subject files)."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
         raise TaskError(f"task file not found: {path}")
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".jsonl"))
+    if len(files) > 1:
+        files = [p for p in files if p.name != "all.json"]
+    if not files:
+        raise TaskError(f"{path}: a task folder needs .json or .jsonl files, found none")
+    return files
+
+
+def read_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """(location, record) for every item of a JSON-lines file or a JSON array (or of every such file in a folder),
+    location = `file:line`."""
+    if path.is_dir() or not path.exists():
+        for file in task_files(path):
+            yield from read_records(file)
+        return
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -193,11 +213,27 @@ def _mc(row: dict, where: str, meta_fields: tuple[str, ...] = ()) -> MCItem:
                   _answer(_field(row, ANSWER, where), choices, where), meta)
 
 
+PHEB_FIELDS = ("year", "phase", "subject", "question_group", "question_number", "is_completion")
+
+
 def _pheb(row: dict, where: str) -> MCItem:
     for name in ("year", "phase", "subject"):
         if name not in row:
             raise TaskError(f"{where}: missing field '{name}' (PHEB items carry year, phase and subject)")
-    return _mc(row, where, ("year", "phase", "subject"))
+    if not isinstance(row.get("is_completion", False), bool):
+        raise TaskError(f"{where}: field 'is_completion' must be true or false, got {row['is_completion']!r}")
+    item = _mc(row, where, PHEB_FIELDS)
+    if "id" not in row and "question_group" in row and "question_number" in row:
+        # PHEB's items have no id: an exam (year, phase, subject) and the question's group and number name one,
+        # the same in all.json and in the subject's own file
+        name = " ".join(str(row[k]) for k in ("year", "phase", "subject", "question_group", "question_number"))
+        item = MCItem(name, item.question, item.choices, item.answer, item.meta)
+    return item
+
+
+def is_completion(item: MCItem) -> bool:
+    """The question is a sentence that the right choice completes (PHEB's `is_completion`)."""
+    return bool(item.meta.get("is_completion"))
 
 
 def _binary(row: dict, where: str) -> MCItem:
@@ -237,6 +273,22 @@ def item_text(item: Item) -> str:
     if isinstance(item, ClozeItem):
         return f"{item.context} {item.target}"
     return "\n".join([item.prompt, *([item.reference] if item.reference else [])])
+
+
+def detect_format(path: Path) -> str:
+    """The format a task file's first item has the fields of; a prompt-only file (judge or variety) must say which."""
+    for where, row in read_records(path):
+        if {"year", "phase", "subject"} <= row.keys():
+            return "pheb"
+        if "event_a" in row or "event_b" in row:
+            return "binary"
+        if any(k in row for k in CHOICES):
+            return "mcq"
+        if "text" in row or {"context", "target"} <= row.keys():
+            return "cloze"
+        raise TaskError(f"{where}: cannot tell the task's format from its fields ({', '.join(sorted(row))}): "
+                        f"give it (one of {', '.join(FORMATS)})")
+    raise TaskError(f"{path}: no items")
 
 
 def load_task(path: Path, fmt: str, limit: int | None = None) -> list[Item]:

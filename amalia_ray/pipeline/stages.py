@@ -35,12 +35,13 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
             raise AmaliaError(f"train stage '{stage.name}': dataset not found: {p.loaded.resolve(stage.data_path)}")
     for i, task in enumerate(r.eval.tasks):
         path = p.loaded.resolve(task.path)
-        if not path.is_file():
-            raise AmaliaError(f"eval.tasks[{i}].path: task file not found: {path}")
+        if not path.exists():
+            raise AmaliaError(f"eval.tasks[{i}].path: task file or folder not found: {path}")
         load_task(path, task.format, task.limit)
     for i, task in enumerate(r.data.decontaminate.tasks if r.data.decontaminate else []):
-        if not isinstance(task, str) and not p.loaded.resolve(task.path).is_file():
-            raise AmaliaError(f"data.decontaminate.tasks[{i}].path: task file not found: {p.loaded.resolve(task.path)}")
+        if not isinstance(task, str) and not p.loaded.resolve(task.path).exists():
+            raise AmaliaError(f"data.decontaminate.tasks[{i}].path: task file or folder not found: "
+                              f"{p.loaded.resolve(task.path)}")
         if not isinstance(task, str):
             load_task(p.loaded.resolve(task.path), task.format)
     if r.data.quality_model:
