@@ -186,6 +186,54 @@ def test_a_pheb_completion_item_is_scored_as_the_sentence_each_choice_completes(
     assert contexts == [sentence, "Pergunta: Qual é a capital de Portugal?\nResposta:"]
 
 
+class Sampler(FakeModel):
+    """Answers each prompt with its scripted samples, `n` at a time (the OpenAI API's `n`)."""
+
+    def __init__(self, script: dict[str, list[str]]):
+        super().__init__()
+        self.script = script
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.requests.append(body)
+        texts = self.script[body["prompt"]][:body.get("n", 1)]
+        return httpx.Response(200, json={"choices": [{"index": i, "text": t} for i, t in reversed(
+            list(enumerate(texts)))], "usage": {"prompt_tokens": 3, "completion_tokens": len(texts)}})
+
+
+def test_sampled_exact_answers_give_pass_at_k_and_majority(tmp_path):
+    """n samples per item in one request each, the answer read from <answer>, \\boxed{} or the last number, numbers
+    compared as numbers; pass@1 and pass@n by the unbiased estimator, maj@n by the most frequent answer; item i's
+    request carries seed + i."""
+    from amalia_ray.evals.sampled import extracted, pass_at_k
+
+    script = {"Quanto é 6 x 7?": ["São 42.", "<think>6 x 7</think><answer>42</answer>", "41", "\\boxed{42}"],
+              "Quanto é 3,5 + 3,5?": ["7,0", "8", "<answer>8</answer>", "<think>sem fim"]}
+    rows = [{"id": "a", "prompt": "Quanto é 6 x 7?", "answer": 42},
+            {"id": "b", "prompt": "Quanto é 3,5 + 3,5?", "answer": "7"}]
+    fake = Sampler(script)
+    result = run(fake, tmp_path, "answer", rows, n=4, temperature=0.8, top_p=0.95, seed=5)
+    a, b = result["items"]
+    assert a["correct"] == [True, True, False, True] and a["pass@1"] == 0.75 and a["pass@4"] == 1.0
+    assert a["maj@4"] == 1.0 and a["majority"] == "42.0"
+    assert b["preds"] == ["7.0", "8.0", "8.0", None] and b["pass@1"] == 0.25 and b["maj@4"] == 0.0
+    assert result["scores"]["pass@1"] == 0.5 and result["scores"]["maj@4"] == 0.5
+    assert [(r["n"], r["temperature"], r["top_p"], r["seed"]) for r in fake.requests] == [(4, 0.8, 0.95, 5),
+                                                                                          (4, 0.8, 0.95, 6)]
+    assert [r["seed"] for r in result["items"]] == [5, 6]
+    assert pass_at_k(10, 2, 3) == pytest.approx(1 - (8 * 7 * 6) / (10 * 9 * 8)) and pass_at_k(4, 0, 4) == 0.0
+    assert extracted("<answer>\\boxed{1 234,5}</answer>") == "1234.5" and extracted("Lisboa.") == "lisboa"
+    greedy = run(Sampler(script), tmp_path, "answer", rows)
+    assert greedy["scores"]["exact_match"] == 1.0 and "pass@1" not in greedy["scores"]
+
+
+def test_sampling_settings_are_checked_when_the_task_is_read():
+    with pytest.raises(ValueError, match="n \\(samples per item\\) applies to answer tasks, not 'mcq'"):
+        EvalTaskConfig(name="t", path="t.jsonl", format="mcq", n=4, temperature=1.0)
+    with pytest.raises(ValueError, match="n = 4 greedy samples would all be the same answer"):
+        EvalTaskConfig(name="t", path="t.jsonl", format="answer", n=4)
+
+
 def test_multiple_choice_by_generation(tmp_path):
     fake = FakeModel()
     result = run(fake, tmp_path, "mcq", MC, method="generate", chat=True)

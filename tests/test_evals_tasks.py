@@ -10,7 +10,8 @@ from amalia_ray.evals.tasks import FORMATS, ClozeItem, MCItem, PromptItem, detec
 from tests.conftest import ROOT
 
 SAMPLES = {"mcq": "pt_mc_sample.jsonl", "pheb": "pheb_sample.json", "binary": "saudade_sample.jsonl",
-           "cloze": "cloze_sample.jsonl", "judge": "judge_sample.jsonl", "variety": "variety_sample.jsonl"}
+           "cloze": "cloze_sample.jsonl", "judge": "judge_sample.jsonl", "variety": "variety_sample.jsonl",
+           "answer": "answer_sample.jsonl"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

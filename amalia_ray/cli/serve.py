@@ -136,12 +136,17 @@ def eval_(
         "--base-url", help="OpenAI API base URL, e.g. http://127.0.0.1:8000/v1")] = None,
     model: Annotated[str | None, typer.Option("--model", help="served model id")] = None,
     format: Annotated[str | None, typer.Option(
-        "--format", help="mcq|pheb|binary|cloze|judge|variety (default: told by the first item's fields)")] = None,
+        "--format", help="mcq|pheb|binary|cloze|judge|variety|answer (default: told by the first item's "
+        "fields)")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="result JSON")] = None,
     method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
     chat: Annotated[bool, typer.Option(help="generate through /v1/chat/completions")] = False,
     max_tokens: int = 32,
     limit: int | None = None,
+    n: Annotated[int, typer.Option("--n", help="answer tasks: samples per item (pass@1, pass@n, maj@n)")] = 1,
+    temperature: Annotated[float, typer.Option(help="sampling temperature of the generations (0: greedy)")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling of the generations")] = 1.0,
+    seed: Annotated[int, typer.Option(help="sampling seed: item i's request carries seed + i")] = 0,
     concurrency: int = 8,
     prompts_per_request: Annotated[int, typer.Option(help="loglik: prompts per request (items kept whole)")] = 24,
     retries: int = 3,
@@ -170,7 +175,8 @@ def eval_(
         from amalia_ray.evals.runner import requests_of
         from amalia_ray.evals.tasks import load_task
 
-        shown = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit or 1)
+        shown = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit or 1, n=n,
+                             temperature=temperature, top_p=top_p, seed=seed)
         items = load_task(task, shown.format, shown.limit)
         console.print_json(json.dumps({"task": shown.name, "format": shown.format, "method": shown.scoring,
                                        "items": [requests_of(shown, it) for it in items]}, ensure_ascii=False))
@@ -181,7 +187,8 @@ def eval_(
     if format == "judge" and not judge_model:
         raise AmaliaError("--format judge needs --judge-model (the served model that grades the answers)")
     try:
-        task_cfg = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit)
+        task_cfg = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit, n=n,
+                                temperature=temperature, top_p=top_p, seed=seed)
         judge = JudgeConfig(model=judge_model, base_url=judge_base_url) if judge_model else None
         settings = EvalConfig(tasks=[task_cfg], concurrency=concurrency, prompts_per_request=prompts_per_request,
                               retries=retries, request_timeout_s=timeout, judge=judge)

@@ -147,7 +147,7 @@ class VarietyConfig(Strict):
     margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
 
 
-TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety"]
+TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety", "answer"]
 
 
 class EvalTaskConfig(Strict):
@@ -161,12 +161,22 @@ class EvalTaskConfig(Strict):
     chat: bool = Field(False, description="generation through /v1/chat/completions (instruction-tuned models)")
     max_tokens: int = Field(32, ge=1, description="generated tokens per item (generation, cloze, judge, variety)")
     limit: int | None = Field(None, ge=1, description="score only the first N items")
+    n: int = Field(1, ge=1, le=256, description="answer tasks: samples per item; above 1 the task reports pass@1, "
+                   "pass@n (the unbiased estimator) and maj@n (the most frequent answer) instead of exact_match")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature of every generation (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of every generation")
+    seed: int = Field(0, description="sampling seed: item i's request carries seed + i (recorded per item)")
 
     @model_validator(mode="after")
     def _method(self) -> EvalTaskConfig:
         if self.method == "loglik" and self.format not in ("mcq", "pheb", "binary"):
             raise ValueError(f"task '{self.name}': method 'loglik' applies to mcq, pheb and binary tasks, "
                              f"not '{self.format}'")
+        if self.n > 1 and self.format != "answer":
+            raise ValueError(f"task '{self.name}': n (samples per item) applies to answer tasks, not '{self.format}'")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(f"task '{self.name}': n = {self.n} greedy samples would all be the same answer: "
+                             "set a temperature above 0")
         return self
 
     @property

@@ -47,13 +47,23 @@ def exact_answer_reward(completion: str, example: dict) -> float:
     numbers compared as numbers (pt-PT writing: 1 234,5 or 1.234,5 = 1234.5)."""
     tagged = _ANSWER.findall(completion)
     text = tagged[-1] if tagged else completion
-    numbers = _NUMBER.findall(text)
-    if tagged and not numbers:
-        return 1.0 if _normalize_text(text) == _normalize_text(str(example["answer"])) else 0.0
-    if not numbers:
+    if not tagged and not _NUMBER.search(text):
         return 0.0
-    got, want = _as_number(numbers[-1]), _as_number(str(example["answer"]))
-    return 1.0 if got is not None and got == want else 0.0
+    return 1.0 if canonical_answer(text) == canonical_answer(str(example["answer"])) else 0.0
+
+
+def canonical_answer(text: str) -> str | None:
+    """What an answer says, in a form two answers can be compared (or counted, for a majority vote) by: the last
+    number in it as a number (pt-PT writing: 1 234,5 = 1.234,5 = 1234,50), else the text, lower-cased, its spaces
+    and final full stop collapsed; None for an empty answer."""
+    numbers = _NUMBER.findall(text)
+    if numbers:
+        # the whole answer when it is one number ("2.5" as code writes it, too), else its last number
+        value = _as_number(numbers[-1] if not _NUMBER.fullmatch(text.strip()) else text)
+        if value is not None:
+            return repr(value + 0.0)  # -0.0 and 0.0 alike
+    normalized = _normalize_text(text)
+    return normalized or None
 
 
 def _normalize_text(text: str) -> str:

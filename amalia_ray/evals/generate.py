@@ -1,6 +1,7 @@
-"""Tasks scored on what the model generates (greedy, seeded): multiple choice with the answer extracted from the
-text (a letter, `\\boxed{…}`, or the choice itself), cloze / last-word exact match, and the pt-PT vs pt-BR variety of
-generations (P3B3-style) with the variety scorer the data stage curates with."""
+"""Tasks scored on what the model generates (greedy unless the task sets a temperature; seeded): multiple choice
+with the answer extracted from the text (a letter, `\\boxed{…}`, or the choice itself), cloze / last-word exact
+match, and the pt-PT vs pt-BR variety of generations (P3B3-style) with the variety scorer the data stage curates
+with. (Exact answers, sampled n times: sampled.py.)"""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ MC_TEMPLATE = "Pergunta: {question}\n{options}\nResponda apenas com a letra da o
 
 
 async def generate(client: OpenAIClient, prompt: str, *, max_tokens: int, chat: bool, seed: int = 0,
-                   temperature: float = 0.0) -> str:
+                   temperature: float = 0.0, top_p: float = 1.0) -> str:
     """One completion: /v1/chat/completions for instruction-tuned models (the prompt as the user's turn), or
     /v1/completions for base models."""
-    params = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
     if chat:
         r = await client.post("/chat/completions", {"messages": [{"role": "user", "content": prompt}], **params})
         return r["choices"][0]["message"].get("content") or ""
@@ -66,8 +67,9 @@ def extract_choice(text: str, choices: list[str]) -> int | None:
     return named[0] if len(named) == 1 else None
 
 
-async def score_mc_generation(client: OpenAIClient, item: MCItem, *, max_tokens: int, chat: bool) -> dict:
-    text = await generate(client, mc_prompt(item), max_tokens=max_tokens, chat=chat)
+async def score_mc_generation(client: OpenAIClient, item: MCItem, *, max_tokens: int, chat: bool,
+                              **sampling) -> dict:
+    text = await generate(client, mc_prompt(item), max_tokens=max_tokens, chat=chat, **sampling)
     pred = extract_choice(text, item.choices)
     return {"id": item.id, "answer": item.answer, "pred": pred, "generation": text,
             "acc": float(pred == item.answer), "invalid": pred is None, "meta": item.meta}
@@ -78,16 +80,16 @@ def first_word(text: str) -> str:
     return words[0].strip(PUNCTUATION) if words else ""
 
 
-async def score_cloze(client: OpenAIClient, item: ClozeItem, *, max_tokens: int, chat: bool) -> dict:
-    text = await generate(client, item.context, max_tokens=max_tokens, chat=chat)
+async def score_cloze(client: OpenAIClient, item: ClozeItem, *, max_tokens: int, chat: bool, **sampling) -> dict:
+    text = await generate(client, item.context, max_tokens=max_tokens, chat=chat, **sampling)
     pred = first_word(text)
     return {"id": item.id, "target": item.target, "pred": pred, "generation": text,
             "exact_match": float(pred == item.target.strip(PUNCTUATION)), "meta": item.meta}
 
 
 async def score_variety_of_generation(client: OpenAIClient, item: PromptItem, *, max_tokens: int,
-                                      chat: bool) -> dict:
-    text = await generate(client, item.prompt, max_tokens=max_tokens, chat=chat)
+                                      chat: bool, **sampling) -> dict:
+    text = await generate(client, item.prompt, max_tokens=max_tokens, chat=chat, **sampling)
     score = score_variety(final_answer(text))
     label = score.label()
     return {"id": item.id, "generation": text, "label": label, "pt_pt_score": score.pt_pt,

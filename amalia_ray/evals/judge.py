@@ -42,8 +42,8 @@ def parse_score(text: str) -> int | None:
 
 
 async def score_judged(client: OpenAIClient, judge: OpenAIClient, item: PromptItem, *, max_tokens: int,
-                       chat: bool, judge_chat: bool = True, rubric: str = DEFAULT_RUBRIC) -> dict:
-    answer = await generate(client, item.prompt, max_tokens=max_tokens, chat=chat)
+                       chat: bool, judge_chat: bool = True, rubric: str = DEFAULT_RUBRIC, **sampling) -> dict:
+    answer = await generate(client, item.prompt, max_tokens=max_tokens, chat=chat, **sampling)
     verdict = await generate(judge, judge_prompt(item, final_answer(answer), rubric), max_tokens=32, chat=judge_chat)
     score = parse_score(final_answer(verdict))
     return {"id": item.id, "generation": answer, "judge_reply": verdict, "score": score,

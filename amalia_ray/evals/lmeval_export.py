@@ -23,7 +23,7 @@ def _jinja(template: str) -> str:
 def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path:
     if task.format not in (*CHOICE_FORMATS, "cloze"):
         raise AmaliaError(f"task '{task.name}': lm-eval has no counterpart for '{task.format}' tasks "
-                          "(LLM-judged and variety tasks run with `amalia eval` only)")
+                          "(LLM-judged, variety and sampled exact-answer tasks run with `amalia eval` only)")
     items = load_task(task_path, task.format, task.limit)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = out_dir / f"{task.name}.jsonl"
@@ -63,4 +63,5 @@ def _row(item) -> dict:
         return {"id": item.id, "context": item.context, "target": item.target}
     assert isinstance(item, MCItem)
     return {"id": item.id, "question": item.question, "choices": item.choices, "answer": item.answer,
-            "letter": LETTERS[item.answer], "options": lettered_options(item.choices), "context": loglik.context_of(item)}
+            "letter": LETTERS[item.answer], "options": lettered_options(item.choices),
+            "context": loglik.context_of(item)}

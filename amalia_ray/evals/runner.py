@@ -16,7 +16,7 @@ from amalia_ray.core.config import EvalConfig, EvalTaskConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
 from amalia_ray.core.storage import write_json
-from amalia_ray.evals import generate, judge, loglik
+from amalia_ray.evals import generate, judge, loglik, sampled
 from amalia_ray.evals.contamination import seen_items, with_contamination
 from amalia_ray.evals.metrics import by_group, rejected_row, summarize
 from amalia_ray.evals.tasks import CHOICE_FORMATS, load_task
@@ -33,6 +33,8 @@ METRICS = {
 
 
 def metrics_of(task: EvalTaskConfig) -> tuple[str, ...]:
+    if task.format == "answer":
+        return sampled.metric_names(task.n)
     family = "choice" if task.format in CHOICE_FORMATS else task.format
     return METRICS[(family, task.scoring)]
 
@@ -41,8 +43,10 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
     """A coroutine function from the task's items to their rows, in item order."""
     if task.format in CHOICE_FORMATS and task.scoring == "loglik":
         return lambda items: loglik.score_items(client, items, settings.prompts_per_request)
-    gen = {"max_tokens": task.max_tokens, "chat": task.chat}
-    if task.format in CHOICE_FORMATS:
+    gen = {"max_tokens": task.max_tokens, "chat": task.chat, "temperature": task.temperature, "top_p": task.top_p}
+    if task.format == "answer":
+        one = partial(sampled.score_answer, client, n=task.n, **gen)
+    elif task.format in CHOICE_FORMATS:
         one = partial(generate.score_mc_generation, client, **gen)
     elif task.format == "cloze":
         one = partial(generate.score_cloze, client, **gen)
@@ -53,13 +57,13 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
         one = partial(judge.score_judged, client, judge_client, **gen, judge_chat=j.chat,
                       rubric=j.rubric or judge.DEFAULT_RUBRIC)
 
-    async def kept(item):  # an item the server refuses is reported, the others still scored
+    async def kept(i: int, item):  # an item the server refuses is reported, the others still scored
         try:
-            return await one(item)
+            return await one(item, seed=task.seed + i)
         except RequestRejected as e:
             return rejected_row(item, e)
 
-    return lambda items: asyncio.gather(*(kept(item) for item in items))
+    return lambda items: asyncio.gather(*(kept(i, item) for i, item in enumerate(items)))
 
 
 def requests_of(task: EvalTaskConfig, item) -> dict:

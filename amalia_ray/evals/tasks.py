@@ -1,5 +1,6 @@
-"""Task files and their formats. A task file is JSON lines (one item per line) or one JSON array of items; every
-problem is reported with the file and line it is on, before any request is sent.
+"""Task files and their formats. A task file is JSON lines (one item per line) or one JSON array of items (a task
+may also be a folder of such files); every problem is reported with the file and line it is on, before any request
+is sent.
 
 Formats (AMALIA's public benchmark shapes plus our own):
 - `mcq`: CulturaVivaPT / ALBA-MCQ style multiple choice — question, choices (a list, or a dict keyed A, B, …), answer
@@ -12,7 +13,9 @@ Formats (AMALIA's public benchmark shapes plus our own):
   question with exactly two choices;
 - `cloze`: last-word prediction — `text` whose last word is the target, or `context` and `target`;
 - `judge`: open generation graded by an LLM judge — `prompt`, optional `reference` and `rubric`;
-- `variety`: prompts whose generations are scored pt-PT vs pt-BR — `prompt`.
+- `variety`: prompts whose generations are scored pt-PT vs pt-BR — `prompt`;
+- `answer`: problems with one exact answer (arithmetic, GSM8K-style) — `prompt` (or `question`) and `answer`; the
+  answer is read from the generation (`<answer>`, `\\boxed{}`, else the last number) and numbers compare as numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
 
-FORMATS = ("mcq", "pheb", "binary", "cloze", "judge", "variety")
+FORMATS = ("mcq", "pheb", "binary", "cloze", "judge", "variety", "answer")
 CHOICE_FORMATS = ("mcq", "pheb", "binary")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PUNCTUATION = string.punctuation + "«»“”‘’…—–"
@@ -66,7 +69,15 @@ class PromptItem:
     meta: dict = field(default_factory=dict)
 
 
-Item = MCItem | ClozeItem | PromptItem
+@dataclass(frozen=True)
+class AnswerItem:
+    id: str
+    prompt: str
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+
+Item = MCItem | ClozeItem | PromptItem | AnswerItem
 
 
 def lettered_options(choices: list[str]) -> str:
@@ -262,7 +273,15 @@ def _prompt(row: dict, where: str) -> PromptItem:
                       _text(row, ("rubric",), where, required=False))
 
 
-PARSERS = {"mcq": _mc, "pheb": _pheb, "binary": _binary, "cloze": _cloze, "judge": _prompt, "variety": _prompt}
+def _answer_item(row: dict, where: str) -> AnswerItem:
+    value = _field(row, ANSWER, where)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or not str(value).strip():
+        raise TaskError(f"{where}: field 'answer' must be a number or a non-empty string, got {value!r}")
+    return AnswerItem(_id(row, where), _text(row, PROMPT, where), str(value))
+
+
+PARSERS = {"mcq": _mc, "pheb": _pheb, "binary": _binary, "cloze": _cloze, "judge": _prompt, "variety": _prompt,
+           "answer": _answer_item}
 
 
 def item_text(item: Item) -> str:
@@ -272,6 +291,8 @@ def item_text(item: Item) -> str:
         return "\n".join([item.question, *item.choices])
     if isinstance(item, ClozeItem):
         return f"{item.context} {item.target}"
+    if isinstance(item, AnswerItem):
+        return f"{item.prompt}\n{item.answer}"
     return "\n".join([item.prompt, *([item.reference] if item.reference else [])])
 
 
@@ -286,6 +307,8 @@ def detect_format(path: Path) -> str:
             return "mcq"
         if "text" in row or {"context", "target"} <= row.keys():
             return "cloze"
+        if any(k in row for k in PROMPT) and any(k in row for k in ANSWER):
+            return "answer"
         raise TaskError(f"{where}: cannot tell the task's format from its fields ({', '.join(sorted(row))}): "
                         f"give it (one of {', '.join(FORMATS)})")
     raise TaskError(f"{path}: no items")
