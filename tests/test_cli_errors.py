@@ -114,7 +114,7 @@ def test_show_prompt_prints_what_is_sent_without_a_server(tmp_path):
     assert second["prompts"][0] == "Pergunta: Quantas são?\nResposta: uma"
     result = runner.invoke(app, ["eval", "--task", str(path), "--show-prompt", "--method", "generate", "--chat"])
     (item,) = json.loads(result.output)["items"]
-    assert item["endpoint"].startswith("/v1/chat/completions") and "A. uma\nB. duas" in item["prompt"]
+    assert item["endpoint"].startswith("/v1/chat/completions") and item["prompt"].startswith("Pergunta:\nO texto serve ao autor como\nA) uma\nB) duas\n")
 
 
 @pytest.mark.parametrize("space, message", [

@@ -186,6 +186,23 @@ def test_a_pheb_completion_item_is_scored_as_the_sentence_each_choice_completes(
     assert contexts == [sentence, "Pergunta: Qual é a capital de Portugal?\nResposta:"]
 
 
+def test_pheb_by_generation_sends_the_prompt_of_phebs_own_script(tmp_path):
+    """PHEB's evaluate_mcq_instruct.py (letter_only): "Pergunta:" on its own line, "A) …" options, its instruction
+    naming the letters; the lm-eval export carries the same prompt."""
+    rows = [{"year": 2019, "phase": "1.ª Fase", "subject": "Geography", "question_group": "I",
+             "question_number": "1", "question": "Qual é a capital de Portugal?", "choices": ["Madrid", "Lisboa"],
+             "answer": 1, "is_completion": False}]
+    fake = FakeModel()
+    result = run(fake, tmp_path, "pheb", rows, method="generate", chat=True)
+    prompt = ("Pergunta:\nQual é a capital de Portugal?\nA) Madrid\nB) Lisboa\nEscolha a opção correta para a "
+              "pergunta acima. Responda apenas com a letra da opção correta (A ou B). Não inclua nenhum outro texto.")
+    assert fake.requests[0]["messages"] == [{"role": "user", "content": prompt}] and result["scores"]["acc"] == 1.0
+    path = tmp_path / "pheb.jsonl"
+    cfg = EvalTaskConfig(name="pheb", path=str(path), format="pheb", method="generate")
+    assert yaml.safe_load(export_lm_eval(cfg, path, tmp_path / "lm").read_text())["doc_to_text"] == "{{prompt}}"
+    assert json.loads((tmp_path / "lm" / "pheb.jsonl").read_text())["prompt"] == prompt
+
+
 class Sampler(FakeModel):
     """Answers each prompt with its scripted samples, `n` at a time (the OpenAI API's `n`)."""
 

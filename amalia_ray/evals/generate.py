@@ -41,8 +41,23 @@ def final_answer(text: str) -> str:
     return "" if "<think>" in text else text
 
 
-def mc_prompt(item: MCItem) -> str:
+def mc_prompt(item: MCItem, fmt: str = "mcq") -> str:
+    """The question with lettered options and the instruction to answer with a letter; for PHEB items, the prompt
+    of PHEB's own evaluation script (`evaluate_mcq_instruct.py`, its letter_only format): "Pergunta:" on a line of
+    its own, "A) …" options, then its instruction."""
+    if fmt == "pheb":
+        options = "".join(f"{LETTERS[i]}) {c}\n" for i, c in enumerate(item.choices))
+        return f"Pergunta:\n{item.question}\n{options}" + PHEB_INSTRUCTION.format(letters=_letters(len(item.choices)))
     return MC_TEMPLATE.format(question=item.question, options=lettered_options(item.choices))
+
+
+PHEB_INSTRUCTION = ("Escolha a opção correta para a pergunta acima. Responda apenas com a letra da opção correta "
+                    "({letters}). Não inclua nenhum outro texto.")
+
+
+def _letters(n: int) -> str:
+    """"A, B, C ou D" for four choices."""
+    return ", ".join(LETTERS[:n - 1]) + f" ou {LETTERS[n - 1]}"
 
 
 def extract_choice(text: str, choices: list[str]) -> int | None:
@@ -68,8 +83,8 @@ def extract_choice(text: str, choices: list[str]) -> int | None:
 
 
 async def score_mc_generation(client: OpenAIClient, item: MCItem, *, max_tokens: int, chat: bool,
-                              **sampling) -> dict:
-    text = await generate(client, mc_prompt(item), max_tokens=max_tokens, chat=chat, **sampling)
+                              fmt: str = "mcq", **sampling) -> dict:
+    text = await generate(client, mc_prompt(item, fmt), max_tokens=max_tokens, chat=chat, **sampling)
     pred = extract_choice(text, item.choices)
     return {"id": item.id, "answer": item.answer, "pred": pred, "generation": text,
             "acc": float(pred == item.answer), "invalid": pred is None, "meta": item.meta}

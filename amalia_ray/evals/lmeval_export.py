@@ -16,10 +16,6 @@ from amalia_ray.evals import generate, loglik
 from amalia_ray.evals.tasks import CHOICE_FORMATS, LETTERS, ClozeItem, MCItem, lettered_options, load_task
 
 
-def _jinja(template: str) -> str:
-    return template.replace("{question}", "{{question}}").replace("{options}", "{{options}}")
-
-
 def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path:
     if task.format not in (*CHOICE_FORMATS, "cloze"):
         raise AmaliaError(f"task '{task.name}': lm-eval has no counterpart for '{task.format}' tasks "
@@ -29,7 +25,7 @@ def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path
     data = out_dir / f"{task.name}.jsonl"
     with data.open("w", encoding="utf-8") as f:
         for it in items:
-            f.write(json.dumps(_row(it), ensure_ascii=False) + "\n")
+            f.write(json.dumps(_row(it, task.format), ensure_ascii=False) + "\n")
     spec: dict = {"task": task.name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
                   "test_split": "test"}
     if task.format == "cloze":
@@ -45,7 +41,7 @@ def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path
                  "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
                                  for m in ("acc", "acc_norm")]}
     else:
-        spec |= {"output_type": "generate_until", "doc_to_text": _jinja(generate.MC_TEMPLATE),
+        spec |= {"output_type": "generate_until", "doc_to_text": "{{prompt}}",
                  "doc_to_target": "{{letter}}",
                  "generation_kwargs": {"until": ["\n\n"], "max_gen_toks": task.max_tokens, "temperature": 0.0},
                  "filter_list": [{"name": "letter", "filter": [
@@ -58,10 +54,10 @@ def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path
     return path
 
 
-def _row(item) -> dict:
+def _row(item, fmt: str) -> dict:
     if isinstance(item, ClozeItem):
         return {"id": item.id, "context": item.context, "target": item.target}
     assert isinstance(item, MCItem)
     return {"id": item.id, "question": item.question, "choices": item.choices, "answer": item.answer,
             "letter": LETTERS[item.answer], "options": lettered_options(item.choices),
-            "context": loglik.context_of(item)}
+            "context": loglik.context_of(item), "prompt": generate.mc_prompt(item, fmt)}

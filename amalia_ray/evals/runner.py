@@ -47,7 +47,7 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
     if task.format == "answer":
         one = partial(sampled.score_answer, client, n=task.n, **gen)
     elif task.format in CHOICE_FORMATS:
-        one = partial(generate.score_mc_generation, client, **gen)
+        one = partial(generate.score_mc_generation, client, fmt=task.format, **gen)
     elif task.format == "cloze":
         one = partial(generate.score_cloze, client, **gen)
     elif task.format == "variety":
@@ -76,7 +76,7 @@ def requests_of(task: EvalTaskConfig, item) -> dict:
         return {"id": item.id, "endpoint": "/v1/completions (echo, logprobs)", "context": context,
                 "prompts": [context + loglik.DELIMITER + c for c in item.choices]}
     if task.format in CHOICE_FORMATS:
-        prompt = generate.mc_prompt(item)
+        prompt = generate.mc_prompt(item, task.format)
     elif task.format == "cloze":
         prompt = item.context
     else:
