@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-inputs test test-fast reliability install corpus clean docs bench
+.PHONY: demo demo-inputs test test-all test-fast reliability install corpus clean docs bench
 
 demo: install corpus demo-inputs
 	$(BIN)/amalia run recipes/demo.yaml
@@ -23,7 +23,12 @@ demo-inputs: install corpus
 	$(BIN)/amalia data preference-pairs $(INPUTS)/faq-chat.jsonl $(INPUTS)/faq-pairs.jsonl
 	$(BIN)/amalia data arithmetic $(INPUTS)/arithmetic.jsonl --n 512
 
+# the whole suite but the longest end-to-end scenarios (marked slow): what CI runs
 test: install corpus
+	$(BIN)/python -m pytest -q -m "not slow" --durations=12 $(PYTEST_ARGS)
+
+# everything, the slow scenarios included
+test-all: install corpus
 	$(BIN)/python -m pytest -q --durations=12 $(PYTEST_ARGS)
 
 # the fault, bad-input, HTTP-fuzz, security and reproducibility suite (docs/reliability.md)

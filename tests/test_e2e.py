@@ -238,6 +238,7 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run,
     assert abs(dpo[-1]["rewards/chosen"]) > 1e-3, "the policy moved away from its reference"
 
 
+@pytest.mark.slow
 def test_a_base_model_continued_with_a_grown_vocabulary_then_served_beside_its_stage(demo_run, recipe_path):
     """The demo's pretrained export as a Hugging Face base model (model.from, tokenizer.from: model): its tokenizer
     is extended by tokens learned from the corpus and packs it; continued pretraining starts from its weights (the
@@ -315,6 +316,7 @@ def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):
     assert (pipeline.checkpoint_of("grpo") / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_path):
     """`amalia sweep`: 4 trials of the pretraining stage's proxy (1 layer, 9 steps, validation every 3) on Ray
     Tune + Ray Train, two learning rates that learn and two that cannot; ASHA stops the hopeless ones at a
@@ -353,6 +355,7 @@ def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_
     assert promoted.provenance[0]["sweep_id"] == summary["sweep_id"]
 
 
+@pytest.mark.slow
 def test_an_interrupted_data_mix_ablation_resumes_and_scores_per_source_and_on_a_served_benchmark(
         demo_run, recipe_path, tmp_path):
     """A data-mix ablation: two trials that differ only in one source's sampling weight, scored by validation loss
