@@ -21,7 +21,7 @@ import yaml
 
 from tests.conftest import DEMO_PRETRAIN_METRICS, STEPS, read_jsonl
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 
 
 def test_a_submitted_job_shrinks_and_grows_with_its_worker_nodes(demo_run, recipe_path, tmp_path):
