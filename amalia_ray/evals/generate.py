@@ -18,12 +18,21 @@ async def generate(client: OpenAIClient, prompt: str, *, max_tokens: int, chat: 
                    temperature: float = 0.0, top_p: float = 1.0) -> str:
     """One completion: /v1/chat/completions for instruction-tuned models (the prompt as the user's turn), or
     /v1/completions for base models."""
-    params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    (text,) = await generate_n(client, prompt, n=1, max_tokens=max_tokens, chat=chat, seed=seed,
+                               temperature=temperature, top_p=top_p)
+    return text
+
+
+async def generate_n(client: OpenAIClient, prompt: str, *, n: int, max_tokens: int, chat: bool, seed: int = 0,
+                     temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
+    """n completions of one prompt in one request (the API's `n`: the server samples them together), in order."""
+    params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+              **({"n": n} if n > 1 else {})}
     if chat:
         r = await client.post("/chat/completions", {"messages": [{"role": "user", "content": prompt}], **params})
-        return r["choices"][0]["message"].get("content") or ""
+        return [c["message"].get("content") or "" for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]
     r = await client.post("/completions", {"prompt": prompt, **params})
-    return r["choices"][0]["text"]
+    return [c["text"] for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)

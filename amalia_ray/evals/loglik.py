@@ -28,6 +28,12 @@ def context_of(item: MCItem) -> str:
     return TEMPLATE.format(question=item.question)
 
 
+def prompts_of(item: MCItem) -> list[str]:
+    """What one item sends: its context alone (to learn its token count), then context + delimiter + each choice."""
+    context = context_of(item)
+    return [context] + [context + DELIMITER + c for c in item.choices]
+
+
 def _continuation(choice: dict, n_ctx: int) -> tuple[float, bool]:
     """Summed log-probability of the tokens after the context (the last, generated token left out), and whether
     each was the model's greedy pick."""
@@ -73,10 +79,7 @@ def _check_echo(items: list[MCItem], outputs: list[dict], usage: dict | None) ->
 
 
 async def score_group(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
-    prompts = []
-    for item in items:
-        context = context_of(item)
-        prompts += [context] + [context + DELIMITER + c for c in item.choices]
+    prompts = [p for item in items for p in prompts_of(item)]
     r = await client.post("/completions",
                           {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1})
     outputs = sorted(r["choices"], key=lambda c: c["index"])

@@ -72,9 +72,8 @@ def requests_of(task: EvalTaskConfig, item) -> dict:
     as the user's turn on /v1/chat/completions when the task is `chat`. (A judge task's grading prompt depends on
     the answer, so only the question is shown.)"""
     if task.format in CHOICE_FORMATS and task.scoring == "loglik":
-        context = loglik.context_of(item)
-        return {"id": item.id, "endpoint": "/v1/completions (echo, logprobs)", "context": context,
-                "prompts": [context + loglik.DELIMITER + c for c in item.choices]}
+        context, *prompts = loglik.prompts_of(item)
+        return {"id": item.id, "endpoint": "/v1/completions (echo, logprobs)", "context": context, "prompts": prompts}
     if task.format in CHOICE_FORMATS:
         prompt = generate.mc_prompt(item, task.format)
     elif task.format == "cloze":

@@ -13,7 +13,7 @@ from math import comb
 
 from amalia_ray.core.openai_client import OpenAIClient
 from amalia_ray.core.rewards import canonical_answer
-from amalia_ray.evals.generate import final_answer
+from amalia_ray.evals.generate import final_answer, generate_n
 from amalia_ray.evals.tasks import AnswerItem
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
@@ -37,22 +37,10 @@ def metric_names(n: int) -> tuple[str, ...]:
     return ("exact_match",) if n == 1 else ("pass@1", f"pass@{n}", f"maj@{n}")
 
 
-async def sample(client: OpenAIClient, prompt: str, *, n: int, max_tokens: int, chat: bool, temperature: float,
-                 top_p: float, seed: int) -> list[str]:
-    """n generations of one prompt in one request (`n` of the OpenAI API: the server samples them together)."""
-    params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "n": n}
-    if chat:
-        r = await client.post("/chat/completions", {"messages": [{"role": "user", "content": prompt}], **params})
-        choices = sorted(r["choices"], key=lambda c: c.get("index", 0))
-        return [c["message"].get("content") or "" for c in choices]
-    r = await client.post("/completions", {"prompt": prompt, **params})
-    return [c["text"] for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]
-
-
 async def score_answer(client: OpenAIClient, item: AnswerItem, *, n: int, max_tokens: int, chat: bool,
                        temperature: float, top_p: float, seed: int) -> dict:
-    generations = await sample(client, item.prompt, n=n, max_tokens=max_tokens, chat=chat, temperature=temperature,
-                               top_p=top_p, seed=seed)
+    generations = await generate_n(client, item.prompt, n=n, max_tokens=max_tokens, chat=chat,
+                                   temperature=temperature, top_p=top_p, seed=seed)
     want = canonical_answer(item.answer)
     answers = [extracted(g) for g in generations]
     right = [a is not None and a == want for a in answers]

@@ -25,7 +25,7 @@ import json
 import re
 import string
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
@@ -238,7 +238,7 @@ def _pheb(row: dict, where: str) -> MCItem:
         # PHEB's items have no id: an exam (year, phase, subject) and the question's group and number name one,
         # the same in all.json and in the subject's own file
         name = " ".join(str(row[k]) for k in ("year", "phase", "subject", "question_group", "question_number"))
-        item = MCItem(name, item.question, item.choices, item.answer, item.meta)
+        item = replace(item, id=name)
     return item
 
 
