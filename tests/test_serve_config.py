@@ -52,6 +52,35 @@ def test_serve_config_is_a_valid_serve_deploy_file(checkpoint, monkeypatch):
     assert serve_app.llm_config("m", checkpoint, pinned, use_gpu=False)["engine_kwargs"]["dtype"] == "bfloat16"
 
 
+def test_node_initialization_is_skipped_only_for_a_folder_on_one_node(checkpoint, tmp_path, monkeypatch):
+    """The deployment's callback: a checkpoint folder whose replica sits on one node skips Ray Serve LLM's per-node
+    download task (making torch's kernel-cache folder itself); a replica whose placement group spans nodes
+    (pipeline stages across GPU nodes) or a model from a bucket keeps Ray's own node initialization."""
+    import asyncio
+
+    import ray
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+    from amalia_ray.serve.ingress import local_checkpoint_callback
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cfg = ServeConfig()
+    placed = {"one": {0: "node-a"}, "two": {0: "node-a", 1: "node-b"}}
+    monkeypatch.setattr(ray.util, "placement_group_table", lambda pg: {"bundles_to_node_id": placed[pg]})
+
+    def runs_ray_init(source, pg) -> bool:
+        llm = LLMConfig.model_validate({**serve_app.llm_config("m", checkpoint, cfg, use_gpu=False),
+                                        "model_loading_config": {"model_id": "m", "model_source": source}})
+        callback = local_checkpoint_callback()(llm_config=llm, ctx_kwargs={"placement_group": pg})
+        asyncio.run(callback.run_callback("on_before_node_init"))
+        return callback.ctx.run_init_node
+
+    assert not runs_ray_init(str(checkpoint), "one") and (tmp_path / "torch" / "kernels").is_dir()
+    assert not runs_ray_init(str(checkpoint), None)
+    assert runs_ray_init(str(checkpoint), "two"), "a replica over two nodes: Ray's init on each"
+    assert runs_ray_init("s3://bucket/model", "one"), "a model in a bucket is fetched by Ray's init"
+
+
 def test_no_key_set_means_an_open_endpoint_and_a_bad_checkpoint_is_named(checkpoint, tmp_path, monkeypatch):
     monkeypatch.delenv("AMALIA_API_KEY", raising=False)
     assert serve_app.app_args({"m": checkpoint}, ServeConfig(), False)["api_key_sha256"] is None

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import os
 
 from fastapi import status
 from starlette.responses import JSONResponse
@@ -151,12 +152,23 @@ def _ingress_class():
 def local_checkpoint_callback():
     """The LLM deployment's node-initialization callback for a model read from a folder (the only kind we serve).
     Ray Serve LLM otherwise starts one Ray task per node of the replica to fetch the model from a hub or bucket
-    mirror; for a folder that task only returns the path it was given, and starting it (a new worker process that
-    imports torch and transformers) costs about 10 s of every engine start."""
+    mirror; for a folder that task only returns the path it was given (and makes torch's kernel-cache folder), and
+    starting it (a new worker process that imports torch and transformers) costs about 10 s of every engine start.
+    So on a replica whose placement group is on its own node, the folder is made here and the task skipped; a
+    replica spread over nodes (pipeline stages across nodes) or a model from a bucket keeps Ray's own init."""
     from ray.llm._internal.common.callbacks.base import CallbackBase
 
     class LocalCheckpoint(CallbackBase):
         async def on_before_node_init(self) -> None:
+            import ray
+            import torch
+
+            source = str(self.llm_config.model_loading_config.model_source or "")
+            pg = self.ctx.placement_group
+            nodes = set(ray.util.placement_group_table(pg)["bundles_to_node_id"].values()) if pg else set()
+            if "://" in source or len(nodes) > 1:
+                return
+            os.makedirs(os.path.join(torch.hub._get_torch_home(), "kernels"), exist_ok=True)
             self.ctx.run_init_node = False
 
     return LocalCheckpoint
