@@ -131,12 +131,13 @@ def _stop_on_sigterm(*_) -> None:
 @app.command("eval")
 @guarded
 def eval_(
-    task: Annotated[Path, typer.Option("--task", help="task file (JSON lines or a JSON array), or a folder of them")],
+    task: Annotated[Path, typer.Option("--task", help="task file (JSON lines or a JSON array) or a folder of them; "
+                                       "or a `datasets` folder or Parquet / Arrow file (its test split)")],
     base_url: Annotated[str | None, typer.Option(
         "--base-url", help="OpenAI API base URL, e.g. http://127.0.0.1:8000/v1")] = None,
     model: Annotated[str | None, typer.Option("--model", help="served model id")] = None,
     format: Annotated[str | None, typer.Option(
-        "--format", help="mcq|pheb|binary|cloze|judge|variety|answer (default: told by the first item's "
+        "--format", help="mcq|pheb|binary|cloze|judge|variety|answer|euroeval (default: told by the first item's "
         "fields)")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="result JSON")] = None,
     method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
@@ -206,10 +207,11 @@ def eval_(
 @app.command("export-lm-eval")
 @guarded
 def export_lm_eval(
-    task: Annotated[Path, typer.Argument(help="task file (JSON lines or a JSON array), or a folder of them")],
+    task: Annotated[Path, typer.Argument(help="task file (JSON lines or a JSON array) or a folder of them; or a "
+                                         "`datasets` folder or Parquet / Arrow file (its test split)")],
     output: Annotated[Path, typer.Option("--output", help="folder for the task YAML and its items")],
     format: Annotated[str | None, typer.Option(
-        "--format", help="mcq|pheb|binary|cloze (default: told by the first item's fields)")] = None,
+        "--format", help="mcq|pheb|binary|euroeval|cloze (default: told by the first item's fields)")] = None,
     method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
     name: Annotated[str | None, typer.Option(help="lm-eval task name (default: the file's stem)")] = None,
 ) -> None:

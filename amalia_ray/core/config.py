@@ -147,16 +147,18 @@ class VarietyConfig(Strict):
     margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
 
 
-TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety", "answer"]
+TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety", "answer", "euroeval"]
+CHOICE_TASKS = ("mcq", "pheb", "binary", "euroeval")
 
 
 class EvalTaskConfig(Strict):
     """One benchmark: a task file in one of the formats `amalia_ray/evals/tasks.py` reads."""
     name: str = Field(..., pattern=NAME_PATTERN, description="names the task in results and the report")
-    path: str = Field(..., description="the task file (jsonl or JSON), relative to the recipe")
+    path: str = Field(..., description="the task file or folder (JSON lines, JSON; euroeval: a `datasets` folder or "
+                      "Parquet / Arrow / JSON file), relative to the recipe")
     format: TaskFormat = Field("mcq", description="the file's schema and how items are scored")
     method: Literal["loglik", "generate"] | None = Field(
-        None, description="mcq / pheb / binary: score the choices by log-likelihood (the default) or generate and "
+        None, description="mcq / pheb / binary / euroeval: score the choices by log-likelihood (the default) or generate and "
         "extract the answer (a letter or \\boxed{}); the other formats always generate")
     chat: bool = Field(False, description="generation through /v1/chat/completions (instruction-tuned models)")
     max_tokens: int = Field(32, ge=1, description="generated tokens per item (generation, cloze, judge, variety)")
@@ -169,8 +171,8 @@ class EvalTaskConfig(Strict):
 
     @model_validator(mode="after")
     def _method(self) -> EvalTaskConfig:
-        if self.method == "loglik" and self.format not in ("mcq", "pheb", "binary"):
-            raise ValueError(f"task '{self.name}': method 'loglik' applies to mcq, pheb and binary tasks, "
+        if self.method == "loglik" and self.format not in CHOICE_TASKS:
+            raise ValueError(f"task '{self.name}': method 'loglik' applies to {', '.join(CHOICE_TASKS)} tasks, "
                              f"not '{self.format}'")
         if self.n > 1 and self.format != "answer":
             raise ValueError(f"task '{self.name}': n (samples per item) applies to answer tasks, not '{self.format}'")
@@ -181,7 +183,7 @@ class EvalTaskConfig(Strict):
 
     @property
     def scoring(self) -> str:
-        return self.method or ("loglik" if self.format in ("mcq", "pheb", "binary") else "generate")
+        return self.method or ("loglik" if self.format in CHOICE_TASKS else "generate")
 
 
 KeepRule = Literal["smallest_id", "longest", "quality", "latest"]

@@ -51,12 +51,17 @@ def final_answer(text: str) -> str:
 
 
 def mc_prompt(item: MCItem, fmt: str = "mcq") -> str:
-    """The question with lettered options and the instruction to answer with a letter; for PHEB items, the prompt
+    """The question with lettered options and the instruction to answer with a letter; for EuroEval's items,
+    EuroEval's Portuguese instruction prompt (the question shows its options); for PHEB items, the prompt
     of PHEB's own evaluation script (`evaluate_mcq_instruct.py`, its letter_only format): "Pergunta:" on a line of
     its own, "A) …" options, then its instruction."""
+    if item.labels:
+        return EUROEVAL_INSTRUCTION.format(text=item.question.replace("\n", " ").strip(),
+                                           labels=_letters([f"'{label}'" for label in item.labels]))
     if fmt == "pheb":
         options = "".join(f"{LETTERS[i]}) {c}\n" for i, c in enumerate(item.choices))
-        return f"Pergunta:\n{item.question}\n{options}" + PHEB_INSTRUCTION.format(letters=_letters(len(item.choices)))
+        return f"Pergunta:\n{item.question}\n{options}" + PHEB_INSTRUCTION.format(
+            letters=_letters(LETTERS[:len(item.choices)]))
     return MC_TEMPLATE.format(question=item.question, options=lettered_options(item.choices))
 
 
@@ -64,9 +69,13 @@ PHEB_INSTRUCTION = ("Escolha a opção correta para a pergunta acima. Responda a
                     "({letters}). Não inclua nenhum outro texto.")
 
 
-def _letters(n: int) -> str:
-    """"A, B, C ou D" for four choices."""
-    return ", ".join(LETTERS[:n - 1]) + f" ou {LETTERS[n - 1]}"
+# EuroEval's Portuguese instruction for instruction-tuned models
+EUROEVAL_INSTRUCTION = "Pergunta: {text}\n\nResponde à pergunta acima usando só {labels}, e nada mais."
+
+
+def _letters(labels) -> str:
+    """"A, B, C ou D" for four labels."""
+    return ", ".join(labels[:-1]) + f" ou {labels[-1]}"
 
 
 def extract_choice(text: str, choices: list[str]) -> int | None:

@@ -37,7 +37,7 @@ def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path
                  "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}
     elif task.scoring == "loglik":
         spec |= {"output_type": "multiple_choice", "doc_to_text": "{{context}}",
-                 "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}", "target_delimiter": loglik.DELIMITER,
+                 "doc_to_choice": "{{continuations}}", "doc_to_target": "{{answer}}", "target_delimiter": loglik.DELIMITER,
                  "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
                                  for m in ("acc", "acc_norm")]}
     else:
@@ -45,9 +45,10 @@ def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path
                  "doc_to_target": "{{letter}}",
                  "generation_kwargs": {"until": ["\n\n"], "max_gen_toks": task.max_tokens, "temperature": 0.0},
                  "filter_list": [{"name": "letter", "filter": [
-                     {"function": "regex", "regex_pattern": r"\b([A-Z])\b", "group_select": 0},
+                     {"function": "regex", "regex_pattern": r"\b([A-Za-z])\b", "group_select": 0},
                      {"function": "take_first"}]}],
-                 "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}
+                 "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                                  "ignore_case": True}]}
     spec["metadata"] = {"version": 1, "exported_by": "amalia-ray", "format": task.format, "source": str(task_path)}
     path = out_dir / f"{task.name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False, allow_unicode=True), encoding="utf-8")
@@ -59,5 +60,6 @@ def _row(item, fmt: str) -> dict:
         return {"id": item.id, "context": item.context, "target": item.target}
     assert isinstance(item, MCItem)
     return {"id": item.id, "question": item.question, "choices": item.choices, "answer": item.answer,
-            "letter": LETTERS[item.answer], "options": lettered_options(item.choices),
-            "context": loglik.context_of(item), "prompt": generate.mc_prompt(item, fmt)}
+            "letter": (item.labels or LETTERS)[item.answer], "options": lettered_options(item.choices),
+            "context": loglik.context_of(item), "continuations": loglik.continuations_of(item),
+            "prompt": generate.mc_prompt(item, fmt)}

@@ -18,20 +18,35 @@ from amalia_ray.evals.tasks import MCItem, is_completion
 
 TEMPLATE = "Pergunta: {question}\nResposta:"
 DELIMITER = " "
+# EuroEval's Portuguese multiple-choice prompt for base models (its prompt_templates/multiple_choice.py)
+EUROEVAL_PREFIX = "As seguintes são perguntas de escolha múltipla (com respostas)."
 
 
 def context_of(item: MCItem) -> str:
-    """What each choice continues: the question asked and answered ("Pergunta: …\nResposta:"), or, for a question
-    that is a sentence to complete, the sentence itself (its trailing space left to the delimiter)."""
+    """What each choice continues: the question asked and answered ("Pergunta: …\nResposta:"); for a question that
+    is a sentence to complete, the sentence itself (its trailing space left to the delimiter); for a question that
+    shows its options (EuroEval's), EuroEval's prefix and template, its text on one line as EuroEval writes it."""
     if is_completion(item):
         return item.question.rstrip()
+    if item.labels:
+        return EUROEVAL_PREFIX + "\n\n" + TEMPLATE.format(question=one_line(item.question))
     return TEMPLATE.format(question=item.question)
 
 
+def one_line(text: str) -> str:
+    return text.replace("\n", " ").strip()
+
+
+def continuations_of(item: MCItem) -> list[str]:
+    """What is scored after the context: each choice's text, or its label where the question shows the options."""
+    return item.labels or item.choices
+
+
 def prompts_of(item: MCItem) -> list[str]:
-    """What one item sends: its context alone (to learn its token count), then context + delimiter + each choice."""
+    """What one item sends: its context alone (to learn its token count), then context + delimiter + each
+    continuation."""
     context = context_of(item)
-    return [context] + [context + DELIMITER + c for c in item.choices]
+    return [context] + [context + DELIMITER + c for c in continuations_of(item)]
 
 
 def _continuation(choice: dict, n_ctx: int) -> tuple[float, bool]:
@@ -113,7 +128,8 @@ async def _group_or_each(client: OpenAIClient, items: list[MCItem]) -> list[dict
 
 def _row(item: MCItem, scored: list[tuple[float, bool]]) -> dict:
     logprobs = [lp for lp, _ in scored]
-    normed = [lp / len(c) for lp, c in zip(logprobs, item.choices)]  # lm-eval divides by the choice's characters
+    # lm-eval divides by the continuation's characters
+    normed = [lp / len(c) for lp, c in zip(logprobs, continuations_of(item))]
     pred = max(range(len(logprobs)), key=logprobs.__getitem__)
     pred_norm = max(range(len(normed)), key=normed.__getitem__)
     return {"id": item.id, "answer": item.answer, "pred": pred, "pred_norm": pred_norm, "logprobs": logprobs,

@@ -15,7 +15,12 @@ Formats (AMALIA's public benchmark shapes plus our own):
 - `judge`: open generation graded by an LLM judge — `prompt`, optional `reference` and `rubric`;
 - `variety`: prompts whose generations are scored pt-PT vs pt-BR — `prompt`;
 - `answer`: problems with one exact answer (arithmetic, GSM8K-style) — `prompt` (or `question`) and `answer`; the
-  answer is read from the generation (`<answer>`, `\\boxed{}`, else the last number) and numbers compare as numbers.
+  answer is read from the generation (`<answer>`, `\\boxed{}`, else the last number) and numbers compare as numbers;
+- `euroeval`: EuroEval's multiple-choice datasets (pt-exams, alba-mcq-pt, cultura-viva-pt, saudade-pt, …) as
+  Hugging Face `datasets` keeps them — a Hub snapshot folder (its Parquet files), a `save_to_disk` folder, or one
+  Parquet / Arrow / JSON file — read with the `datasets` library, its `test` split: `text` (the question, then
+  "Opções:" and "a. …" lines) and `label` (the right option's letter); answered by naming the letter, with
+  EuroEval's Portuguese prompts.
 """
 
 from __future__ import annotations
@@ -24,14 +29,17 @@ import itertools
 import json
 import re
 import string
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from amalia_ray.core.config import CHOICE_TASKS, TaskFormat
 from amalia_ray.core.errors import AmaliaError
 
-FORMATS = ("mcq", "pheb", "binary", "cloze", "judge", "variety", "answer")
-CHOICE_FORMATS = ("mcq", "pheb", "binary")
+FORMATS = typing.get_args(TaskFormat)
+CHOICE_FORMATS = CHOICE_TASKS
+EVALUATED_SPLIT = "test"  # of a dataset with splits (EuroEval's: train, val, test)
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PUNCTUATION = string.punctuation + "«»“”‘’…—–"
 BINARY_QUESTION = "Qual destes dois acontecimentos aconteceu primeiro?"
@@ -50,6 +58,9 @@ class MCItem:
     choices: list[str]
     answer: int
     meta: dict = field(default_factory=dict)
+    # the options' labels when the question shows its options and is answered by naming one (EuroEval's "a", "b", …);
+    # None: answered by the option's own text
+    labels: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -280,8 +291,34 @@ def _answer_item(row: dict, where: str) -> AnswerItem:
     return AnswerItem(_id(row, where), _text(row, PROMPT, where), str(value))
 
 
+_OPTION = re.compile(r"([a-z])\. (.*)")
+
+
+def _euroeval(row: dict, where: str) -> MCItem:
+    """EuroEval's multiple-choice row: `text` = the question, a header line ("Opções:") and one "a. …" line per
+    option, `label` = the right option's letter; the other scalar columns (subject, year, …) are kept as meta."""
+    text = _text(row, ("text",), where)
+    lines = text.rstrip().split("\n")
+    options: list[tuple[str, str]] = []
+    while lines and (m := _OPTION.fullmatch(lines[-1].strip())):
+        options.insert(0, (m.group(1), m.group(2).strip()))
+        lines.pop()
+    labels = [letter for letter, _ in options]
+    if len(options) < 2 or labels != list(string.ascii_lowercase[:len(options)]) or len(lines) < 2 \
+            or not lines[-1].rstrip().endswith(":"):
+        raise TaskError(f"{where}: field 'text' must end with its options as EuroEval writes them: a header line "
+                        "such as 'Opções:' and then one line per option, 'a. …', 'b. …', …")
+    label = row.get("label")
+    if not isinstance(label, str) or label.strip().lower() not in labels:
+        raise TaskError(f"{where}: field 'label' must be one of the options' letters {', '.join(labels)}, "
+                        f"got {label!r}")
+    meta = {k: v for k, v in row.items() if k not in ("text", "label", "id") and isinstance(v, (str, int, float))}
+    return MCItem(str(row["id"]) if "id" in row else where.rsplit(" ", 1)[-1], text.strip(),
+                  [t for _, t in options], labels.index(label.strip().lower()), meta, labels)
+
+
 PARSERS = {"mcq": _mc, "pheb": _pheb, "binary": _binary, "cloze": _cloze, "judge": _prompt, "variety": _prompt,
-           "answer": _answer_item}
+           "answer": _answer_item, "euroeval": _euroeval}
 
 
 def item_text(item: Item) -> str:
@@ -296,9 +333,55 @@ def item_text(item: Item) -> str:
     return "\n".join([item.prompt, *([item.reference] if item.reference else [])])
 
 
+def is_dataset(path: Path) -> bool:
+    """A Parquet / Arrow file, or a folder of them or a `save_to_disk` one: read with the `datasets` library."""
+    if path.is_file():
+        return path.suffix in (".parquet", ".arrow")
+    return path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()
+                              or any(p.suffix in (".parquet", ".arrow") for p in path.rglob("*")))
+
+
+def dataset_records(path: Path, split: str = EVALUATED_SPLIT) -> Iterator[tuple[str, dict]]:
+    """(location, row) of a dataset as the `datasets` library reads it from local files (nothing is downloaded):
+    a `save_to_disk` folder, a Hub snapshot folder, or one Parquet / Arrow / JSON file; of a dataset with several
+    splits, the one named `split`. Location = `path [split] row N`."""
+    import datasets
+
+    if not path.exists():
+        raise TaskError(f"task file not found: {path}")
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+        elif path.is_dir():
+            loaded = datasets.load_dataset(str(path))
+        else:
+            builder = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json"}.get(path.suffix)
+            if builder is None:
+                raise TaskError(f"{path}: a dataset file is Parquet, Arrow or JSON (.parquet, .arrow, .json, .jsonl)")
+            loaded = datasets.load_dataset(builder, data_files=str(path))
+    except TaskError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the library's many error types, reported as one line
+        raise TaskError(f"{path}: the datasets library cannot read it ({type(e).__name__}: {e})") from None
+    name = split
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded and len(loaded) > 1:
+            raise TaskError(f"{path}: no '{split}' split (it has {', '.join(loaded)})")
+        name = split if split in loaded else next(iter(loaded))
+        loaded = loaded[name]
+    for n, row in enumerate(loaded):
+        yield f"{path} [{name}] row {n}", row
+
+
+def records(path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
+    return dataset_records(path) if fmt == "euroeval" or is_dataset(path) else read_records(path)
+
+
 def detect_format(path: Path) -> str:
     """The format a task file's first item has the fields of; a prompt-only file (judge or variety) must say which."""
-    for where, row in read_records(path):
+    for where, row in records(path, ""):
+        if {"text", "label"} <= row.keys():
+            return "euroeval"
         if {"year", "phase", "subject"} <= row.keys():
             return "pheb"
         if "event_a" in row or "event_b" in row:
@@ -318,7 +401,7 @@ def load_task(path: Path, fmt: str, limit: int | None = None) -> list[Item]:
     if fmt not in PARSERS:
         raise TaskError(f"unknown task format '{fmt}': expected one of {', '.join(FORMATS)}")
     items, seen = [], {}
-    for where, row in read_records(path):
+    for where, row in records(path, fmt):
         item = PARSERS[fmt](row, where)
         if item.id in seen:
             raise TaskError(f"{where}: duplicate id '{item.id}' (first at {seen[item.id]})")
