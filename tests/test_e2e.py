@@ -130,11 +130,11 @@ def test_eval_over_http_scores_every_item(demo_run):
 
 
 @pytest.mark.reliability
-def test_on_a_shared_serve_ours_come_and_go_and_another_teams_app_keeps_serving(demo_run, other_team, tmp_path):
+def test_on_a_shared_serve_ours_come_and_go_and_another_teams_app_keeps_serving(demo_run, other_team):
     """Another team's application ran on the cluster before ours. The eval stage joined that Serve on its proxy's
-    port (not the recipe's), under an application of the run's own name, and deleted only that; `amalia serve
-    --address` deploys beside it, prints the URL that answers and `--stop --app` deletes only its own; a start that
-    does not come up in time leaves no application and no replica behind. The other team's app answers throughout."""
+    port (not the recipe's), under an application of the run's own name, and deleted only that; a start that does
+    not come up in time leaves no application and no replica behind. The other team's app answers throughout.
+    (`amalia serve --address` beside it, and `--stop --app`: test_e2e_base_models.py, serving the families.)"""
     import httpx
     from ray import serve
     from ray.util.state import list_actors
@@ -150,22 +150,6 @@ def test_on_a_shared_serve_ours_come_and_go_and_another_teams_app_keeps_serving(
     shared_port = int(other_team.split(":")[2].split("/")[0])
     assert pipeline.manifest.stages["eval"].metrics["base_url"] == f"http://127.0.0.1:{shared_port}/v1"
     assert other_answers() and set(serve.status().applications) == {"other-team"}
-
-    ckpt = str(pipeline.checkpoint_of("pretrain"))
-    import ray
-
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    cli = [sys.executable, "-m", "amalia_ray.cli", "serve"]
-    deployed = subprocess.run([*cli, ckpt, "--name", "ours", "--app", "amalia-cli", "--port", str(free_port())],
-                              env=env, capture_output=True, text=True, timeout=900)
-    assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-3000:]
-    url = f"http://127.0.0.1:{shared_port}/v1"
-    assert f"at {url} as Serve application 'amalia-cli'" in " ".join(deployed.stdout.split())
-    assert [m["id"] for m in httpx.get(f"{url}/models", timeout=30).json()["data"]] == ["ours"]
-    stopped = subprocess.run([*cli, "--stop", "--app", "amalia-cli"], env=env, capture_output=True, text=True,
-                             timeout=300)
-    assert stopped.returncode == 0 and "deleted" in stopped.stdout, stopped.stdout + stopped.stderr
-    assert set(serve.status().applications) == {"other-team"} and other_answers()
 
     cfg = ServeConfig(port=free_port(), startup_timeout_s=2)
     with pytest.raises(AmaliaError, match="serving did not come up within 2s"):
@@ -286,34 +270,6 @@ def test_a_base_model_continued_with_a_grown_vocabulary_then_served_beside_its_s
     assert exported["model_type"] == "llama" and exported["vocab_size"] == json.loads(
         (base / "config.json").read_text())["vocab_size"] + 24 == len(
         AutoTokenizer.from_pretrained(str(pipeline.checkpoint_of("pretrain")))), "embeddings grown with the vocabulary"
-
-
-def test_grpo_after_pretraining_r1_zero(demo_run, recipe_path):
-    """The R1-Zero chain, pretrain -> grpo on generated Portuguese arithmetic: completions sampled by the vLLM
-    rollout engine every step, rule-based rewards, group advantages, k3 KL to the pretrained model."""
-    from amalia_ray.data.conversations import write_jsonl
-    from amalia_ray.data.tasks import arithmetic_tasks
-
-    tasks = recipe_path.parent / "arithmetic.jsonl"
-    write_jsonl(arithmetic_tasks(64, seed=0), tasks)
-    data = yaml.safe_load(recipe_path.read_text())
-    data["train"].append({**common_fields(data["train"][0]), "name": "grpo", "objective": "grpo", "dataset": str(tasks),
-                          "seq_len": 160, "steps": 3, "warmup_steps": 0, "lr": 0.0005, "checkpoint_every": 3,
-                          "num_generations": 4, "max_completion_length": 24, "kl_coef": 0.05,
-                          "rewards": ["format", "exact_answer", "has_number"], "reward_weights": [1.0, 1.0, 0.2]})
-    r1_recipe = recipe_path.parent / "r1-zero.yaml"
-    r1_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
-    pipeline = Pipeline(load_recipe(r1_recipe))
-    pipeline.run(until="grpo")
-    rec = pipeline.manifest.stages["grpo"]
-    assert rec.status == "completed" and "init_checkpoint" in rec.inputs
-    history = read_jsonl(pipeline.run_dir / "grpo" / "metrics.jsonl")
-    assert [h["step"] for h in history] == [1, 2, 3] and all(h["world_size"] == 2 for h in history)
-    for h in history:
-        assert math.isfinite(h["loss"]) and h["kl"] >= 0 and 0 < h["completion_length"] <= 24
-        assert 0 <= h["rewards/format"] <= 1 and 0 <= h["rewards/exact_answer"] <= 1 and "reward_std" in h
-    assert history[0]["kl"] < 1e-6, "the first rollout's policy is the reference"
-    assert (pipeline.checkpoint_of("grpo") / "model.safetensors").exists()
 
 
 @pytest.mark.slow
@@ -536,30 +492,37 @@ def test_fuzzed_requests_get_no_5xx_and_the_server_stays_up(served):
 
 
 def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
-    """Our task exported as lm-eval YAML, run by lm-eval's `local-completions` against the same server: the same
-    accuracy and acc_norm, and the same log-likelihood per choice."""
+    """Our tasks exported as lm-eval YAML, run by lm-eval's `local-completions` against the same server: the same
+    accuracy and acc_norm, and the same log-likelihood per choice — for our multiple-choice sample and for a
+    EuroEval dataset folder (its letters scored after EuroEval's prompt)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from amalia_ray.core.config import EvalConfig, EvalTaskConfig
     from amalia_ray.evals.lmeval_export import export_lm_eval
     from amalia_ray.evals.runner import run_task
+    from tests.test_euroeval import TEST, hub_snapshot
 
-    task = EvalTaskConfig(name="pt-mc-parity", path=str(Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl"))
-    ours = run_task(task, Path(task.path), base_url=served["url"], model="pre", settings=EvalConfig(),
-                    api_key=served["key"])
-    export_lm_eval(task, Path(task.path), tmp_path)
+    tasks = [EvalTaskConfig(name="pt-mc-parity", path=str(Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl")),
+             EvalTaskConfig(name="pt-exams-parity", path=str(hub_snapshot(tmp_path / "pt-exams")), format="euroeval")]
+    ours = {t.name: run_task(t, Path(t.path), base_url=served["url"], model="pre", settings=EvalConfig(),
+                             api_key=served["key"]) for t in tasks}
+    for t in tasks:
+        export_lm_eval(t, Path(t.path), tmp_path / "lm")
     monkeypatch.setenv("OPENAI_API_KEY", served["key"])  # lm-eval's local-completions sends it as the Bearer token
     theirs = lm_eval.simple_evaluate(
-        model="local-completions", tasks=[task.name], task_manager=TaskManager(include_path=str(tmp_path)),
+        model="local-completions", tasks=[t.name for t in tasks], task_manager=TaskManager(
+            include_path=str(tmp_path / "lm")),
         model_args=f"model=pre,base_url={served['url']}/completions,tokenizer={served['checkpoint']},"
                    "tokenizer_backend=huggingface,num_concurrent=4,max_retries=2", log_samples=True)
-    scores = theirs["results"][task.name]
-    assert ours["n"] == 20
-    assert ours["scores"]["acc"] == scores["acc,none"] and ours["scores"]["acc_norm"] == scores["acc_norm,none"]
-    their_ll = {str(s["doc"]["id"]): [r[0][0] for r in s["resps"]] for s in theirs["samples"][task.name]}
-    for item in ours["items"]:
-        assert item["logprobs"] == pytest.approx(their_ll[item["id"]], abs=1e-4)
+    assert ours["pt-mc-parity"]["n"] == 20 and ours["pt-exams-parity"]["n"] == len(TEST)
+    for name, result in ours.items():
+        scores = theirs["results"][name]
+        assert result["scores"]["acc"] == scores["acc,none"] and result["scores"]["acc_norm"] == scores[
+            "acc_norm,none"], name
+        their_ll = {str(s["doc"]["id"]): [r[0][0] for r in s["resps"]] for s in theirs["samples"][name]}
+        for item in result["items"]:
+            assert item["logprobs"] == pytest.approx(their_ll[item["id"]], abs=1e-4), name
 
 
 def test_eval_command_line_contract(served, tmp_path):

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from amalia_ray.core.config import GRPOStage, ModelConfig, ServeConfig, SFTStage, TrainStageConfig
+from amalia_ray.core.config import GRPOStage, ModelConfig, SFTStage, TrainStageConfig
 from tests.base_models import FAMILIES, FAQ, make_base_model
 from tests.conftest import free_port, read_jsonl
 
@@ -24,7 +26,7 @@ SEED = 7
 # A family trains through Ray Train in about 30 s here and a vLLM engine per served model costs about 45 s, so the
 # suite trains a Llama and a Gemma 3 (tied embeddings, Gemma turns) and serves the Gemma 3 (the Llama architecture is
 # served by every other serving test); GRPO continues a Qwen 3 base (ChatML) with vLLM's Qwen 3 as its rollout
-# engine. AMALIA_TEST_FAMILIES=all trains and serves all six. Each family's chat template as SFT targets:
+# engine (R1-Zero: reinforcement learning straight from a base model). AMALIA_TEST_FAMILIES=all trains and serves all six. Each family's chat template as SFT targets:
 # test_sft.py; loading, a forward pass and the export of every family under FSDP2: test_base_model.py.
 EVERY = os.environ.get("AMALIA_TEST_FAMILIES") == "all"
 TRAINED = list(FAMILIES) if EVERY else ["llama", "gemma3_text"]
@@ -90,9 +92,11 @@ def test_sft_from_a_base_model_matches_transformers_and_exports_its_architecture
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
-def test_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained, tmp_path):
-    """GRPO continues a Qwen 3 base model (its own chat template renders the prompts): the rollout engine is vLLM's
-    Qwen 3, weights pushed into it in place each step; the first step's policy is its reference."""
+def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained, tmp_path):
+    """The R1-Zero recipe: GRPO straight from a base model — a Qwen 3 (its own chat template renders the prompts)
+    — on generated Portuguese arithmetic, completions sampled every step by vLLM's Qwen 3 with the weights pushed
+    into it in place, weighted rule-based rewards, group advantages, k3 KL to the base; the first step's policy is
+    its reference, and the export keeps the base's architecture."""
     from amalia_ray.data.conversations import write_jsonl
     from amalia_ray.data.tasks import arithmetic_tasks
     from amalia_ray.train.stage import run_train_stage
@@ -104,40 +108,58 @@ def test_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained,
     stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
                       global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
                       checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,
-                      kl_coef=0.05, rewards=["format", "exact_answer"])
+                      kl_coef=0.05, rewards=["format", "exact_answer", "has_number"], reward_weights=[1.0, 1.0, 0.2])
     run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=tasks, tokenizer_dir=base,
                     init_hf_dir=base, base_dir=base, stage_dir=tmp_path / "grpo", ray_run_name="grpo-qwen3",
                     seed=SEED, use_gpu=False, progress=False)
     history = read_jsonl(tmp_path / "grpo" / "metrics.jsonl")
-    assert [h["step"] for h in history] == [1, 2]
-    assert all(math.isfinite(h["loss"]) and 0 < h["completion_length"] <= 12 for h in history)
+    assert [h["step"] for h in history] == [1, 2] and all(h["world_size"] == 2 for h in history)
+    for h in history:
+        assert math.isfinite(h["loss"]) and h["kl"] >= 0 and 0 < h["completion_length"] <= 12
+        assert all(0 <= h[f"rewards/{r}"] <= 1 for r in stage.rewards) and "reward_std" in h
     assert history[0]["kl"] < 1e-6, "the first rollout's policy is the reference"
     assert json.loads((tmp_path / "grpo" / "hf" / "config.json").read_text())["model_type"] == "qwen3"
 
 
-def test_every_family_export_is_served_by_vllm_over_http(trained):
-    """The exports side by side in one Serve application (two at a time: each vLLM engine on CPU reserves its
-    share of RAM), each answering a completion and a chat turn rendered with its own chat template."""
-    from amalia_ray.serve import app as serve_app
+def test_every_family_export_is_served_by_vllm_over_http(trained, other_team):
+    """`amalia serve EXPORT... --address` on the shared cluster, where another team's Serve application runs: the
+    exports side by side in one application of their own (two at a time: each vLLM engine on CPU reserves its share
+    of RAM), joined on that Serve's port (not the one asked for), the URL that answers printed; each model answers
+    a completion and a chat turn rendered with its own chat template; `--stop --app` deletes only that application,
+    and the other team's answers throughout."""
+    import ray
+    from ray import serve
+
+    from tests.conftest import OTHER_TEAM_REPLY
 
     _, _, runs = trained
     exports = [(f"{family}-sft", runs[family][1] / "hf") for family in SERVED]
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    cli = [sys.executable, "-m", "amalia_ray.cli", "serve"]
+    url = other_team.rsplit("/", 1)[0] + "/v1"
     for i in range(0, len(exports), 2):
         models = dict(exports[i:i + 2])
-        cfg = ServeConfig(port=free_port(), engine={"max_model_len": 256, "gpu_memory_utilization": 0.1})
-        base_url = serve_app.start(models, cfg, use_gpu=False, name="amalia-families")
+        names = [arg for model_id in models for arg in ("--name", model_id)]
+        deployed = subprocess.run([*cli, *map(str, models.values()), *names, "--app", "amalia-families", "--port",
+                                   str(free_port())], env=env, capture_output=True, text=True, timeout=900)
+        assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-3000:]
+        assert f"at {url} as Serve application 'amalia-families'" in " ".join(deployed.stdout.split())
         try:
-            listed = {m["id"] for m in httpx.get(f"{base_url}/models", timeout=30).json()["data"]}
-            assert set(models) <= listed
+            assert {m["id"] for m in httpx.get(f"{url}/models", timeout=30).json()["data"]} == set(models)
             for model_id in models:
-                r = httpx.post(f"{base_url}/completions", timeout=120,
+                r = httpx.post(f"{url}/completions", timeout=120,
                                json={"model": model_id, "prompt": "O Debian é", "max_tokens": 4, "temperature": 0})
                 assert r.status_code == 200, (model_id, r.text[:300])
                 assert r.json()["usage"]["completion_tokens"] >= 1
-                r = httpx.post(f"{base_url}/chat/completions", timeout=120, json={
+                r = httpx.post(f"{url}/chat/completions", timeout=120, json={
                     "model": model_id, "messages": [{"role": "user", "content": "O que é o Debian?"}],
                     "max_tokens": 4, "temperature": 0})
                 assert r.status_code == 200, (model_id, r.text[:300])
                 assert r.json()["usage"]["prompt_tokens"] > 5, "the prompt went through the chat template"
+            assert httpx.get(other_team, timeout=30).text == OTHER_TEAM_REPLY
         finally:
-            serve_app.stop("amalia-families")
+            stopped = subprocess.run([*cli, "--stop", "--app", "amalia-families"], env=env, capture_output=True,
+                                     text=True, timeout=300)
+        assert stopped.returncode == 0 and "deleted" in stopped.stdout, stopped.stdout + stopped.stderr
+        assert set(serve.status().applications) == {"other-team"}
+        assert httpx.get(other_team, timeout=30).text == OTHER_TEAM_REPLY

@@ -72,7 +72,7 @@ def test_a_euroeval_dataset_folder_is_scored_on_its_test_split_with_euroevals_pr
     result = _score(folder, tmp_path, fake)
     flat = "Qual é a capital de Portugal? Opções: a. Madrid b. Lisboa c. Roma d. Paris"
     context = f"{PREFIX}\n\nPergunta: {flat}\nResposta:"
-    assert fake.requests[0]["prompt"][:5] == [context] + [f"{context} {x}" for x in "abcd"]
+    assert fake.requests[0]["prompt"][:4] == [f"{context} {x}" for x in "abcd"] and context in fake.tokenized
     assert result["scores"]["acc"] == pytest.approx(2 / 3) and result["n"] == 3
     assert result["by_subject"]["Geografia"]["acc"] == 0.5 and result["by_subject"]["Matemática"]["acc"] == 1.0
 

@@ -23,17 +23,25 @@ class FakeModel:
     """Whitespace tokens; a token costs -0.5 nats if it is one of `liked` words, else -3. Generations follow the
     prompt: a letter for lettered questions, the cloze target, a pt-PT or pt-BR sentence, a judge's grade."""
 
-    def __init__(self, liked=(), fail_first: int = 0, status: int = 503, delay: float = 0.0):
+    def __init__(self, liked=(), fail_first: int = 0, status: int = 503, delay: float = 0.0, tokenize: bool = True):
         self.liked, self.fail_first, self.status, self.delay = set(liked), fail_first, status, delay
+        self.tokenize = tokenize  # vLLM's /tokenize at the server's root
         self.calls = 0
         self.attempts: Counter = Counter()  # per distinct request body
         self.in_flight = self.max_in_flight = 0
         self.requests: list[dict] = []
+        self.tokenized: list[str] = []
 
     def logprob(self, token: str) -> float:
         return -0.5 if token.strip(".,") in self.liked else -3.0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":  # the context's token count (not counted among the API calls)
+            prompt = json.loads(request.content)["prompt"]
+            self.tokenized.append(prompt)
+            if not self.tokenize:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            return httpx.Response(200, json={"count": len(prompt.split()), "tokens": [], "max_model_len": 512})
         self.calls += 1
         self.attempts[request.content] += 1
         if self.calls <= self.fail_first:
@@ -103,13 +111,21 @@ def test_loglik_picks_the_likeliest_choice_and_normalizes_by_characters(tmp_path
     assert result["scores"]["acc"] == 0.5 and result["scores"]["acc_stderr"] == pytest.approx(0.5)
     assert result["scores"]["chance"] == pytest.approx((1 / 3 + 1 / 2) / 2)
     assert [r["pred_norm"] for r in result["items"]] == [1, 1]
-    # both items in one request: each item's context alone (its token count), then context + each choice
+    # both items in one request, context + each choice; each context's token count from the server's /tokenize
     (request,) = fake.requests
     assert request["temperature"] == 0 and request["max_tokens"] == 1 and request["echo"]
     context = "Pergunta: Qual é a capital de Portugal?\nResposta:"
-    assert request["prompt"][:4] == [context, context + " Madrid", context + " Lisboa", context + " Roma"]
-    assert len(request["prompt"]) == 4 + 3
+    assert request["prompt"][:3] == [context + " Madrid", context + " Lisboa", context + " Roma"]
+    assert len(request["prompt"]) == 3 + 2
+    assert set(fake.tokenized) == {context, "Pergunta: Qual é a cor do céu?\nResposta:"}
     assert first["greedy"] == [False, True, False]
+
+    # a server without /tokenize: each item's context goes alone first, its echo giving the token count
+    plain = FakeModel(liked={"Lisboa", "azul"}, tokenize=False)
+    assert run(plain, tmp_path, "mcq", MC)["items"] == result["items"]
+    (request,) = plain.requests
+    assert request["prompt"][:4] == [context, context + " Madrid", context + " Lisboa", context + " Roma"]
+    assert len(request["prompt"]) == 4 + 3 and len(plain.tokenized) == 1, "asked once"
 
 
 def test_items_are_grouped_whole_into_requests_and_come_back_in_order(tmp_path):
@@ -117,8 +133,11 @@ def test_items_are_grouped_whole_into_requests_and_come_back_in_order(tmp_path):
              "answer": i % 2} for i in range(7)]
     grouped, alone = FakeModel(liked={"Lisboa"}, delay=0.01), FakeModel(liked={"Lisboa"})
     result = run(grouped, tmp_path, "mcq", rows, prompts_per_request=8)
-    # 3, 4, 3, 4, ... prompts per item: never split, at most 8 per request unless one item alone is bigger
-    assert [len(r["prompt"]) for r in grouped.requests] == [7, 7, 7, 3]
+    # 2, 3, 2, 3, ... prompts per item: never split, at most 8 per request unless one item alone is bigger
+    assert [len(r["prompt"]) for r in grouped.requests] == [7, 8, 2]
+    echoed = FakeModel(liked={"Lisboa"}, delay=0.01, tokenize=False)  # 3, 4, 3, 4, ...: each context too
+    assert run(echoed, tmp_path, "mcq", rows, prompts_per_request=8)["items"] == result["items"]
+    assert [len(r["prompt"]) for r in echoed.requests] == [7, 7, 7, 3]
     assert [r["id"] for r in result["items"]] == [str(i) for i in range(7)]
     assert [r["pred"] for r in result["items"]] == [0] * 7
     assert run(alone, tmp_path, "mcq", rows, prompts_per_request=1)["items"] == result["items"]
@@ -129,6 +148,8 @@ def test_an_echo_without_the_generated_token_is_refused(tmp_path):
     class NoGeneratedToken(FakeModel):
         async def __call__(self, request):
             response = await super().__call__(request)
+            if request.url.path == "/tokenize":
+                return response
             body = json.loads(response.content)
             for choice in body["choices"]:
                 for key in ("token_logprobs", "top_logprobs"):
@@ -140,6 +161,8 @@ def test_an_echo_without_the_generated_token_is_refused(tmp_path):
 
     class NoEcho(FakeModel):  # a server that ignores echo: completions without prompt log-probabilities
         async def __call__(self, request):
+            if request.url.path == "/tokenize":
+                return await super().__call__(request)
             body = json.loads((await super().__call__(request)).content)
             return httpx.Response(200, json={**body, "choices": [{**c, "logprobs": None} for c in body["choices"]]})
 
@@ -175,8 +198,9 @@ def test_a_pheb_completion_item_is_scored_as_the_sentence_each_choice_completes(
     fake = FakeModel(liked={"indiferente", "Lisboa"})
     result = run(fake, tmp_path, "pheb", rows)
     sentence = "Segundo o autor, classificar a obra torna-se"
-    assert fake.requests[0]["prompt"][:3] == [sentence, sentence + " impossível.", sentence + " indiferente."]
-    assert fake.requests[0]["prompt"][3] == "Pergunta: Qual é a capital de Portugal?\nResposta:"
+    assert fake.requests[0]["prompt"][:3] == [sentence + " impossível.", sentence + " indiferente.",
+                                              "Pergunta: Qual é a capital de Portugal?\nResposta: Madrid"]
+    assert sentence in fake.tokenized
     assert [r["id"] for r in result["items"]] == ["2019 1.ª Fase Portuguese II 1", "2019 1.ª Fase Portuguese II 2"]
     assert result["scores"]["acc"] == 1.0
     path = tmp_path / "pheb.jsonl"
@@ -309,7 +333,7 @@ class TooLong(FakeModel):
     async def __call__(self, request):
         body = json.loads(request.content)
         text = json.dumps(body.get("prompt") or body.get("messages"), ensure_ascii=False)
-        if "LONGO" in text:
+        if "LONGO" in text and request.url.path != "/tokenize":
             self.requests.append({"path": request.url.path, "rejected": True, **body})
             return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 512"}})
         return await super().__call__(request)
@@ -325,8 +349,8 @@ def test_an_item_the_server_refuses_is_reported_and_the_rest_still_scored(tmp_pa
     assert "maximum context length" in result["items"][1]["rejected"] and "acc" not in result["items"][1]
     assert result["scores"]["acc"] == 1.0 and result["scores"]["chance"] == pytest.approx(1 / 3)
     if not task:  # the group was refused whole, then sent again item by item
-        assert len(fake.requests[0]["prompt"]) == 4 + 3 + 4
-        assert sorted(len(r["prompt"]) for r in fake.requests[1:]) == [3, 4, 4]
+        assert len(fake.requests[0]["prompt"]) == 3 + 2 + 3
+        assert sorted(len(r["prompt"]) for r in fake.requests[1:]) == [2, 3, 3]
     with pytest.raises(AmaliaError, match="rejected every item, e.g. item b: .*maximum context length"):
         run(TooLong(), tmp_path, fmt, rows[1:2], **task)
 

@@ -30,6 +30,7 @@ class OpenAIClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers, transport=transport)
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0}  # as the server counted them, for accounting
+        self.can_tokenize: bool | None = None  # whether the server has vLLM's /tokenize (known after the first call)
 
     async def __aenter__(self):
         return self
@@ -37,12 +38,24 @@ class OpenAIClient:
     async def __aexit__(self, *exc):
         await self._http.aclose()
 
-    async def post(self, path: str, payload: dict) -> dict:
+    async def token_count(self, text: str) -> int | None:
+        """How many tokens the served model's tokenizer makes of `text` (special tokens included, as a prompt is
+        tokenized), from vLLM's /tokenize at the server's root; None where the server has no such endpoint."""
+        if self.can_tokenize is False:
+            return None
+        body = await self.post("/tokenize", {"prompt": text}, root=True, missing_ok=True)
+        self.can_tokenize = isinstance((body or {}).get("count"), int)
+        return body["count"] if self.can_tokenize else None
+
+    async def post(self, path: str, payload: dict, *, root: bool = False, missing_ok: bool = False) -> dict | None:
+        """POST under the API's base URL (or, with `root`, at the server's root: vLLM's /tokenize); with
+        `missing_ok`, an endpoint the server does not have (404/405) gives None."""
         payload = {"model": self.model, **payload}
+        url = (self.base_url.removesuffix("/v1") if root else self.base_url) + path
         async with self._sem:
             for attempt in range(self.retries + 1):
                 try:
-                    r = await self._http.post(f"{self.base_url}{path}", json=payload)
+                    r = await self._http.post(url, json=payload)
                 except httpx.TransportError as e:
                     error = f"{type(e).__name__}: {e}"
                 else:
@@ -53,10 +66,12 @@ class OpenAIClient:
                                 self.usage[k] += n
                         return body
                     error = f"HTTP {r.status_code}: {r.text[:300]}"
+                    if missing_ok and r.status_code in (404, 405):
+                        return None
                     if r.status_code in REJECTED:
-                        raise RequestRejected(f"{self.base_url}{path} rejected for model '{self.model}': {error}")
+                        raise RequestRejected(f"{url} rejected for model '{self.model}': {error}")
                     if r.status_code not in TRANSIENT:
                         break
                 if attempt < self.retries:
                     await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (1 + random.random()))
-        raise AmaliaError(f"{self.base_url}{path} failed for model '{self.model}': {error}")
+        raise AmaliaError(f"{url} failed for model '{self.model}': {error}")

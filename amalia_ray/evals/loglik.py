@@ -2,10 +2,11 @@
 the choice whose continuation tokens have the highest summed log-probability (acc), or the highest per character of
 the choice (acc_norm). As in lm-eval, context+continuation is tokenized whole and split after the context's own token
 count, and the one generated token (`max_tokens` 1) is dropped — so no local tokenizer is needed, the model is reached
-only over HTTP. The context's token count comes from echoing the context alone. Items travel in groups: one request
-carries, for several items, each context and each context+choice as a list of prompts, which the server runs as one
-batch (an item's prompts never split across requests) — per-request overhead, not the model, is what costs most on a
-small served model."""
+only over HTTP. The context's token count comes from the server's tokenizer (vLLM's /tokenize); a server without that
+endpoint gets the context alone as one more prompt, whose echo gives the count. Items travel in groups: one request
+carries, for several items, each context+choice as a list of prompts, which the server runs as one batch (an item's
+prompts never split across requests) — per-request overhead, not the model, is what costs most on a small served
+model."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def continuations_of(item: MCItem) -> list[str]:
 
 
 def prompts_of(item: MCItem) -> list[str]:
-    """What one item sends: its context alone (to learn its token count), then context + delimiter + each
-    continuation."""
+    """An item's context (whose token count the server's tokenizer gives), then the prompts scored: context +
+    delimiter + each continuation."""
     context = context_of(item)
     return [context] + [context + DELIMITER + c for c in continuations_of(item)]
 
@@ -59,13 +60,13 @@ def _continuation(choice: dict, n_ctx: int) -> tuple[float, bool]:
     return float(sum(token_logprobs)), greedy
 
 
-def groups_of(items: list[MCItem], prompts_per_request: int) -> list[list[MCItem]]:
-    """Consecutive items whose prompts (the context, then context+choice for each choice) fit one request; an item
-    with more prompts than the cap goes alone."""
+def groups_of(items: list[MCItem], prompts_per_request: int, context_prompt: bool = True) -> list[list[MCItem]]:
+    """Consecutive items whose prompts (the context where it is echoed alone, then context+choice for each choice)
+    fit one request; an item with more prompts than the cap goes alone."""
     groups: list[list[MCItem]] = []
     size = 0
     for item in items:
-        n = 1 + len(item.choices)
+        n = int(context_prompt) + len(item.choices)
         if not groups or size + n > prompts_per_request:
             groups.append([])
             size = 0
@@ -94,7 +95,11 @@ def _check_echo(items: list[MCItem], outputs: list[dict], usage: dict | None) ->
 
 
 async def score_group(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
-    prompts = [p for item in items for p in prompts_of(item)]
+    contexts = [context_of(item) for item in items]
+    scored = [[c + DELIMITER + x for x in continuations_of(item)] for item, c in zip(items, contexts)]
+    counts = await asyncio.gather(*(client.token_count(c) for c in contexts))
+    echo_contexts = None in counts  # no /tokenize: each context goes first, echoed alone
+    prompts = [p for c, full in zip(contexts, scored) for p in ([c] if echo_contexts else []) + full]
     r = await client.post("/completions",
                           {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1})
     outputs = sorted(r["choices"], key=lambda c: c["index"])
@@ -103,15 +108,20 @@ async def score_group(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
                           f"{len(outputs)} completions returned")
     _check_echo(items, outputs, r.get("usage"))
     rows, at = [], 0
-    for item in items:
-        n_ctx = len(outputs[at]["logprobs"]["token_logprobs"]) - 1  # the context's tokens, without the generated one
-        rows.append(_row(item, [_continuation(out, n_ctx) for out in outputs[at + 1:at + 1 + len(item.choices)]]))
-        at += 1 + len(item.choices)
+    for item, n_ctx, full in zip(items, counts, scored):
+        if echo_contexts:  # the context's tokens: its echo without the one generated token
+            n_ctx = len(outputs[at]["logprobs"]["token_logprobs"]) - 1
+            at += 1
+        rows.append(_row(item, [_continuation(out, n_ctx) for out in outputs[at:at + len(full)]]))
+        at += len(full)
     return rows
 
 
 async def score_items(client: OpenAIClient, items: list[MCItem], prompts_per_request: int) -> list[dict]:
-    done = await asyncio.gather(*(_group_or_each(client, g) for g in groups_of(items, prompts_per_request)))
+    if items and client.can_tokenize is None:
+        await client.token_count(context_of(items[0]))  # whether the server tokenizes decides the groups' sizes
+    groups = groups_of(items, prompts_per_request, context_prompt=not client.can_tokenize)
+    done = await asyncio.gather(*(_group_or_each(client, g) for g in groups))
     return [row for rows in done for row in rows]
 
 

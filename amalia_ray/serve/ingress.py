@@ -66,7 +66,8 @@ class RequestGuard:
                 return await self._too_large(scope, receive, send)
             if not message.get("more_body", False):
                 break
-        if scope["method"] == "POST" and path.startswith("/v1/") and (problem := body_problem(path, bytes(body))):
+        if scope["method"] == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")) and (
+                problem := body_problem(path, bytes(body))):
             return await _error(400, problem, "invalid_request_error")(scope, receive, send)
         replayed = False
 
