@@ -493,8 +493,9 @@ def test_fuzzed_requests_get_no_5xx_and_the_server_stays_up(served):
 
 def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
     """Our tasks exported as lm-eval YAML, run by lm-eval's `local-completions` against the same server: the same
-    accuracy and acc_norm, and the same log-likelihood per choice — for our multiple-choice sample and for a
-    EuroEval dataset folder (its letters scored after EuroEval's prompt)."""
+    accuracy and acc_norm, and the same log-likelihood per choice — for our multiple-choice sample zero-shot and
+    3-shot (lm-eval drawing its own examples), and for a EuroEval dataset folder (its letters scored after
+    EuroEval's prompt)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -503,7 +504,9 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
     from amalia_ray.evals.runner import run_task
     from tests.test_euroeval import TEST, hub_snapshot
 
-    tasks = [EvalTaskConfig(name="pt-mc-parity", path=str(Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl")),
+    mc = str(Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl")
+    tasks = [EvalTaskConfig(name="pt-mc-parity", path=mc),
+             EvalTaskConfig(name="pt-mc-3shot-parity", path=mc, num_fewshot=3),
              EvalTaskConfig(name="pt-exams-parity", path=str(hub_snapshot(tmp_path / "pt-exams")), format="euroeval")]
     ours = {t.name: run_task(t, Path(t.path), base_url=served["url"], model="pre", settings=EvalConfig(),
                              api_key=served["key"]) for t in tasks}
@@ -515,7 +518,8 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
             include_path=str(tmp_path / "lm")),
         model_args=f"model=pre,base_url={served['url']}/completions,tokenizer={served['checkpoint']},"
                    "tokenizer_backend=huggingface,num_concurrent=4,max_retries=2", log_samples=True)
-    assert ours["pt-mc-parity"]["n"] == 20 and ours["pt-exams-parity"]["n"] == len(TEST)
+    assert ours["pt-mc-parity"]["n"] == ours["pt-mc-3shot-parity"]["n"] == 20 and ours["pt-exams-parity"]["n"] == len(
+        TEST)
     for name, result in ours.items():
         scores = theirs["results"][name]
         assert result["scores"]["acc"] == scores["acc,none"] and result["scores"]["acc_norm"] == scores[

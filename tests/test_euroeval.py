@@ -84,9 +84,10 @@ def test_a_euroeval_dataset_folder_is_scored_on_its_test_split_with_euroevals_pr
     exported = export_lm_eval(EvalTaskConfig(name="pt-exams", path=str(folder), format="euroeval"), folder,
                               tmp_path / "lm")
     spec = yaml.safe_load(exported.read_text())
-    assert spec["doc_to_text"] == "{{context}}" and spec["doc_to_choice"] == "{{continuations}}"
+    assert spec["doc_to_text"] == "{{query}}" and spec["doc_to_choice"] == "{{continuations}}"
     first = json.loads((tmp_path / "lm" / "pt-exams.jsonl").read_text().splitlines()[0])
-    assert first["context"] == context and first["continuations"] == ["a", "b", "c", "d"] and first["answer"] == 1
+    assert first["description"] + first["query"] == context and first["description"] == PREFIX + "\n\n"
+    assert first["continuations"] == ["a", "b", "c", "d"] and first["answer"] == 1
 
 
 def test_a_single_parquet_file_and_a_bad_row_named_by_file_split_and_row(tmp_path):

@@ -205,9 +205,9 @@ def test_a_pheb_completion_item_is_scored_as_the_sentence_each_choice_completes(
     assert result["scores"]["acc"] == 1.0
     path = tmp_path / "pheb.jsonl"
     exported = export_lm_eval(EvalTaskConfig(name="pheb", path=str(path), format="pheb"), path, tmp_path / "lm")
-    assert yaml.safe_load(exported.read_text())["doc_to_text"] == "{{context}}"
-    contexts = [json.loads(ln)["context"] for ln in (tmp_path / "lm" / "pheb.jsonl").read_text().splitlines()]
-    assert contexts == [sentence, "Pergunta: Qual é a capital de Portugal?\nResposta:"]
+    assert yaml.safe_load(exported.read_text())["doc_to_text"] == "{{query}}"
+    rows = [json.loads(ln) for ln in (tmp_path / "lm" / "pheb.jsonl").read_text().splitlines()]
+    assert [r["description"] + r["query"] for r in rows] == [sentence, "Pergunta: Qual é a capital de Portugal?\nResposta:"]
 
 
 def test_pheb_by_generation_sends_the_prompt_of_phebs_own_script(tmp_path):
@@ -380,7 +380,8 @@ def test_lm_eval_export(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in MC))
     spec = yaml.safe_load(export_lm_eval(EvalTaskConfig(name="t", path=str(path)), path, tmp_path / "out").read_text())
-    assert spec["output_type"] == "multiple_choice" and spec["doc_to_text"] == "{{context}}"
+    assert spec["output_type"] == "multiple_choice" and spec["doc_to_text"] == "{{query}}"
+    assert spec["description"] == "{{description}}" and "num_fewshot" not in spec
     assert spec["target_delimiter"] == " " and [m["metric"] for m in spec["metric_list"]] == ["acc", "acc_norm"]
     rows = [json.loads(ln) for ln in open(spec["dataset_kwargs"]["data_files"]["test"])]
     assert rows[0]["choices"] == MC[0]["choices"] and rows[0]["answer"] == 1 and rows[0]["letter"] == "B"

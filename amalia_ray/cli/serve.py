@@ -148,6 +148,10 @@ def eval_(
     temperature: Annotated[float, typer.Option(help="sampling temperature of the generations (0: greedy)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling of the generations")] = 1.0,
     seed: Annotated[int, typer.Option(help="sampling seed: item i's request carries seed + i")] = 0,
+    num_fewshot: Annotated[int, typer.Option(help="loglik choice tasks: answered examples before each item")] = 0,
+    fewshot_path: Annotated[Path | None, typer.Option(help="the examples' source (default: the dataset's train "
+                                                      "split, else the task's other items)")] = None,
+    fewshot_seed: Annotated[int, typer.Option(help="the examples' seed (lm-eval's default)")] = 1234,
     concurrency: int = 8,
     prompts_per_request: Annotated[int, typer.Option(help="loglik: prompts per request (items kept whole)")] = 24,
     retries: int = 3,
@@ -172,13 +176,15 @@ def eval_(
     from amalia_ray.evals.tasks import detect_format
 
     format = format or detect_format(task)
+    fewshot = {"num_fewshot": num_fewshot, "fewshot_seed": fewshot_seed,
+               "fewshot_path": str(fewshot_path) if fewshot_path else None}
     if show_prompt:
+        from amalia_ray.evals.fewshot import task_items
         from amalia_ray.evals.runner import requests_of
-        from amalia_ray.evals.tasks import load_task
 
         shown = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit or 1, n=n,
-                             temperature=temperature, top_p=top_p, seed=seed)
-        items = load_task(task, shown.format, shown.limit)
+                             temperature=temperature, top_p=top_p, seed=seed, **fewshot)
+        items = task_items(shown, task)
         console.print_json(json.dumps({"task": shown.name, "format": shown.format, "method": shown.scoring,
                                        "items": [requests_of(shown, it) for it in items]}, ensure_ascii=False))
         return
@@ -189,7 +195,7 @@ def eval_(
         raise AmaliaError("--format judge needs --judge-model (the served model that grades the answers)")
     try:
         task_cfg = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit, n=n,
-                                temperature=temperature, top_p=top_p, seed=seed)
+                                temperature=temperature, top_p=top_p, seed=seed, **fewshot)
         judge = JudgeConfig(model=judge_model, base_url=judge_base_url) if judge_model else None
         settings = EvalConfig(tasks=[task_cfg], concurrency=concurrency, prompts_per_request=prompts_per_request,
                               retries=retries, request_timeout_s=timeout, judge=judge)
@@ -214,10 +220,15 @@ def export_lm_eval(
         "--format", help="mcq|pheb|binary|euroeval|cloze (default: told by the first item's fields)")] = None,
     method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
     name: Annotated[str | None, typer.Option(help="lm-eval task name (default: the file's stem)")] = None,
+    num_fewshot: Annotated[int, typer.Option(help="loglik choice tasks: the YAML's num_fewshot, with the examples' "
+                                             "pool as its fewshot split")] = 0,
+    fewshot_path: Annotated[Path | None, typer.Option(help="the examples' source (default: the dataset's train "
+                                                      "split, else the task's other items)")] = None,
 ) -> None:
     """Write one of our tasks as an lm-eval task YAML: `lm_eval --include_path OUTPUT --tasks NAME`."""
     from amalia_ray.evals.lmeval_export import export_lm_eval as export
     from amalia_ray.evals.tasks import detect_format
 
-    cfg = _task_config(task, format or detect_format(task), method, name=name)
+    cfg = _task_config(task, format or detect_format(task), method, name=name, num_fewshot=num_fewshot,
+                       fewshot_path=str(fewshot_path) if fewshot_path else None)
     console.print(f"wrote {export(cfg, task, output)}")

@@ -168,6 +168,13 @@ class EvalTaskConfig(Strict):
     temperature: float = Field(0.0, ge=0, description="sampling temperature of every generation (0: greedy)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of every generation")
     seed: int = Field(0, description="sampling seed: item i's request carries seed + i (recorded per item)")
+    num_fewshot: int = Field(0, ge=0, description="answered examples before each item (log-likelihood choice "
+                             "tasks), drawn as lm-eval draws them: per item in order, from one seeded generator")
+    fewshot_path: str | None = Field(
+        None, description="where the examples come from (a task file, or a dataset: its train split), relative to the "
+        "recipe; default: the dataset's train split where it has one, else the task's own items (never the item "
+        "itself)")
+    fewshot_seed: int = Field(1234, description="the examples' random seed (lm-eval's default fewshot seed)")
 
     @model_validator(mode="after")
     def _method(self) -> EvalTaskConfig:
@@ -176,6 +183,9 @@ class EvalTaskConfig(Strict):
                              f"not '{self.format}'")
         if self.n > 1 and self.format != "answer":
             raise ValueError(f"task '{self.name}': n (samples per item) applies to answer tasks, not '{self.format}'")
+        if self.num_fewshot and self.scoring != "loglik":
+            raise ValueError(f"task '{self.name}': few-shot examples are implemented for log-likelihood choice tasks "
+                             f"only (mcq, pheb, binary, euroeval scored by loglik), not yet for generation")
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"task '{self.name}': n = {self.n} greedy samples would all be the same answer: "
                              "set a temperature above 0")

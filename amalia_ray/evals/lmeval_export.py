@@ -13,21 +13,30 @@ import yaml
 from amalia_ray.core.config import EvalTaskConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.evals import generate, loglik
-from amalia_ray.evals.tasks import CHOICE_FORMATS, LETTERS, ClozeItem, MCItem, lettered_options, load_task
+from amalia_ray.evals.fewshot import fewshot_pool, task_items
+from amalia_ray.evals.tasks import CHOICE_FORMATS, LETTERS, ClozeItem, MCItem, lettered_options
 
 
 def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path:
     if task.format not in (*CHOICE_FORMATS, "cloze"):
         raise AmaliaError(f"task '{task.name}': lm-eval has no counterpart for '{task.format}' tasks "
                           "(LLM-judged, variety and sampled exact-answer tasks run with `amalia eval` only)")
-    items = load_task(task_path, task.format, task.limit)
+    items = task_items(task, task_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = out_dir / f"{task.name}.jsonl"
-    with data.open("w", encoding="utf-8") as f:
-        for it in items:
-            f.write(json.dumps(_row(it, task.format), ensure_ascii=False) + "\n")
+    data = _write_rows(out_dir / f"{task.name}.jsonl", items, task.format)
     spec: dict = {"task": task.name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
                   "test_split": "test"}
+    if task.num_fewshot:
+        # lm-eval draws the examples itself, from this pool, with the same seed and order as ours
+        pool, own = fewshot_pool(task, task_path, items)
+        if own and task.limit:
+            raise AmaliaError(f"task '{task.name}': examples drawn from the task's own items are exported without "
+                              "a limit (lm-eval would draw them from the limited items only)")
+        if not own:
+            shots = _write_rows(out_dir / f"{task.name}.fewshot.jsonl", pool, task.format)
+            spec["dataset_kwargs"]["data_files"]["train"] = str(shots.resolve())
+        spec |= {"fewshot_split": "test" if own else "train", "num_fewshot": task.num_fewshot,
+                 "fewshot_config": {"sampler": "default"}}
     if task.format == "cloze":
         spec |= {"output_type": "generate_until", "doc_to_text": "{{context}}", "doc_to_target": "{{target}}",
                  "generation_kwargs": {"until": ["\n"], "max_gen_toks": task.max_tokens, "temperature": 0.0},
@@ -36,7 +45,7 @@ def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path
                      {"function": "take_first"}]}],
                  "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}
     elif task.scoring == "loglik":
-        spec |= {"output_type": "multiple_choice", "doc_to_text": "{{context}}",
+        spec |= {"output_type": "multiple_choice", "description": "{{description}}", "doc_to_text": "{{query}}",
                  "doc_to_choice": "{{continuations}}", "doc_to_target": "{{answer}}", "target_delimiter": loglik.DELIMITER,
                  "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
                                  for m in ("acc", "acc_norm")]}
@@ -55,11 +64,19 @@ def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path
     return path
 
 
+def _write_rows(path: Path, items: list, fmt: str) -> Path:
+    with path.open("w", encoding="utf-8") as f:
+        for it in items:
+            f.write(json.dumps(_row(it, fmt), ensure_ascii=False) + "\n")
+    return path
+
+
 def _row(item, fmt: str) -> dict:
     if isinstance(item, ClozeItem):
         return {"id": item.id, "context": item.context, "target": item.target}
     assert isinstance(item, MCItem)
     return {"id": item.id, "question": item.question, "choices": item.choices, "answer": item.answer,
             "letter": (item.labels or LETTERS)[item.answer], "options": lettered_options(item.choices),
-            "context": loglik.context_of(item), "continuations": loglik.continuations_of(item),
+            "context": loglik.context_of(item), "description": loglik.description_of(item),
+            "query": loglik.query_of(item), "continuations": loglik.continuations_of(item),
             "prompt": generate.mc_prompt(item, fmt)}

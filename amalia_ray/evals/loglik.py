@@ -23,15 +23,31 @@ DELIMITER = " "
 EUROEVAL_PREFIX = "As seguintes são perguntas de escolha múltipla (com respostas)."
 
 
-def context_of(item: MCItem) -> str:
-    """What each choice continues: the question asked and answered ("Pergunta: …\nResposta:"); for a question that
-    is a sentence to complete, the sentence itself (its trailing space left to the delimiter); for a question that
-    shows its options (EuroEval's), EuroEval's prefix and template, its text on one line as EuroEval writes it."""
+FEWSHOT_DELIMITER = "\n\n"  # after each answered example, as lm-eval and EuroEval join them
+
+
+def description_of(item: MCItem) -> str:
+    """What comes before the examples and the question: EuroEval's prefix for its items, else nothing."""
+    return EUROEVAL_PREFIX + "\n\n" if item.labels else ""
+
+
+def query_of(item: MCItem) -> str:
+    """The item's own part of the context: the question asked and answered ("Pergunta: …\nResposta:"); for a
+    question that is a sentence to complete, the sentence itself (its trailing space left to the delimiter); for a
+    question that shows its options (EuroEval's), EuroEval's template, its text on one line as EuroEval writes it."""
     if is_completion(item):
         return item.question.rstrip()
     if item.labels:
-        return EUROEVAL_PREFIX + "\n\n" + TEMPLATE.format(question=one_line(item.question))
+        return TEMPLATE.format(question=one_line(item.question))
     return TEMPLATE.format(question=item.question)
+
+
+def context_of(item: MCItem) -> str:
+    """What each choice continues: the description, each few-shot example answered (query, delimiter, its right
+    continuation, a blank line), then the item's query — lm-eval's layout of a few-shot context."""
+    answered = "".join(query_of(s) + DELIMITER + continuations_of(s)[s.answer] + FEWSHOT_DELIMITER
+                       for s in item.shots)
+    return description_of(item) + answered + query_of(item)
 
 
 def one_line(text: str) -> str:

@@ -19,7 +19,8 @@ from amalia_ray.core.storage import write_json
 from amalia_ray.evals import generate, judge, loglik, sampled
 from amalia_ray.evals.contamination import seen_items, with_contamination
 from amalia_ray.evals.metrics import by_group, rejected_row, summarize
-from amalia_ray.evals.tasks import CHOICE_FORMATS, load_task
+from amalia_ray.evals.fewshot import task_items
+from amalia_ray.evals.tasks import CHOICE_FORMATS
 
 log = logging.getLogger("amalia_ray.evals")
 
@@ -90,7 +91,7 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
              contamination_of: list[Path] | None = None, seen: set[str] | None = None) -> dict:
     """Score the task's items; with `contamination_of` (run folders or corpora), also flag each item seen in that
     training text and score the unseen ones apart (`seen`: those ids, when already computed)."""
-    items = load_task(task_path, task.format, task.limit)
+    items = task_items(task, task_path)
     if contamination_of and seen is None:
         seen = seen_items(items, contamination_of, task.name)
     client_args = {"concurrency": settings.concurrency, "timeout_s": settings.request_timeout_s,

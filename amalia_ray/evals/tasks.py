@@ -40,6 +40,7 @@ from amalia_ray.core.errors import AmaliaError
 FORMATS = typing.get_args(TaskFormat)
 CHOICE_FORMATS = CHOICE_TASKS
 EVALUATED_SPLIT = "test"  # of a dataset with splits (EuroEval's: train, val, test)
+FEWSHOT_SPLIT = "train"
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PUNCTUATION = string.punctuation + "«»“”‘’…—–"
 BINARY_QUESTION = "Qual destes dois acontecimentos aconteceu primeiro?"
@@ -61,6 +62,7 @@ class MCItem:
     # the options' labels when the question shows its options and is answered by naming one (EuroEval's "a", "b", …);
     # None: answered by the option's own text
     labels: list[str] | None = None
+    shots: tuple[MCItem, ...] = ()  # answered examples shown before it (few-shot)
 
 
 @dataclass(frozen=True)
@@ -341,29 +343,34 @@ def is_dataset(path: Path) -> bool:
                               or any(p.suffix in (".parquet", ".arrow") for p in path.rglob("*")))
 
 
-def dataset_records(path: Path, split: str = EVALUATED_SPLIT) -> Iterator[tuple[str, dict]]:
-    """(location, row) of a dataset as the `datasets` library reads it from local files (nothing is downloaded):
-    a `save_to_disk` folder, a Hub snapshot folder, or one Parquet / Arrow / JSON file; of a dataset with several
-    splits, the one named `split`. Location = `path [split] row N`."""
+def _load_dataset(path: Path):
+    """A DatasetDict (or one Dataset) as the `datasets` library reads it from local files (nothing is downloaded)."""
     import datasets
 
     if not path.exists():
         raise TaskError(f"task file not found: {path}")
     try:
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-            loaded = datasets.load_from_disk(str(path))
-        elif path.is_dir():
-            loaded = datasets.load_dataset(str(path))
-        else:
-            builder = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json"}.get(path.suffix)
-            if builder is None:
-                raise TaskError(f"{path}: a dataset file is Parquet, Arrow or JSON (.parquet, .arrow, .json, .jsonl)")
-            loaded = datasets.load_dataset(builder, data_files=str(path))
+            return datasets.load_from_disk(str(path))
+        if path.is_dir():
+            return datasets.load_dataset(str(path))
+        builder = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json"}.get(path.suffix)
+        if builder is None:
+            raise TaskError(f"{path}: a dataset file is Parquet, Arrow or JSON (.parquet, .arrow, .json, .jsonl)")
+        return datasets.load_dataset(builder, data_files=str(path))
     except TaskError:
         raise
     except Exception as e:  # noqa: BLE001 - the library's many error types, reported as one line
         raise TaskError(f"{path}: the datasets library cannot read it ({type(e).__name__}: {e})") from None
-    name = split
+
+
+def dataset_records(path: Path, split: str = EVALUATED_SPLIT) -> Iterator[tuple[str, dict]]:
+    """(location, row) of a dataset as the `datasets` library reads it: a `save_to_disk` folder, a Hub snapshot
+    folder, or one Parquet / Arrow / JSON file; of a dataset with several splits, the one named `split`.
+    Location = `path [split] row N`."""
+    import datasets
+
+    loaded, name = _load_dataset(path), split
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded and len(loaded) > 1:
             raise TaskError(f"{path}: no '{split}' split (it has {', '.join(loaded)})")
@@ -373,8 +380,18 @@ def dataset_records(path: Path, split: str = EVALUATED_SPLIT) -> Iterator[tuple[
         yield f"{path} [{name}] row {n}", row
 
 
-def records(path: Path, fmt: str) -> Iterator[tuple[str, dict]]:
-    return dataset_records(path) if fmt == "euroeval" or is_dataset(path) else read_records(path)
+def dataset_splits(path: Path) -> list[str]:
+    """The split names of a dataset with several (none for a task file or a dataset of one split)."""
+    import datasets
+
+    if not is_dataset(path):
+        return []
+    loaded = _load_dataset(path)
+    return list(loaded) if isinstance(loaded, datasets.DatasetDict) and len(loaded) > 1 else []
+
+
+def records(path: Path, fmt: str, split: str = EVALUATED_SPLIT) -> Iterator[tuple[str, dict]]:
+    return dataset_records(path, split) if fmt == "euroeval" or is_dataset(path) else read_records(path)
 
 
 def detect_format(path: Path) -> str:
@@ -397,11 +414,11 @@ def detect_format(path: Path) -> str:
     raise TaskError(f"{path}: no items")
 
 
-def load_task(path: Path, fmt: str, limit: int | None = None) -> list[Item]:
+def load_task(path: Path, fmt: str, limit: int | None = None, split: str = EVALUATED_SPLIT) -> list[Item]:
     if fmt not in PARSERS:
         raise TaskError(f"unknown task format '{fmt}': expected one of {', '.join(FORMATS)}")
     items, seen = [], {}
-    for where, row in records(path, fmt):
+    for where, row in records(path, fmt, split):
         item = PARSERS[fmt](row, where)
         if item.id in seen:
             raise TaskError(f"{where}: duplicate id '{item.id}' (first at {seen[item.id]})")

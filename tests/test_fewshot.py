@@ -1,0 +1,78 @@
+"""Few-shot prompts are lm-eval's: our task exported with `num_fewshot`, lm-eval 0.4's own task builder draws its
+examples (its sampler, its seed) and lays out its contexts; every context and continuation it would send equals ours,
+item by item — for examples drawn from the task's own items (the item itself left out) and from a dataset's train
+split. (Scoring them on a served model, against lm-eval's numbers: test_e2e.py's parity test.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from amalia_ray.core.config import EvalTaskConfig
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.evals import loglik
+from amalia_ray.evals.fewshot import task_items
+from amalia_ray.evals.lmeval_export import export_lm_eval
+from tests.test_euroeval import _row
+
+
+def _lm_eval_requests(task: EvalTaskConfig, path, out) -> dict[int, list[tuple[str, str]]]:
+    """What lm-eval would send for each document: (context, continuation) per choice."""
+    from lm_eval.tasks import TaskManager
+
+    export_lm_eval(task, path, out)
+    lm_task = TaskManager(include_path=str(out)).load_task_or_group([task.name])[task.name]
+    lm_task.set_fewshot_seed(1234)  # simple_evaluate's default fewshot_random_seed
+    lm_task.build_all_requests(limit=task.limit)
+    requests: dict[int, list[tuple[str, str]]] = {}
+    for instance in sorted(lm_task.instances, key=lambda i: (i.doc_id, i.idx)):
+        requests.setdefault(instance.doc_id, []).append(instance.arguments)
+    return requests
+
+
+def _ours(task: EvalTaskConfig, path) -> dict[int, list[tuple[str, str]]]:
+    return {i: [(loglik.context_of(item), loglik.DELIMITER + c) for c in loglik.continuations_of(item)]
+            for i, item in enumerate(task_items(task, path))}
+
+
+def test_examples_from_the_tasks_own_items_give_lm_evals_prompts(tmp_path):
+    rows = [{"id": f"q{i}", "question": f"Quanto é {i} mais {i}?", "choices": [str(2 * i), str(2 * i + 1), "zero"],
+             "answer": 0} for i in range(12)]
+    path = tmp_path / "soma.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows))
+    task = EvalTaskConfig(name="soma", path=str(path), num_fewshot=3)
+    ours = _ours(task, path)
+    assert ours == _lm_eval_requests(task, path, tmp_path / "lm")
+    items = task_items(task, path)
+    assert all(len(it.shots) == 3 and it.id not in {s.id for s in it.shots} for it in items), "never the item"
+    first = ours[0][0][0]
+    assert first.count("Pergunta:") == 4 and first.endswith("Pergunta: Quanto é 0 mais 0?\nResposta:")
+    shot = items[0].shots[0]
+    assert first.startswith(f"Pergunta: {shot.question}\nResposta: {shot.choices[shot.answer]}\n\n")
+    assert [[s.id for s in it.shots] for it in task_items(task, path)] == [[s.id for s in it.shots] for it in items]
+    with pytest.raises(AmaliaError, match="without a limit"):
+        export_lm_eval(task.model_copy(update={"limit": 5}), path, tmp_path / "lm2")
+
+
+def test_examples_from_a_datasets_train_split_give_lm_evals_prompts(tmp_path):
+    import datasets
+
+    train = [_row(f"Pergunta de treino {i}?", ["sim", "não", "talvez"], "abc"[i % 3], "Treino") for i in range(6)]
+    test = [_row(f"Pergunta de teste {i}?", ["um", "dois"], "ab"[i % 2], "Teste") for i in range(5)]
+    folder = tmp_path / "pt-exams"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(folder))
+    task = EvalTaskConfig(name="pt-exams", path=str(folder), format="euroeval", num_fewshot=3, limit=4)
+    ours = _ours(task, folder)
+    assert len(ours) == 4 and ours == _lm_eval_requests(task, folder, tmp_path / "lm")
+    context = ours[0][0][0]
+    assert context.startswith(loglik.EUROEVAL_PREFIX + "\n\nPergunta: Pergunta de treino ")
+    assert context.count("Pergunta de treino") == 3 and context.endswith(
+        "Pergunta: Pergunta de teste 0? Opções: a. um b. dois\nResposta:")
+    assert [c for _, c in ours[0]] == [" a", " b"]
+
+
+def test_few_shot_is_refused_where_it_is_not_implemented():
+    with pytest.raises(ValueError, match="few-shot examples are implemented for log-likelihood choice tasks only"):
+        EvalTaskConfig(name="t", path="t.jsonl", format="cloze", num_fewshot=3)
