@@ -14,6 +14,7 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data import stage as data_stage
 from amalia_ray.data.quality_model import QualityModel
 from amalia_ray.evals.contamination import seen_items
+from amalia_ray.evals.fewshot import task_items
 from amalia_ray.evals.runner import metrics_of, run_task
 from amalia_ray.evals.tasks import item_text, load_task
 from amalia_ray.pipeline.spec import RunContext, StageSpec
@@ -34,10 +35,12 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         if stage.data_path and not p.loaded.resolve(stage.data_path).exists():
             raise AmaliaError(f"train stage '{stage.name}': dataset not found: {p.loaded.resolve(stage.data_path)}")
     for i, task in enumerate(r.eval.tasks):
-        path = p.loaded.resolve(task.path)
+        task, path = eval_task(p, task)
         if not path.exists():
             raise AmaliaError(f"eval.tasks[{i}].path: task file or folder not found: {path}")
-        load_task(path, task.format, task.limit)
+        if task.fewshot_path and not Path(task.fewshot_path).exists():
+            raise AmaliaError(f"eval.tasks[{i}].fewshot_path: not found: {task.fewshot_path}")
+        task_items(task, path)
     for i, task in enumerate(r.data.decontaminate.tasks if r.data.decontaminate else []):
         if not isinstance(task, str) and not p.loaded.resolve(task.path).exists():
             raise AmaliaError(f"data.decontaminate.tasks[{i}].path: task file or folder not found: "
@@ -58,6 +61,13 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         eval_rec = p.manifest.stages.get("eval")
         if p.force or eval_rec is None or eval_rec.status != "completed":
             serve_app.check_can_serve(r.serve)
+
+
+def eval_task(p: RunContext, task):
+    """An eval task with its paths resolved against the recipe's folder, and its task path."""
+    if task.fewshot_path:
+        task = task.model_copy(update={"fewshot_path": str(p.loaded.resolve(task.fewshot_path))})
+    return task, p.loaded.resolve(task.path)
 
 
 def check_base_model(recipe, resolve) -> dict:
@@ -179,6 +189,7 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         base = {p.model_id("base"): base_model_dir(p)} if r.model.base else {}
         models = {**base, **{p.model_id(s.name): p.checkpoint_of(s.name) for s in r.train}}
         tasks = {f"task:{t.name}": p.loaded.resolve(t.path) for t in r.eval.tasks}
+        tasks |= {f"fewshot:{t.name}": p.loaded.resolve(t.fewshot_path) for t in r.eval.tasks if t.fewshot_path}
         replicas = len(models) * r.serve.min_replicas
         # a vLLM replica holds its actor's CPUs and its engine's (or one GPU)
         serve_held = {"CPU": min(2 * replicas * r.serve.cpus_per_replica, p.cluster_info["billable_cpus"]),
@@ -238,7 +249,7 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path]) -> dict:
         out["base_url"] = base_url = serve_app.start(models, r.serve, use_gpu(p), name)
         for model_id in models:
             for task in r.eval.tasks:
-                res = run_task(task, p.loaded.resolve(task.path), base_url=base_url, model=model_id,
+                res = run_task(*eval_task(p, task), base_url=base_url, model=model_id,
                                settings=r.eval, output=p.stage_dir("eval") / model_id / f"{task.name}.json",
                                api_key=serve_app.api_key(r.serve), contamination_of=targets or None,
                                seen=seen.get(task.name))

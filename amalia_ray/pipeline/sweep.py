@@ -220,7 +220,7 @@ def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path) -> None:
     try:
         base_url = serve_app.start(models, r.serve, stages.use_gpu(p), name)
         for t, model_id in zip(finished, models):
-            res = run_task(task, p.loaded.resolve(task.path), base_url=base_url, model=model_id, settings=r.eval,
+            res = run_task(*stages.eval_task(p, task), base_url=base_url, model=model_id, settings=r.eval,
                            output=out / "benchmark" / f"{model_id}.json", api_key=serve_app.api_key(r.serve))
             metric = metrics_of(task)[0]
             t["benchmark"] = {"task": task.name, "metric": metric, "value": res["scores"][metric], "n": res["n"]}
