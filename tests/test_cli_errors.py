@@ -112,9 +112,14 @@ def test_show_prompt_prints_what_is_sent_without_a_server(tmp_path):
     assert first["id"] == "2019 1.ª Fase Portuguese II 1" and first["context"] == "O texto serve ao autor como"
     assert first["prompts"] == ["O texto serve ao autor como uma", "O texto serve ao autor como duas"]
     assert second["prompts"][0] == "Pergunta: Quantas são?\nResposta: uma"
-    result = runner.invoke(app, ["eval", "--task", str(path), "--show-prompt", "--method", "generate", "--chat"])
+    result = runner.invoke(app, ["eval", "--task", str(path), "--show-prompt", "--method", "generate", "--chat",
+                                 "--system-prompt", "És um professor."])
     (item,) = json.loads(result.output)["items"]
-    assert item["endpoint"].startswith("/v1/chat/completions") and item["prompt"].startswith("Pergunta:\nO texto serve ao autor como\nA) uma\nB) duas\n")
+    system, user = item["messages"]
+    assert item["endpoint"] == "/v1/chat/completions" and system == {"role": "system", "content": "És um professor."}
+    assert user["role"] == "user" and user["content"].startswith("Pergunta:\nO texto serve ao autor como\nA) uma\nB) duas\n")
+    result = runner.invoke(app, ["eval", "--task", str(path), "--show-prompt", "--system-prompt", "És um professor."])
+    assert result.exit_code == 1 and "system_prompt applies to chat generation" in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("space, message", [

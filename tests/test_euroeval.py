@@ -78,7 +78,7 @@ def test_a_euroeval_dataset_folder_is_scored_on_its_test_split_with_euroevals_pr
 
     shown = requests_of(EvalTaskConfig(name="t", path=str(folder), format="euroeval", method="generate",
                                        chat=True), items[2])
-    assert shown["prompt"] == ("Pergunta: Quanto é 2 + 2? Opções: a. 3 b. 4\n\nResponde à pergunta acima usando só "
+    assert shown["messages"][-1]["content"] == ("Pergunta: Quanto é 2 + 2? Opções: a. 3 b. 4\n\nResponde à pergunta acima usando só "
                                "'a' ou 'b', e nada mais.")
 
     exported = export_lm_eval(EvalTaskConfig(name="pt-exams", path=str(folder), format="euroeval"), folder,

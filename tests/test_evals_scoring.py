@@ -221,6 +221,10 @@ def test_pheb_by_generation_sends_the_prompt_of_phebs_own_script(tmp_path):
     prompt = ("Pergunta:\nQual é a capital de Portugal?\nA) Madrid\nB) Lisboa\nEscolha a opção correta para a "
               "pergunta acima. Responda apenas com a letra da opção correta (A ou B). Não inclua nenhum outro texto.")
     assert fake.requests[0]["messages"] == [{"role": "user", "content": prompt}] and result["scores"]["acc"] == 1.0
+    fake = FakeModel()
+    run(fake, tmp_path, "pheb", rows, method="generate", chat=True, system_prompt="És um examinador.")
+    assert fake.requests[0]["messages"] == [{"role": "system", "content": "És um examinador."},
+                                            {"role": "user", "content": prompt}]
     path = tmp_path / "pheb.jsonl"
     cfg = EvalTaskConfig(name="pheb", path=str(path), format="pheb", method="generate")
     assert yaml.safe_load(export_lm_eval(cfg, path, tmp_path / "lm").read_text())["doc_to_text"] == "{{prompt}}"

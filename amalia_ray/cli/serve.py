@@ -142,6 +142,7 @@ def eval_(
     output: Annotated[Path | None, typer.Option("--output", help="result JSON")] = None,
     method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
     chat: Annotated[bool, typer.Option(help="generate through /v1/chat/completions")] = False,
+    system_prompt: Annotated[str | None, typer.Option(help="with --chat: the system turn before each prompt")] = None,
     max_tokens: int = 32,
     limit: int | None = None,
     n: Annotated[int, typer.Option("--n", help="answer tasks: samples per item (pass@1, pass@n, maj@n)")] = 1,
@@ -177,7 +178,7 @@ def eval_(
 
     format = format or detect_format(task)
     fewshot = {"num_fewshot": num_fewshot, "fewshot_seed": fewshot_seed,
-               "fewshot_path": str(fewshot_path) if fewshot_path else None}
+               "fewshot_path": str(fewshot_path) if fewshot_path else None, "system_prompt": system_prompt}
     if show_prompt:
         from amalia_ray.evals.fewshot import task_items
         from amalia_ray.evals.runner import requests_of

@@ -161,6 +161,7 @@ class EvalTaskConfig(Strict):
         None, description="mcq / pheb / binary / euroeval: score the choices by log-likelihood (the default) or generate and "
         "extract the answer (a letter or \\boxed{}); the other formats always generate")
     chat: bool = Field(False, description="generation through /v1/chat/completions (instruction-tuned models)")
+    system_prompt: str | None = Field(None, description="chat generation: the system turn sent before each prompt")
     max_tokens: int = Field(32, ge=1, description="generated tokens per item (generation, cloze, judge, variety)")
     limit: int | None = Field(None, ge=1, description="score only the first N items")
     n: int = Field(1, ge=1, le=256, description="answer tasks: samples per item; above 1 the task reports pass@1, "
@@ -183,6 +184,9 @@ class EvalTaskConfig(Strict):
                              f"not '{self.format}'")
         if self.n > 1 and self.format != "answer":
             raise ValueError(f"task '{self.name}': n (samples per item) applies to answer tasks, not '{self.format}'")
+        if self.system_prompt and not (self.chat and self.scoring == "generate"):
+            raise ValueError(f"task '{self.name}': system_prompt applies to chat generation (chat: true); for "
+                             "log-likelihood scoring over a chat template it is not implemented yet")
         if self.num_fewshot and self.scoring != "loglik":
             raise ValueError(f"task '{self.name}': few-shot examples are implemented for log-likelihood choice tasks "
                              f"only (mcq, pheb, binary, euroeval scored by loglik), not yet for generation")

@@ -18,8 +18,8 @@ from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
 from amalia_ray.core.storage import write_json
 from amalia_ray.evals import generate, judge, loglik, sampled
 from amalia_ray.evals.contamination import seen_items, with_contamination
-from amalia_ray.evals.metrics import by_group, rejected_row, summarize
 from amalia_ray.evals.fewshot import task_items
+from amalia_ray.evals.metrics import by_group, rejected_row, summarize
 from amalia_ray.evals.tasks import CHOICE_FORMATS
 
 log = logging.getLogger("amalia_ray.evals")
@@ -44,7 +44,8 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
     """A coroutine function from the task's items to their rows, in item order."""
     if task.format in CHOICE_FORMATS and task.scoring == "loglik":
         return lambda items: loglik.score_items(client, items, settings.prompts_per_request)
-    gen = {"max_tokens": task.max_tokens, "chat": task.chat, "temperature": task.temperature, "top_p": task.top_p}
+    gen = {"max_tokens": task.max_tokens, "chat": task.chat, "temperature": task.temperature, "top_p": task.top_p,
+           "system_prompt": task.system_prompt}
     if task.format == "answer":
         one = partial(sampled.score_answer, client, n=task.n, **gen)
     elif task.format in CHOICE_FORMATS:
@@ -69,8 +70,8 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
 
 def requests_of(task: EvalTaskConfig, item) -> dict:
     """The exact text the harness sends for one item (what `amalia eval --show-prompt` prints): for log-likelihood,
-    the context and each context + delimiter + choice scored on /v1/completions; for generation, the prompt, sent
-    as the user's turn on /v1/chat/completions when the task is `chat`. (A judge task's grading prompt depends on
+    the context and each context + delimiter + choice scored on /v1/completions; for generation, the prompt, or
+    for a `chat` task the messages (the system turn, then the prompt as the user's). (A judge task's grading prompt depends on
     the answer, so only the question is shown.)"""
     if task.format in CHOICE_FORMATS and task.scoring == "loglik":
         context, *prompts = loglik.prompts_of(item)
@@ -81,8 +82,10 @@ def requests_of(task: EvalTaskConfig, item) -> dict:
         prompt = item.context
     else:
         prompt = item.prompt
-    endpoint = "/v1/chat/completions (as the user's turn)" if task.chat else "/v1/completions"
-    return {"id": item.id, "endpoint": endpoint, "prompt": prompt}
+    if task.chat:
+        return {"id": item.id, "endpoint": "/v1/chat/completions",
+                "messages": generate.chat_messages(prompt, task.system_prompt)}
+    return {"id": item.id, "endpoint": "/v1/completions", "prompt": prompt}
 
 
 def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str, settings: EvalConfig,

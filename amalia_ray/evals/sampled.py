@@ -38,9 +38,9 @@ def metric_names(n: int) -> tuple[str, ...]:
 
 
 async def score_answer(client: OpenAIClient, item: AnswerItem, *, n: int, max_tokens: int, chat: bool,
-                       temperature: float, top_p: float, seed: int) -> dict:
+                       temperature: float, top_p: float, seed: int, system_prompt: str | None = None) -> dict:
     generations = await generate_n(client, item.prompt, n=n, max_tokens=max_tokens, chat=chat,
-                                   temperature=temperature, top_p=top_p, seed=seed)
+                                   temperature=temperature, top_p=top_p, seed=seed, system_prompt=system_prompt)
     want = canonical_answer(item.answer)
     answers = [extracted(g) for g in generations]
     right = [a is not None and a == want for a in answers]
