@@ -119,7 +119,7 @@ def test_show_prompt_prints_what_is_sent_without_a_server(tmp_path):
     assert item["endpoint"] == "/v1/chat/completions" and system == {"role": "system", "content": "És um professor."}
     assert user["role"] == "user" and user["content"].startswith("Pergunta:\nO texto serve ao autor como\nA) uma\nB) duas\n")
     result = runner.invoke(app, ["eval", "--task", str(path), "--show-prompt", "--system-prompt", "És um professor."])
-    assert result.exit_code == 1 and "system_prompt applies to chat generation" in " ".join(result.output.split())
+    assert result.exit_code == 1 and "system_prompt applies to chat tasks" in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("space, message", [

@@ -493,9 +493,9 @@ def test_fuzzed_requests_get_no_5xx_and_the_server_stays_up(served):
 
 def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
     """Our tasks exported as lm-eval YAML, run by lm-eval's `local-completions` against the same server: the same
-    accuracy and acc_norm, and the same log-likelihood per choice — for our multiple-choice sample zero-shot and
-    3-shot (lm-eval drawing its own examples), and for a EuroEval dataset folder (its letters scored after
-    EuroEval's prompt)."""
+    accuracy and acc_norm, and the same log-likelihood per choice — for our multiple-choice sample zero-shot,
+    3-shot (lm-eval drawing its own examples) and 2-shot through the model's chat template with a system prompt,
+    and for a EuroEval dataset folder (its letters scored after EuroEval's prompt)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -518,8 +518,22 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
             include_path=str(tmp_path / "lm")),
         model_args=f"model=pre,base_url={served['url']}/completions,tokenizer={served['checkpoint']},"
                    "tokenizer_backend=huggingface,num_concurrent=4,max_retries=2", log_samples=True)
-    assert ours["pt-mc-parity"]["n"] == ours["pt-mc-3shot-parity"]["n"] == 20 and ours["pt-exams-parity"]["n"] == len(
-        TEST)
+    # the context rendered by the model's chat template, with a system prompt and 2-shot examples (lm-eval's
+    # --apply_chat_template --system_instruction)
+    chat = EvalTaskConfig(name="pt-mc-chat-parity", path=mc, num_fewshot=2, chat=True,
+                          system_prompt="És um examinador de português.")
+    ours[chat.name] = run_task(chat, Path(mc), base_url=served["url"], model="pre", settings=EvalConfig(),
+                               api_key=served["key"])
+    export_lm_eval(chat, Path(mc), tmp_path / "lm-chat")
+    theirs_chat = lm_eval.simple_evaluate(
+        model="local-completions", tasks=[chat.name], task_manager=TaskManager(include_path=str(tmp_path / "lm-chat")),
+        model_args=f"model=pre,base_url={served['url']}/completions,tokenizer={served['checkpoint']},"
+                   "tokenizer_backend=huggingface,num_concurrent=4,max_retries=2", log_samples=True,
+        apply_chat_template=True, system_instruction=chat.system_prompt)
+    theirs["results"] |= theirs_chat["results"]
+    theirs["samples"] |= theirs_chat["samples"]
+    assert ours["pt-mc-parity"]["n"] == ours["pt-mc-3shot-parity"]["n"] == ours[chat.name]["n"] == 20
+    assert ours["pt-exams-parity"]["n"] == len(TEST)
     for name, result in ours.items():
         scores = theirs["results"][name]
         assert result["scores"]["acc"] == scores["acc,none"] and result["scores"]["acc_norm"] == scores[

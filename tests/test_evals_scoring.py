@@ -19,6 +19,11 @@ from amalia_ray.evals.lmeval_export import export_lm_eval
 from amalia_ray.evals.runner import run_task
 
 
+def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The scripted server's chat template (ChatML-like), ready for the assistant's turn."""
+    return "".join(f"<|{m['role']}|> {m['content']} <|end|>\n" for m in messages) + "<|assistant|>\n"
+
+
 class FakeModel:
     """Whitespace tokens; a token costs -0.5 nats if it is one of `liked` words, else -3. Generations follow the
     prompt: a letter for lettered questions, the cloze target, a pt-PT or pt-BR sentence, a judge's grade."""
@@ -31,17 +36,24 @@ class FakeModel:
         self.in_flight = self.max_in_flight = 0
         self.requests: list[dict] = []
         self.tokenized: list[str] = []
+        self.rendered: list[str] = []  # chat contexts rendered by /tokenize, by fake token id
 
     def logprob(self, token: str) -> float:
         return -0.5 if token.strip(".,") in self.liked else -3.0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/tokenize":  # the context's token count (not counted among the API calls)
-            prompt = json.loads(request.content)["prompt"]
-            self.tokenized.append(prompt)
+        if request.url.path in ("/tokenize", "/detokenize"):  # vLLM's (not counted among the API calls)
+            body = json.loads(request.content)
+            if "prompt" in body:
+                self.tokenized.append(body["prompt"])
             if not self.tokenize:
                 return httpx.Response(404, json={"detail": "Not Found"})
-            return httpx.Response(200, json={"count": len(prompt.split()), "tokens": [], "max_model_len": 512})
+            if request.url.path == "/detokenize":
+                return httpx.Response(200, json={"prompt": self.rendered[body["tokens"][0]]})
+            if "messages" in body:  # a chat template: one fake token id that /detokenize turns back into the text
+                self.rendered.append(render_chat(body["messages"]))
+                return httpx.Response(200, json={"count": 1, "tokens": [len(self.rendered) - 1]})
+            return httpx.Response(200, json={"count": len(body["prompt"].split()), "tokens": [], "max_model_len": 512})
         self.calls += 1
         self.attempts[request.content] += 1
         if self.calls <= self.fail_first:

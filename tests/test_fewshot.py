@@ -76,3 +76,45 @@ def test_examples_from_a_datasets_train_split_give_lm_evals_prompts(tmp_path):
 def test_few_shot_is_refused_where_it_is_not_implemented():
     with pytest.raises(ValueError, match="few-shot examples are implemented for log-likelihood choice tasks only"):
         EvalTaskConfig(name="t", path="t.jsonl", format="cloze", num_fewshot=3)
+
+
+@pytest.mark.parametrize("multiturn", [False, True])
+def test_chat_contexts_are_lm_evals_with_a_system_prompt_and_examples(tmp_path, multiturn):
+    """lm-eval's apply_chat_template layout (system instruction + description as the system turn; the examples in
+    the user turn, or as user/assistant turns with fewshot_as_multiturn): the same messages reach the chat template
+    as lm-eval gives it, and scoring sends each rendered context + continuation to the scripted server, without
+    special tokens added, split after the rendered context."""
+    import datasets
+    import httpx
+
+    from amalia_ray.core.config import EvalConfig
+    from amalia_ray.evals.runner import run_task
+    from tests.test_evals_scoring import FakeModel, render_chat
+
+    train = [_row(f"Pergunta de treino {i}?", ["sim", "não"], "ab"[i % 2], "Treino") for i in range(4)]
+    test = [_row(f"Pergunta de teste {i}?", ["um", "dois"], "ab"[i % 2], "Teste") for i in range(3)]
+    folder = tmp_path / "pt-exams"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(folder))
+    task = EvalTaskConfig(name="pt-exams", path=str(folder), format="euroeval", num_fewshot=2, chat=True,
+                          system_prompt="És um examinador.", fewshot_as_multiturn=multiturn)
+    from lm_eval.tasks import TaskManager
+
+    export_lm_eval(task, folder, tmp_path / "lm")
+    lm_task = TaskManager(include_path=str(tmp_path / "lm")).load_task_or_group([task.name])[task.name]
+    lm_task.set_fewshot_seed(1234)
+    lm_task.build_all_requests(system_instruction=task.system_prompt, apply_chat_template=True,
+                               fewshot_as_multiturn=multiturn, chat_template=render_chat)
+    theirs = {i.doc_id: i.arguments[0] for i in lm_task.instances}
+    items = task_items(task, folder)
+    assert {n: render_chat(loglik.chat_of(it, task.system_prompt, multiturn)) for n, it in enumerate(items)} == theirs
+    messages = loglik.chat_of(items[0], task.system_prompt, multiturn)
+    assert messages[0] == {"role": "system", "content": "És um examinador.\n\n" + loglik.EUROEVAL_PREFIX + "\n\n"}
+    assert len(messages) == (2 + 2 * 2 if multiturn else 2)
+
+    fake = FakeModel(liked={"b"})
+    result = run_task(task, folder, base_url="http://fake/v1", model="m", settings=EvalConfig(tasks=[task]),
+                      transport=httpx.MockTransport(fake))
+    request = fake.requests[0]
+    assert request["add_special_tokens"] is False and request["prompt"][:2] == [theirs[0] + " a", theirs[0] + " b"]
+    assert [r["pred"] for r in result["items"]] == [1, 1, 1] and result["scores"]["acc"] == pytest.approx(1 / 3)

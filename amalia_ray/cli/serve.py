@@ -141,7 +141,8 @@ def eval_(
         "fields)")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="result JSON")] = None,
     method: Annotated[str | None, typer.Option(help="choice tasks: loglik (default) or generate")] = None,
-    chat: Annotated[bool, typer.Option(help="generate through /v1/chat/completions")] = False,
+    chat: Annotated[bool, typer.Option(help="instruction-tuned models: generate through /v1/chat/completions; "
+                                       "loglik over the model's chat template")] = False,
     system_prompt: Annotated[str | None, typer.Option(help="with --chat: the system turn before each prompt")] = None,
     max_tokens: int = 32,
     limit: int | None = None,
@@ -153,6 +154,8 @@ def eval_(
     fewshot_path: Annotated[Path | None, typer.Option(help="the examples' source (default: the dataset's train "
                                                       "split, else the task's other items)")] = None,
     fewshot_seed: Annotated[int, typer.Option(help="the examples' seed (lm-eval's default)")] = 1234,
+    fewshot_as_multiturn: Annotated[bool, typer.Option(help="with --chat: each example as a user and an assistant "
+                                                       "turn")] = False,
     concurrency: int = 8,
     prompts_per_request: Annotated[int, typer.Option(help="loglik: prompts per request (items kept whole)")] = 24,
     retries: int = 3,
@@ -178,7 +181,8 @@ def eval_(
 
     format = format or detect_format(task)
     fewshot = {"num_fewshot": num_fewshot, "fewshot_seed": fewshot_seed,
-               "fewshot_path": str(fewshot_path) if fewshot_path else None, "system_prompt": system_prompt}
+               "fewshot_path": str(fewshot_path) if fewshot_path else None, "system_prompt": system_prompt,
+               "fewshot_as_multiturn": fewshot_as_multiturn}
     if show_prompt:
         from amalia_ray.evals.fewshot import task_items
         from amalia_ray.evals.runner import requests_of

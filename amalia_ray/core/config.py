@@ -160,8 +160,10 @@ class EvalTaskConfig(Strict):
     method: Literal["loglik", "generate"] | None = Field(
         None, description="mcq / pheb / binary / euroeval: score the choices by log-likelihood (the default) or generate and "
         "extract the answer (a letter or \\boxed{}); the other formats always generate")
-    chat: bool = Field(False, description="generation through /v1/chat/completions (instruction-tuned models)")
-    system_prompt: str | None = Field(None, description="chat generation: the system turn sent before each prompt")
+    chat: bool = Field(False, description="instruction-tuned models: generation through /v1/chat/completions; "
+                       "log-likelihood over the context rendered by the served model's chat template (lm-eval's "
+                       "apply_chat_template)")
+    system_prompt: str | None = Field(None, description="chat tasks: the system turn before each prompt")
     max_tokens: int = Field(32, ge=1, description="generated tokens per item (generation, cloze, judge, variety)")
     limit: int | None = Field(None, ge=1, description="score only the first N items")
     n: int = Field(1, ge=1, le=256, description="answer tasks: samples per item; above 1 the task reports pass@1, "
@@ -176,6 +178,8 @@ class EvalTaskConfig(Strict):
         "recipe; default: the dataset's train split where it has one, else the task's own items (never the item "
         "itself)")
     fewshot_seed: int = Field(1234, description="the examples' random seed (lm-eval's default fewshot seed)")
+    fewshot_as_multiturn: bool = Field(False, description="chat tasks: each example as a user turn and an "
+                                       "assistant turn (lm-eval's fewshot_as_multiturn), not all in one user turn")
 
     @model_validator(mode="after")
     def _method(self) -> EvalTaskConfig:
@@ -184,9 +188,10 @@ class EvalTaskConfig(Strict):
                              f"not '{self.format}'")
         if self.n > 1 and self.format != "answer":
             raise ValueError(f"task '{self.name}': n (samples per item) applies to answer tasks, not '{self.format}'")
-        if self.system_prompt and not (self.chat and self.scoring == "generate"):
-            raise ValueError(f"task '{self.name}': system_prompt applies to chat generation (chat: true); for "
-                             "log-likelihood scoring over a chat template it is not implemented yet")
+        if self.system_prompt and not self.chat:
+            raise ValueError(f"task '{self.name}': system_prompt applies to chat tasks (chat: true)")
+        if self.fewshot_as_multiturn and not (self.chat and self.num_fewshot):
+            raise ValueError(f"task '{self.name}': fewshot_as_multiturn applies to chat tasks with num_fewshot")
         if self.num_fewshot and self.scoring != "loglik":
             raise ValueError(f"task '{self.name}': few-shot examples are implemented for log-likelihood choice tasks "
                              f"only (mcq, pheb, binary, euroeval scored by loglik), not yet for generation")

@@ -38,14 +38,29 @@ class OpenAIClient:
     async def __aexit__(self, *exc):
         await self._http.aclose()
 
-    async def token_count(self, text: str) -> int | None:
-        """How many tokens the served model's tokenizer makes of `text` (special tokens included, as a prompt is
-        tokenized), from vLLM's /tokenize at the server's root; None where the server has no such endpoint."""
+    async def token_count(self, text: str, special_tokens: bool = True) -> int | None:
+        """How many tokens the served model's tokenizer makes of `text` (with its special tokens, such as BOS, as a
+        prompt is tokenized, unless told not to), from vLLM's /tokenize at the server's root; None where the server
+        has no such endpoint."""
         if self.can_tokenize is False:
             return None
-        body = await self.post("/tokenize", {"prompt": text}, root=True, missing_ok=True)
+        try:
+            body = await self.post("/tokenize", {"prompt": text, "add_special_tokens": special_tokens}, root=True,
+                                   missing_ok=True)
+        except RequestRejected:  # a server whose /tokenize is there but refuses to tokenize for this model
+            body = None
         self.can_tokenize = isinstance((body or {}).get("count"), int)
         return body["count"] if self.can_tokenize else None
+
+    async def render_chat(self, messages: list[dict]) -> str:
+        """The text the served model's chat template makes of `messages`, ready for the assistant's turn (vLLM's
+        /tokenize of the messages, then /detokenize)."""
+        tokens = await self.post("/tokenize", {"messages": messages, "add_generation_prompt": True}, root=True,
+                                 missing_ok=True)
+        if not tokens or not isinstance(tokens.get("tokens"), list):
+            raise AmaliaError(f"{self.base_url}: the server cannot render chat messages with the model's chat "
+                              "template (vLLM's /tokenize with messages); score this task without `chat`")
+        return (await self.post("/detokenize", {"tokens": tokens["tokens"]}, root=True))["prompt"]
 
     async def post(self, path: str, payload: dict, *, root: bool = False, missing_ok: bool = False) -> dict | None:
         """POST under the API's base URL (or, with `root`, at the server's root: vLLM's /tokenize); with

@@ -110,14 +110,52 @@ def _check_echo(items: list[MCItem], outputs: list[dict], usage: dict | None) ->
             "needs each prompt's tokens followed by exactly one generated token (max_tokens 1)")
 
 
-async def score_group(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
-    contexts = [context_of(item) for item in items]
+def _delimited(first: str | None, second: str) -> str:
+    """lm-eval's join of the system prompt and the description: a blank line between them unless one side
+    already has whitespace there."""
+    if not first or not second:
+        return first or second
+    return first + second if first[-1].isspace() or second[0].isspace() else first + FEWSHOT_DELIMITER + second
+
+
+def chat_of(item: MCItem, system_prompt: str | None = None, multiturn: bool = False) -> list[dict]:
+    """lm-eval's chat layout of an item's context: a system turn (the system prompt, then the description), each
+    example's query and answer, then the item's query — as one user turn, or with `multiturn` as user and assistant
+    turns."""
+    system = _delimited(system_prompt, description_of(item))
+    turns = [t for s in item.shots for t in (("user", query_of(s), DELIMITER),
+                                              ("assistant", continuations_of(s)[s.answer], FEWSHOT_DELIMITER))]
+    turns.append(("user", query_of(item), ""))
+    if not multiturn:
+        turns = [("user", "".join(text + delimiter for _, text, delimiter in turns), "")]
+    return [*([{"role": "system", "content": system}] if system else []),
+            *({"role": role, "content": text} for role, text, _ in turns)]
+
+
+async def chat_contexts(client: OpenAIClient, items: list[MCItem], system_prompt: str | None,
+                        multiturn: bool) -> tuple[list[str], list[int]]:
+    """Each item's context rendered by the served model's chat template, and its token count as lm-eval splits it:
+    the rendered text's trailing whitespace goes to the continuation, no special tokens added."""
+    contexts = await asyncio.gather(*(client.render_chat(chat_of(it, system_prompt, multiturn)) for it in items))
+    counts = await asyncio.gather(*(client.token_count(c.rstrip(), special_tokens=False) for c in contexts))
+    if None in counts:
+        raise AmaliaError(f"{client.base_url}: chat-template scoring needs the server's /tokenize (vLLM's)")
+    return list(contexts), list(counts)
+
+
+async def score_group(client: OpenAIClient, items: list[MCItem], chat: dict | None = None) -> list[dict]:
+    """One request for a group of items; with `chat` (system_prompt, multiturn), each context rendered by the
+    served model's chat template."""
+    if chat is not None:
+        contexts, counts = await chat_contexts(client, items, **chat)
+    else:
+        contexts = [context_of(item) for item in items]
+        counts = await asyncio.gather(*(client.token_count(c) for c in contexts))
     scored = [[c + DELIMITER + x for x in continuations_of(item)] for item, c in zip(items, contexts)]
-    counts = await asyncio.gather(*(client.token_count(c) for c in contexts))
     echo_contexts = None in counts  # no /tokenize: each context goes first, echoed alone
     prompts = [p for c, full in zip(contexts, scored) for p in ([c] if echo_contexts else []) + full]
-    r = await client.post("/completions",
-                          {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1})
+    r = await client.post("/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True,
+                                           "logprobs": 1, **({"add_special_tokens": False} if chat else {})})
     outputs = sorted(r["choices"], key=lambda c: c["index"])
     if len(outputs) != len(prompts):
         raise AmaliaError(f"items {items[0].id}…{items[-1].id}: {len(prompts)} prompts sent, "
@@ -133,23 +171,24 @@ async def score_group(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
     return rows
 
 
-async def score_items(client: OpenAIClient, items: list[MCItem], prompts_per_request: int) -> list[dict]:
+async def score_items(client: OpenAIClient, items: list[MCItem], prompts_per_request: int,
+                      chat: dict | None = None) -> list[dict]:
     if items and client.can_tokenize is None:
         await client.token_count(context_of(items[0]))  # whether the server tokenizes decides the groups' sizes
     groups = groups_of(items, prompts_per_request, context_prompt=not client.can_tokenize)
-    done = await asyncio.gather(*(_group_or_each(client, g) for g in groups))
+    done = await asyncio.gather(*(_group_or_each(client, g, chat) for g in groups))
     return [row for rows in done for row in rows]
 
 
-async def _group_or_each(client: OpenAIClient, items: list[MCItem]) -> list[dict]:
+async def _group_or_each(client: OpenAIClient, items: list[MCItem], chat: dict | None) -> list[dict]:
     """A group the server refuses is sent again item by item, so one item it cannot take (a prompt over the model's
     context) is reported as rejected without losing the others."""
     try:
-        return await score_group(client, items)
+        return await score_group(client, items, chat)
     except RequestRejected as e:
         if len(items) == 1:
             return [rejected_row(items[0], e)]
-        return await score_items(client, items, prompts_per_request=1)  # a group of one item each
+        return await score_items(client, items, prompts_per_request=1, chat=chat)  # a group of one item each
 
 
 def _row(item: MCItem, scored: list[tuple[float, bool]]) -> dict:

