@@ -6,7 +6,8 @@ only over HTTP. The context's token count comes from the server's tokenizer (vLL
 endpoint gets the context alone as one more prompt, whose echo gives the count. Items travel in groups: one request
 carries, for several items, each context+choice as a list of prompts, which the server runs as one batch (an item's
 prompts never split across requests) — per-request overhead, not the model, is what costs most on a small served
-model."""
+model. Contexts follow lm-eval's layout, few-shot examples included; a chat task's context is the served model's
+chat template rendering of lm-eval's chat messages."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ TEMPLATE = "Pergunta: {question}\nResposta:"
 DELIMITER = " "
 # EuroEval's Portuguese multiple-choice prompt for base models (its prompt_templates/multiple_choice.py)
 EUROEVAL_PREFIX = "As seguintes são perguntas de escolha múltipla (com respostas)."
-
-
 FEWSHOT_DELIMITER = "\n\n"  # after each answered example, as lm-eval and EuroEval join them
 
 
