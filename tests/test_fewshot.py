@@ -106,6 +106,7 @@ def test_chat_contexts_are_lm_evals_with_a_system_prompt_and_examples(tmp_path, 
     lm_task.build_all_requests(system_instruction=task.system_prompt, apply_chat_template=True,
                                fewshot_as_multiturn=multiturn, chat_template=render_chat)
     theirs = {i.doc_id: i.arguments[0] for i in lm_task.instances}
+    assert {i.arguments[1] for i in lm_task.instances} == {"a", "b"}, "no delimiter after the assistant's turn"
     items = task_items(task, folder)
     assert {n: render_chat(loglik.chat_of(it, task.system_prompt, multiturn)) for n, it in enumerate(items)} == theirs
     messages = loglik.chat_of(items[0], task.system_prompt, multiturn)
@@ -116,5 +117,5 @@ def test_chat_contexts_are_lm_evals_with_a_system_prompt_and_examples(tmp_path, 
     result = run_task(task, folder, base_url="http://fake/v1", model="m", settings=EvalConfig(tasks=[task]),
                       transport=httpx.MockTransport(fake))
     request = fake.requests[0]
-    assert request["add_special_tokens"] is False and request["prompt"][:2] == [theirs[0] + " a", theirs[0] + " b"]
+    assert request["add_special_tokens"] is False and request["prompt"][:2] == [theirs[0] + "a", theirs[0] + "b"]
     assert [r["pred"] for r in result["items"]] == [1, 1, 1] and result["scores"]["acc"] == pytest.approx(1 / 3)

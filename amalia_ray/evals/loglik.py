@@ -150,7 +150,9 @@ async def score_group(client: OpenAIClient, items: list[MCItem], chat: dict | No
     else:
         contexts = [context_of(item) for item in items]
         counts = await asyncio.gather(*(client.token_count(c) for c in contexts))
-    scored = [[c + DELIMITER + x for x in continuations_of(item)] for item, c in zip(items, contexts)]
+    # after a chat template's assistant turn the choice follows at once, no delimiter (lm-eval)
+    delimiter = "" if chat is not None else DELIMITER
+    scored = [[c + delimiter + x for x in continuations_of(item)] for item, c in zip(items, contexts)]
     echo_contexts = None in counts  # no /tokenize: each context goes first, echoed alone
     prompts = [p for c, full in zip(contexts, scored) for p in ([c] if echo_contexts else []) + full]
     r = await client.post("/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True,

@@ -77,7 +77,7 @@ def requests_of(task: EvalTaskConfig, item) -> dict:
     if task.format in CHOICE_FORMATS and task.scoring == "loglik" and task.chat:
         return {"id": item.id, "endpoint": "/v1/completions (echo, logprobs) after the served model's chat template "
                 "renders the messages", "messages": loglik.chat_of(item, task.system_prompt, task.fewshot_as_multiturn),
-                "continuations": [loglik.DELIMITER + c for c in loglik.continuations_of(item)]}
+                "continuations": loglik.continuations_of(item)}
     if task.format in CHOICE_FORMATS and task.scoring == "loglik":
         context, *prompts = loglik.prompts_of(item)
         return {"id": item.id, "endpoint": "/v1/completions (echo, logprobs)", "context": context, "prompts": prompts}
