@@ -98,6 +98,7 @@ def test_chat_contexts_are_lm_evals_with_a_system_prompt_and_examples(tmp_path, 
                           "test": datasets.Dataset.from_list(test)}).save_to_disk(str(folder))
     task = EvalTaskConfig(name="pt-exams", path=str(folder), format="euroeval", num_fewshot=2, chat=True,
                           system_prompt="És um examinador.", fewshot_as_multiturn=multiturn)
+    assert task.model_copy(update={"fewshot_as_multiturn": None}).multiturn, "lm-eval's default with chat"
     from lm_eval.tasks import TaskManager
 
     export_lm_eval(task, folder, tmp_path / "lm")

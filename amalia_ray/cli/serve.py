@@ -154,8 +154,9 @@ def eval_(
     fewshot_path: Annotated[Path | None, typer.Option(help="the examples' source (default: the dataset's train "
                                                       "split, else the task's other items)")] = None,
     fewshot_seed: Annotated[int, typer.Option(help="the examples' seed (lm-eval's default)")] = 1234,
-    fewshot_as_multiturn: Annotated[bool, typer.Option(help="with --chat: each example as a user and an assistant "
-                                                       "turn")] = False,
+    fewshot_as_multiturn: Annotated[bool | None, typer.Option(
+        "--fewshot-as-multiturn/--fewshot-in-one-turn", help="with --chat: each example as a user and an assistant "
+        "turn (the default, as lm-eval's), or all in one user turn")] = None,
     concurrency: int = 8,
     prompts_per_request: Annotated[int, typer.Option(help="loglik: prompts per request (items kept whole)")] = 24,
     retries: int = 3,

@@ -178,8 +178,9 @@ class EvalTaskConfig(Strict):
         "recipe; default: the dataset's train split where it has one, else the task's own items (never the item "
         "itself)")
     fewshot_seed: int = Field(1234, description="the examples' random seed (lm-eval's default fewshot seed)")
-    fewshot_as_multiturn: bool = Field(False, description="chat tasks: each example as a user turn and an "
-                                       "assistant turn (lm-eval's fewshot_as_multiturn), not all in one user turn")
+    fewshot_as_multiturn: bool | None = Field(
+        None, description="chat tasks: each example as a user turn and an assistant turn (the default with chat, as "
+        "lm-eval's), or false: all in one user turn")
 
     @model_validator(mode="after")
     def _method(self) -> EvalTaskConfig:
@@ -190,8 +191,8 @@ class EvalTaskConfig(Strict):
             raise ValueError(f"task '{self.name}': n (samples per item) applies to answer tasks, not '{self.format}'")
         if self.system_prompt and not self.chat:
             raise ValueError(f"task '{self.name}': system_prompt applies to chat tasks (chat: true)")
-        if self.fewshot_as_multiturn and not (self.chat and self.num_fewshot):
-            raise ValueError(f"task '{self.name}': fewshot_as_multiturn applies to chat tasks with num_fewshot")
+        if self.fewshot_as_multiturn and not self.chat:
+            raise ValueError(f"task '{self.name}': fewshot_as_multiturn applies to chat tasks")
         if self.num_fewshot and self.scoring != "loglik":
             raise ValueError(f"task '{self.name}': few-shot examples are implemented for log-likelihood choice tasks "
                              f"only (mcq, pheb, binary, euroeval scored by loglik), not yet for generation")
@@ -199,6 +200,11 @@ class EvalTaskConfig(Strict):
             raise ValueError(f"task '{self.name}': n = {self.n} greedy samples would all be the same answer: "
                              "set a temperature above 0")
         return self
+
+    @property
+    def multiturn(self) -> bool:
+        """Few-shot examples as turns of their own: lm-eval's default with a chat template."""
+        return self.chat if self.fewshot_as_multiturn is None else self.fewshot_as_multiturn
 
     @property
     def scoring(self) -> str:

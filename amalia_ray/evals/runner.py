@@ -43,7 +43,7 @@ def metrics_of(task: EvalTaskConfig) -> tuple[str, ...]:
 def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClient | None, settings: EvalConfig):
     """A coroutine function from the task's items to their rows, in item order."""
     if task.format in CHOICE_FORMATS and task.scoring == "loglik":
-        chat = {"system_prompt": task.system_prompt, "multiturn": task.fewshot_as_multiturn} if task.chat else None
+        chat = {"system_prompt": task.system_prompt, "multiturn": task.multiturn} if task.chat else None
         return lambda items: loglik.score_items(client, items, settings.prompts_per_request, chat)
     gen = {"max_tokens": task.max_tokens, "chat": task.chat, "temperature": task.temperature, "top_p": task.top_p,
            "system_prompt": task.system_prompt}
@@ -76,7 +76,7 @@ def requests_of(task: EvalTaskConfig, item) -> dict:
     the answer, so only the question is shown.)"""
     if task.format in CHOICE_FORMATS and task.scoring == "loglik" and task.chat:
         return {"id": item.id, "endpoint": "/v1/completions (echo, logprobs) after the served model's chat template "
-                "renders the messages", "messages": loglik.chat_of(item, task.system_prompt, task.fewshot_as_multiturn),
+                "renders the messages", "messages": loglik.chat_of(item, task.system_prompt, task.multiturn),
                 "continuations": loglik.continuations_of(item)}
     if task.format in CHOICE_FORMATS and task.scoring == "loglik":
         context, *prompts = loglik.prompts_of(item)
