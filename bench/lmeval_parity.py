@@ -88,10 +88,11 @@ def main() -> None:
                 apply_chat_template=task.chat, system_instruction=task.system_prompt)["results"][task.name]
             for metric in metrics_of(task):
                 theirs_value = theirs.get(f"{metric},none", theirs.get(f"{metric},first_word"))
+                theirs_value = None if theirs_value is None else float(theirs_value)  # numpy's, from lm-eval
                 rows.append({"format": task.format, "setting": label, "items": ours["n"], "metric": metric,
                              "ours": round(ours["scores"][metric], 4),
                              "lm_eval": None if theirs_value is None else round(theirs_value, 4),
-                             "identical": theirs_value is not None and ours["scores"][metric] == theirs_value})
+                             "identical": bool(theirs_value is not None and ours["scores"][metric] == theirs_value)})
     finally:
         serve_app.stop("amalia-parity")
         ray.shutdown()
