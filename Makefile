@@ -69,6 +69,7 @@ bench: install corpus
 	@[ -f /usr/share/games/fortunes/brasil ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fortunes-br >/dev/null; }
 	$(RUN_BENCH) eval_vs_lmeval eval_vs_lmeval.py
+	$(RUN_BENCH) lmeval_parity lmeval_parity.py
 	$(RUN_BENCH) serve_overhead serve_overhead.py
 	$(RUN_BENCH) serve_start serve_start.py --rounds 2
 	$(RUN_BENCH) train_vs_trl train_vs_trl.py
