@@ -11,15 +11,17 @@ from tests.conftest import ROOT
 
 SAMPLES = {"mcq": "pt_mc_sample.jsonl", "pheb": "pheb_sample.json", "binary": "saudade_sample.jsonl",
            "cloze": "cloze_sample.jsonl", "judge": "judge_sample.jsonl", "variety": "variety_sample.jsonl",
-           "answer": "answer_sample.jsonl"}
+           "answer": "answer_sample.jsonl", "euroeval": "euroeval_sample.jsonl"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_our_sample_tasks_load(fmt):
     items = load_task(ROOT / "evals" / "tasks" / SAMPLES[fmt], fmt)
     assert len(items) >= 6 and len({it.id for it in items}) == len(items)
-    if fmt in ("mcq", "pheb", "binary"):
+    if fmt in ("mcq", "pheb", "binary", "euroeval"):
         assert all(isinstance(it, MCItem) for it in items) and len({it.answer for it in items}) > 1
+    if fmt == "euroeval":
+        assert all(it.labels == ["a", "b", "c", "d"] and "subject" in it.meta for it in items)
     if fmt == "pheb":
         assert all({"year", "phase", "subject"} <= set(it.meta) for it in items)
     if fmt == "binary":
