@@ -496,6 +496,7 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
     accuracy and acc_norm, and the same log-likelihood per choice — for our multiple-choice sample zero-shot,
     3-shot (lm-eval drawing its own examples) and 2-shot through the model's chat template with a system prompt,
     and for a EuroEval dataset folder (its letters scored after EuroEval's prompt)."""
+    import httpx
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -508,6 +509,10 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
     tasks = [EvalTaskConfig(name="pt-mc-parity", path=mc),
              EvalTaskConfig(name="pt-mc-3shot-parity", path=mc, num_fewshot=3),
              EvalTaskConfig(name="pt-exams-parity", path=str(hub_snapshot(tmp_path / "pt-exams")), format="euroeval")]
+    # the contexts' token counts come from the server's /tokenize (not from the fallback of echoing each context)
+    counted = httpx.post(f"{served['base']}/tokenize", json={"model": "pre", "prompt": "Pergunta: Olá?\nResposta:"},
+                         headers={"Authorization": f"Bearer {served['key']}"}, timeout=60)
+    assert counted.status_code == 200 and counted.json()["count"] > 3, counted.text
     ours = {t.name: run_task(t, Path(t.path), base_url=served["url"], model="pre", settings=EvalConfig(),
                              api_key=served["key"]) for t in tasks}
     for t in tasks:

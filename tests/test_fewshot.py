@@ -120,3 +120,19 @@ def test_chat_contexts_are_lm_evals_with_a_system_prompt_and_examples(tmp_path, 
     request = fake.requests[0]
     assert request["add_special_tokens"] is False and request["prompt"][:2] == [theirs[0] + "a", theirs[0] + "b"]
     assert [r["pred"] for r in result["items"]] == [1, 1, 1] and result["scores"]["acc"] == pytest.approx(1 / 3)
+
+
+def test_a_chat_task_on_a_server_that_cannot_render_chat_fails_with_one_clear_message(tmp_path):
+    """No item is reported as refused one by one: the task stops and says what the server lacks."""
+    import httpx
+
+    from amalia_ray.core.config import EvalConfig
+    from amalia_ray.evals.runner import run_task
+    from tests.test_evals_scoring import MC, FakeModel
+
+    path = tmp_path / "mc.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in MC))
+    task = EvalTaskConfig(name="mc", path=str(path), chat=True)
+    with pytest.raises(AmaliaError, match="cannot render chat messages with the model's chat template"):
+        run_task(task, path, base_url="http://fake/v1", model="m", settings=EvalConfig(tasks=[task]),
+                 transport=httpx.MockTransport(FakeModel(tokenize=False)))

@@ -55,8 +55,11 @@ class OpenAIClient:
     async def render_chat(self, messages: list[dict]) -> str:
         """The text the served model's chat template makes of `messages`, ready for the assistant's turn (vLLM's
         /tokenize of the messages, then /detokenize)."""
-        tokens = await self.post("/tokenize", {"messages": messages, "add_generation_prompt": True}, root=True,
-                                 missing_ok=True)
+        try:
+            tokens = await self.post("/tokenize", {"messages": messages, "add_generation_prompt": True}, root=True,
+                                     missing_ok=True)
+        except RequestRejected:  # not about one item: no item of the task could be rendered
+            tokens = None
         if not tokens or not isinstance(tokens.get("tokens"), list):
             raise AmaliaError(f"{self.base_url}: the server cannot render chat messages with the model's chat "
                               "template (vLLM's /tokenize with messages); score this task without `chat`")

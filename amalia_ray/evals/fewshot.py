@@ -12,24 +12,26 @@ from amalia_ray.core.config import EvalTaskConfig
 from amalia_ray.evals.tasks import FEWSHOT_SPLIT, MCItem, TaskError, dataset_splits, load_task
 
 
-def fewshot_pool(task: EvalTaskConfig, task_path: Path, items: list) -> tuple[list[MCItem], bool]:
+def fewshot_pool(task: EvalTaskConfig, task_path: Path, all_items: list) -> tuple[list[MCItem], bool]:
     """The examples' pool, and whether it is the task's own items: `fewshot_path` (its train split, if it has
-    splits), else the task's dataset's train split, else the task's items."""
+    splits), else the task's dataset's train split, else all the task's items (`all_items`, not only the first
+    `limit`)."""
     if task.fewshot_path:
         source = Path(task.fewshot_path)
         split = FEWSHOT_SPLIT if FEWSHOT_SPLIT in dataset_splits(source) else "test"
         return load_task(source, task.format, split=split), False
     if FEWSHOT_SPLIT in dataset_splits(task_path):
         return load_task(task_path, task.format, split=FEWSHOT_SPLIT), False
-    return load_task(task_path, task.format), True  # all of them, not only the first `limit`
+    return all_items, True
 
 
-def with_shots(task: EvalTaskConfig, task_path: Path, items: list) -> list:
-    """The items with their `num_fewshot` examples attached (unchanged when it is 0)."""
+def with_shots(task: EvalTaskConfig, task_path: Path, all_items: list) -> list:
+    """The task's first `limit` items with their `num_fewshot` examples attached."""
+    items = all_items[:task.limit] if task.limit else all_items
     k = task.num_fewshot
     if not k:
         return items
-    pool, own = fewshot_pool(task, task_path, items)
+    pool, own = fewshot_pool(task, task_path, all_items)
     if len(pool) < k + own:
         raise TaskError(f"task '{task.name}': {k} few-shot examples per item need a pool of at least {k + own} "
                         f"items; {task.fewshot_path or task_path} has {len(pool)}")
@@ -46,5 +48,4 @@ def with_shots(task: EvalTaskConfig, task_path: Path, items: list) -> list:
 
 def task_items(task: EvalTaskConfig, task_path: Path) -> list:
     """The items a task scores (its first `limit`), each with its few-shot examples."""
-    items = load_task(task_path, task.format, task.limit)
-    return with_shots(task, task_path, items)
+    return with_shots(task, task_path, load_task(task_path, task.format))

@@ -13,22 +13,23 @@ import yaml
 from amalia_ray.core.config import EvalTaskConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.evals import generate, loglik
-from amalia_ray.evals.fewshot import fewshot_pool, task_items
-from amalia_ray.evals.tasks import CHOICE_FORMATS, LETTERS, ClozeItem, MCItem, lettered_options
+from amalia_ray.evals.fewshot import fewshot_pool, with_shots
+from amalia_ray.evals.tasks import CHOICE_FORMATS, LETTERS, ClozeItem, MCItem, lettered_options, load_task
 
 
 def export_lm_eval(task: EvalTaskConfig, task_path: Path, out_dir: Path) -> Path:
     if task.format not in (*CHOICE_FORMATS, "cloze"):
         raise AmaliaError(f"task '{task.name}': lm-eval has no counterpart for '{task.format}' tasks "
                           "(LLM-judged, variety and sampled exact-answer tasks run with `amalia eval` only)")
-    items = task_items(task, task_path)
+    all_items = load_task(task_path, task.format)
+    items = with_shots(task, task_path, all_items)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = _write_rows(out_dir / f"{task.name}.jsonl", items, task.format)
     spec: dict = {"task": task.name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
                   "test_split": "test"}
     if task.num_fewshot:
         # lm-eval draws the examples itself, from this pool, with the same seed and order as ours
-        pool, own = fewshot_pool(task, task_path, items)
+        pool, own = fewshot_pool(task, task_path, all_items)
         if own and task.limit:
             raise AmaliaError(f"task '{task.name}': examples drawn from the task's own items are exported without "
                               "a limit (lm-eval would draw them from the limited items only)")

@@ -142,7 +142,7 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
     result = {"task": task.name, "format": task.format, "method": task.scoring, "model": model, "base_url": base_url,
               "task_path": str(task_path), "wall_time_s": time.perf_counter() - t0, "scores": scores,
               "n": len(rows) - len(rejected), "rejected": len(rejected), "usage": usage}
-    if task.format == "pheb" or (task.format == "euroeval" and any("subject" in it.meta for it in items)):
+    if any("subject" in it.meta for it in items):  # PHEB's exams, EuroEval's datasets that have the column
         result["by_subject"] = by_group(rows, "subject", metrics)
     if task.format == "judge":
         result["judge"] = settings.judge.model
