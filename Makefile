@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-inputs test test-all test-fast reliability install corpus clean docs bench
+.PHONY: demo demo-inputs test test-all test-fast reliability install corpus slurm clean docs bench
 
 demo: install corpus demo-inputs
 	$(BIN)/amalia run recipes/demo.yaml
@@ -24,11 +24,11 @@ demo-inputs: install corpus
 	$(BIN)/amalia data arithmetic $(INPUTS)/arithmetic.jsonl --n 512
 
 # the whole suite but the longest end-to-end scenarios (marked slow): what CI runs
-test: install corpus
+test: install corpus slurm
 	$(BIN)/python -m pytest -q -m "not slow" --durations=12 $(PYTEST_ARGS)
 
 # everything, the slow scenarios included
-test-all: install corpus
+test-all: install corpus slurm
 	$(BIN)/python -m pytest -q --durations=12 $(PYTEST_ARGS)
 
 # the fault, bad-input, HTTP-fuzz, security and reproducibility suite (docs/reliability.md)
@@ -51,14 +51,21 @@ install: $(BIN)/python
 	  $(BIN)/python -c "import transformers.models.llama, vllm, ray" && touch $(VENV)/.installed; \
 	fi
 
+# Debian packages, installed when a file of theirs is missing: $(call apt,FILES,PACKAGES)
+apt = @for f in $(1); do [ -e $$f ] || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(2) >/dev/null; \
+	fi
+
 # The demo corpus: real European-Portuguese text shipped by Debian packages (nothing copied into this repo).
 CORPUS_FILES := /usr/share/debian-reference/debian-reference.pt.txt.gz /usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz
 corpus:
-	@for f in $(CORPUS_FILES); do [ -f $$f ] || missing=1; done; \
-	if [ -n "$$missing" ]; then \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq debian-reference-pt debian-faq-pt >/dev/null; \
-	fi
+	$(call apt,$(CORPUS_FILES),debian-reference-pt debian-faq-pt)
+
+# Slurm and munge, for the tests that run recipes through a real one-node Slurm (tests/slurm_cluster.py)
+slurm:
+	$(call apt,/usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/sbatch,slurm-wlm munge)
 
 # every benchmark, each writing bench/results/NAME.json with its command, date and machine (docs/benchmarks.md);
 # the serving and evaluation ones need the demo's checkpoints
@@ -66,8 +73,7 @@ RUN_BENCH := $(BIN)/python bench/run.py
 bench: install corpus
 	@[ -f runs/demo/sft/hf/config.json ] || $(MAKE) demo
 	@# the variety benchmark's pt-BR side: Brazilian fortunes
-	@[ -f /usr/share/games/fortunes/brasil ] || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fortunes-br >/dev/null; }
+	$(call apt,/usr/share/games/fortunes/brasil,fortunes-br)
 	$(RUN_BENCH) eval_vs_lmeval eval_vs_lmeval.py
 	$(RUN_BENCH) lmeval_parity lmeval_parity.py
 	$(RUN_BENCH) serve_overhead serve_overhead.py

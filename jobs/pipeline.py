@@ -17,6 +17,7 @@ from collections.abc import Callable
 from amalia_ray.core import secrets
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import LoadedRecipe, load_recipe
+from amalia_ray.core.stop import EXIT_STOPPED, StageStopped
 from amalia_ray.pipeline.runner import Pipeline
 
 
@@ -51,7 +52,10 @@ def run_job(prog: str, description: str, argv: list[str] | None,
 def failed(e: Exception) -> int:
     """Say why the job failed — the message of an expected error, the traceback of any other — with every secret
     this process knows (storage credentials, the API key) masked, as the job's log is readable on the dashboard.
-    Returns the job's exit code."""
+    Returns the job's exit code (EXIT_STOPPED when a stop was requested: run again to carry on)."""
+    if isinstance(e, StageStopped):  # not a failure: the next run of the recipe carries on
+        print(f"stopped: {e}", file=sys.stderr)
+        return EXIT_STOPPED
     text = f"error: {e}" if isinstance(e, AmaliaError) else traceback.format_exc()
     print(secrets.mask(text), file=sys.stderr)
     return 1

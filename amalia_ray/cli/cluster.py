@@ -1,4 +1,4 @@
-"""Cluster commands: `amalia plan`, `amalia submit`, `amalia logs`, `amalia stop`."""
+"""Cluster commands: `amalia plan`, `amalia submit`, `amalia logs`, `amalia stop`, `amalia slurm`."""
 
 from __future__ import annotations
 
@@ -115,3 +115,63 @@ def plan(
 
 def _figure(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+@app.command()
+@guarded
+def slurm(
+    recipe: RecipeArg = DEFAULT_RECIPE,
+    nodes: Annotated[int, typer.Option(help="nodes of the allocation: Ray's head on the first, workers on the rest")] = 1,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node (sbatch --gpus-per-node)")] = 0,
+    cpus_per_node: Annotated[int | None, typer.Option(help="CPUs per node (default: whole nodes, --exclusive)")] = None,
+    partition: Annotated[str | None, typer.Option(help="sbatch --partition")] = None,
+    account: Annotated[str | None, typer.Option(help="sbatch --account (the project the hours are billed to)")] = None,
+    time_limit: Annotated[str | None, typer.Option("--time", help="sbatch --time, e.g. 48:00:00")] = None,
+    qos: Annotated[str | None, typer.Option(help="sbatch --qos")] = None,
+    until: Annotated[str | None, typer.Option(help="last stage to run (default: all)")] = None,
+    submit: Annotated[bool, typer.Option("--submit", help="sbatch the script and print the job id(s)")] = False,
+    follow: Annotated[bool, typer.Option("--follow", help="print the jobs' output until they end")] = False,
+    chain: Annotated[int, typer.Option(help="submit K jobs, each after the one before: a run longer than the "
+                                       "time limit carries on from its checkpoint in the next")] = 1,
+    sbatch_arg: Annotated[list[str] | None, typer.Option("--sbatch-arg", help="another #SBATCH line, e.g. "
+                                                         "--sbatch-arg=--mem=0")] = None,
+    module: Annotated[list[str] | None, typer.Option("--module", help="`module load` this first")] = None,
+    setup: Annotated[Path | None, typer.Option(help="a shell script the job sources first")] = None,
+    venv: Annotated[Path | None, typer.Option(help="virtual environment the job activates (default: this one)")] = None,
+    scratch: Annotated[str, typer.Option(help="node-local folder for Ray's temporary files")] = "${TMPDIR:-/tmp}",
+    ray_port: Annotated[int, typer.Option(help="port of Ray's head")] = 6379,
+    dashboard_port: Annotated[int, typer.Option(help="port of Ray's dashboard on the head")] = 8265,
+    stop_before: Annotated[int, typer.Option(help="seconds before the time limit the run checkpoints and stops")] = 120,
+    assume_shared: Annotated[bool, typer.Option("--assume-shared", help="skip the check that the run folder is on "
+                                                "a filesystem every node sees")] = False,
+) -> None:
+    """Run a recipe on a Slurm allocation: write the batch script (runs/<name>/slurm/job.sbatch) that starts Ray
+    on the allocated nodes and runs the pipeline on it; --submit sends it to sbatch."""
+    from amalia_ray.cluster import slurm as slurm_jobs
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline.runner import Pipeline
+
+    pipeline = Pipeline(load_recipe(recipe))
+    pipeline.select(until)  # an unknown stage fails here, not in the queue
+    job = slurm_jobs.SlurmJob(
+        recipe=recipe.resolve(), run_dir=pipeline.run_dir, nodes=nodes, gpus_per_node=gpus_per_node,
+        cpus_per_node=cpus_per_node, partition=partition, account=account, qos=qos, time=time_limit, until=until,
+        sbatch_args=sbatch_arg or [], modules=module or [], setup=setup.resolve() if setup else None,
+        venv=(venv.resolve() if venv else slurm_jobs.default_venv()), scratch=scratch, ray_port=ray_port,
+        dashboard_port=dashboard_port, stop_before_s=stop_before)
+    if not assume_shared:
+        slurm_jobs.check_shared(job)
+    script = slurm_jobs.write_script(job)
+    console.print(f"batch script: {script}")
+    if not submit:
+        if follow or chain != 1:
+            console.print("(--follow and --chain apply with --submit)")
+        return
+    ids = slurm_jobs.submit(job, script, chain)
+    console.print(" ".join(ids))
+    if follow:
+        finals = slurm_jobs.follow(job, ids, lambda text: console.out(text, end=""))
+        for job_id, state in finals.items():
+            console.print(f"job {job_id}: {state}")
+        if "COMPLETED" not in finals.values():  # only a job whose pipeline finished the run exits 0
+            raise typer.Exit(1)

@@ -34,11 +34,14 @@ def guarded(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from amalia_ray.core.errors import AmaliaError
+        from amalia_ray.core.stop import EXIT_STOPPED, StageStopped
 
         try:
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
+        except StageStopped as e:
+            _fail(e, code=EXIT_STOPPED, label="stopped")
         except AmaliaError as e:
             _fail(e, code=1)
         except KeyboardInterrupt:
@@ -50,7 +53,7 @@ def guarded(fn):
     return wrapper
 
 
-def _fail(e: Exception, code: int, unexpected: bool = False) -> None:
+def _fail(e: Exception, code: int, unexpected: bool = False, label: str = "error") -> None:
     if STATE["debug"]:
         raise e
     from amalia_ray.core.secrets import mask
@@ -58,7 +61,7 @@ def _fail(e: Exception, code: int, unexpected: bool = False) -> None:
     message = mask(" ".join(str(e).split())) or type(e).__name__
     if unexpected:
         message = f"{type(e).__name__}: {message} (rerun with --debug for the traceback)"
-    err_console.print(f"error: {message}", markup=False, soft_wrap=True)
+    err_console.print(f"{label}: {message}", markup=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 import amalia_ray
 from amalia_ray.core.storage import write_json
 
-Status = Literal["pending", "running", "completed", "failed", "skipped"]
+Status = Literal["pending", "running", "completed", "failed", "stopped", "skipped"]
 RECORDS = "manifest.d"  # one file per stage
 LOCK = ".manifest.lock"
 
@@ -51,6 +51,7 @@ class StageRecord(BaseModel):
     finished_at: str | None = None
     wall_time_s: float | None = None
     attempts: int = 0
+    slurm_jobs: list[str] = Field(default_factory=list, description="the Slurm jobs that ran its attempts")
     error: str | None = None
 
 

@@ -23,6 +23,7 @@ from amalia_ray.core.filesystem import RunStore
 from amalia_ray.core.manifest import RECORDS, Manifest, Stopwatch, code_hash, code_version, now_iso
 from amalia_ray.core.recipe import LoadedRecipe, config_hash
 from amalia_ray.core.storage import hash_paths
+from amalia_ray.core.stop import StageStopped, clear_stop, stop_on_signals, stop_requested
 from amalia_ray.core.tracking import MLFLOW_DIR, NoTracker, Tracker, flatten
 from amalia_ray.pipeline import stages
 from amalia_ray.pipeline.report import write_report
@@ -157,12 +158,13 @@ class Pipeline:
                     self.push_stage(spec)
                     self.save(spec.name)
                 return rec.metrics
-        if rec.status in ("running", "failed") and rec.fingerprint == fp:
-            stage_line(spec.name, f"[yellow]resuming[/] an interrupted run (attempt {rec.attempts + 1})")
+        if rec.status in ("running", "failed", "stopped") and rec.fingerprint == fp:
+            stage_line(spec.name, f"[yellow]resuming[/] {'a stopped' if rec.status == 'stopped' else 'an interrupted'}"
+                       f" run (attempt {rec.attempts + 1})")
             if rec.cost:  # what the failed attempt burnt still counts
                 rec.earlier_attempts_cost = total_cost([rec.earlier_attempts_cost, rec.cost])
         else:
-            rec.attempts, rec.earlier_attempts_cost = 0, {}  # attempts count tries at this fingerprint
+            rec.attempts, rec.earlier_attempts_cost, rec.slurm_jobs = 0, {}, []  # tries at this fingerprint
             stage_line(spec.name, "running again: the code changed since its completed run (--reuse-stale keeps "
                        "such a result)" if stale else "running")
         rec.status, rec.fingerprint, rec.config_hash, rec.inputs = "running", fp, cfg, inputs
@@ -170,6 +172,8 @@ class Pipeline:
         rec.code_hash, rec.reused_stale = code_hash(), None
         rec.cost = {}
         rec.attempts += 1
+        if (slurm_job := os.environ.get("SLURM_JOB_ID")) and slurm_job not in rec.slurm_jobs:
+            rec.slurm_jobs.append(slurm_job)  # to set beside what sacct says the allocation cost
         self.save(spec.name)
         with Stopwatch() as sw, self.tracker.stage(spec.name, self.params_of(spec), spec.metrics_file) as tracked:
             try:
@@ -177,7 +181,8 @@ class Pipeline:
                 with nullcontext() if spec.metrics_file else activity(spec.name):
                     metrics = spec.body()
             except BaseException as e:
-                rec.status, rec.error = "failed", secrets.mask(f"{type(e).__name__}: {e}")
+                rec.status = "stopped" if isinstance(e, StageStopped) else "failed"
+                rec.error = secrets.mask(f"{type(e).__name__}: {e}")
                 rec.finished_at, rec.wall_time_s = now_iso(), sw.seconds
                 rec.metrics = {"traceback": secrets.mask(traceback.format_exc(limit=5)[-2000:])}
                 rec.cost = stage_cost(spec.held({}), sw.seconds, None, self.recipe.accounting)
@@ -231,13 +236,17 @@ class Pipeline:
         if self._checked != (until, tuple(only or ())):
             self.preflight(until, only)
         self.write_recipe_copy()
+        clear_stop(self.run_dir)  # a stop asked of an earlier run is not this one's
         self.tracker = Tracker(self.recipe.tracking, self.run_dir, self.run_name,
                                flatten(secrets.redact(self.recipe.model_dump(mode="json", by_alias=True))))
         ok = False
         try:
-            with stages.cluster(self):
+            with stop_on_signals(self.run_dir), stages.cluster(self):
                 for spec in stages.build(self, built):
                     if spec.name in selected:
+                        if reason := stop_requested(self.run_dir):
+                            raise StageStopped(f"stopped before stage '{spec.name}' ({reason}): run the same "
+                                               "recipe again to carry on")
                         self.execute(spec)
             report = write_report(self.run_dir, self.manifest)
             ok = True

@@ -11,6 +11,7 @@ from pathlib import Path
 from amalia_ray.cluster.local import cluster_has_gpu, ray_session
 from amalia_ray.core import hf_model
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.stop import stop_file
 from amalia_ray.data import stage as data_stage
 from amalia_ray.data.quality_model import QualityModel
 from amalia_ray.evals.contamination import seen_items
@@ -231,7 +232,7 @@ def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
             tokenizer_dir=p.stage_dir("tokenizer"),
             init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
             ray_run_name=f"{stage.name}-{fingerprint}",
-            seed=p.recipe.run.seed, use_gpu=gpu,
+            seed=p.recipe.run.seed, use_gpu=gpu, stop_file=stop_file(p.run_dir),
             **({"storage_path": p.store.path(f"{stage.name}/ray"), "storage_filesystem": p.store.fs} if p.store else {}),
         )
     return body

@@ -101,6 +101,8 @@ def train_loop(config: dict) -> None:
     precision = resolve_precision(stage["precision"], device)
     stage_dir = Path(config["stage_dir"])
     metrics_path = stage_dir / "metrics.jsonl"
+    # a stop requested for the run (a batch job's time limit is near): checkpoint at the step it is seen, end early
+    stop_path = Path(config["stop_file"]) if config.get("stop_file") and rank == 0 else None
 
     init_dir = config.get("init_hf_dir")
     remote_code = config.get("trust_remote_code", False)
@@ -155,7 +157,7 @@ def train_loop(config: dict) -> None:
     nodes: list = [None] * world  # where the workers landed, so the report can state the placement
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     flops_token = flops_per_token_of(hf_config, seq_len)
-    step = start_step
+    step, stopping = start_step, False
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         lr = lr_at(step, total=total_steps, peak=stage["lr"], warmup=stage["warmup_steps"],
@@ -170,8 +172,9 @@ def train_loop(config: dict) -> None:
             micro_loss.backward()
             loss_sum, items, tokens = loss_sum + micro_loss.item(), items + n, tokens + _tokens_in(batch)
         extra = objective.take_metrics()  # name: (sum, count)
-        global_loss, global_items, global_tokens, *extra_sums = _all_reduce_sum(
-            loss_sum, items, tokens, *(x for pair in extra.values() for x in pair))
+        stop_seen = float(stop_path is not None and stop_path.exists())
+        global_loss, global_items, global_tokens, stop_votes, *extra_sums = _all_reduce_sum(
+            loss_sum, items, tokens, stop_seen, *(x for pair in extra.values() for x in pair))
         # FSDP averages gradients over ranks; rescale so they are the mean over every item (token, pair) of the step
         scale = world / global_items
         for p in model.parameters():
@@ -193,7 +196,8 @@ def train_loop(config: dict) -> None:
                   "mfu": flops_token * global_tokens / elapsed / peak_flops, "peak_tflops": peak_flops / 1e12,
                   "peak_basis": peak_basis, "memory_gb": memory,
                   "world_size": world, "worker_nodes": len(set(nodes)), "attempt_start_step": start_step}
-        save_now = done % stage["checkpoint_every"] == 0 or done == total_steps
+        stopping = stop_votes > 0 and done < total_steps
+        save_now = done % stage["checkpoint_every"] == 0 or done == total_steps or stopping
         if save_now:
             record["val_loss"], per_source = validation_losses(model, objective, micro, rank, world, device)
             record.update({f"val_loss/{source}": loss for source, loss in per_source.items()})
@@ -218,9 +222,15 @@ def train_loop(config: dict) -> None:
                         f"storage, then run again to resume from the latest of them") from e
         elif done % stage["log_every"] == 0:
             ray.train.report(record)
+        if stopping:
+            if rank == 0:
+                log.info(f"[{stage['name']}] stop requested: checkpoint of step {done} saved, stopping here")
+            break
 
     if board:
         board.close()
+    if stopping:
+        return  # the stage carries on from the checkpoint in the next run; it exports when it completes
     export_hf(model, hf_config, Path(config["export_dir"]), Path(config["tokenizer_dir"]),
               config.get("generation_config"), config.get("export_dtype"))
     dist.barrier()

@@ -83,9 +83,11 @@ def run_train_stage(
     storage_filesystem=None,
     callbacks: list | None = None,
     progress: bool = True,
+    stop_file: Path | None = None,
 ) -> dict:
     """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
-    the latest checkpoint Ray Train recorded for it. Checkpoints go to `storage_path` (a path inside the pyarrow
+    the latest checkpoint Ray Train recorded for it. When `stop_file` appears, the workers checkpoint and stop early
+    (StageStopped), to be resumed by the next run. Checkpoints go to `storage_path` (a path inside the pyarrow
     `storage_filesystem`, e.g. a bucket prefix), by default `stage_dir/ray`. `init_hf_dir` is the checkpoint the
     stage starts from (a base model's folder or the previous stage's export; None: random weights); `base_dir` the
     base model whose config gives the architecture (model.from)."""
@@ -116,6 +118,7 @@ def run_train_stage(
             "stage_dir": str(stage_dir),
             "export_dir": str(export_dir),
             "seed": seed,
+            "stop_file": str(stop_file) if stop_file else None,
         },
         torch_config=TorchConfig(backend=process_group_backend(use_gpu)),
         scaling_config=ScalingConfig(
@@ -146,8 +149,13 @@ def run_train_stage(
         if (plain := _plain(e)) is e:
             raise
         raise plain from None
-    history = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
     final = dict(result.metrics or {})
+    if final.get("step") is not None and final["step"] < stage.steps:
+        from amalia_ray.core.stop import StageStopped
+
+        raise StageStopped(f"[{stage.name}] stopped on request at step {final['step']} of {stage.steps}, its "
+                           "checkpoint saved: run the same recipe again to carry on from it")
+    history = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
     if history:
         final.setdefault("loss", history[-1]["loss"])
         final["first_loss"] = history[0]["loss"]

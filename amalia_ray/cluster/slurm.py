@@ -1,0 +1,288 @@
+"""Ray on a Slurm allocation, the way Ray documents it: one batch job whose first node runs Ray's head and whose other
+nodes run Ray workers (each started with `srun ... ray start --block`), then the recipe's pipeline as the driver on
+the head node, then Ray stopped. Written as a batch script kept in the run folder (`runs/<name>/slurm/job.sbatch`),
+submitted with `sbatch`.
+
+Time limits: the script asks Slurm for a signal before the limit (`--signal=B:USR1@<seconds>`) and turns it into the
+run's stop file, on which the pipeline checkpoints the training stage at the step it is on and stops (core/stop.py);
+the next job of a chain (`--chain K`: K jobs, each depending on the one before) runs the same script, and the
+pipeline resumes from that checkpoint, skipping the stages already done. A job that finishes the run (or fails for
+another reason) cancels the rest of its chain."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.stop import EXIT_STOPPED, STOP_FILE
+
+SCRIPT = "job.sbatch"
+CHAIN = "chain.txt"
+TIME_PATTERN = re.compile(r"^(?:\d+-)?\d+(?::\d{1,2}){0,2}$")  # the formats sbatch --time takes
+# filesystems every node of a cluster mounts alike; a run folder elsewhere is seen by one node only
+SHARED_FILESYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "cifs", "smb3", "wekafs",
+                      "fuse.sshfs", "fuse.juicefs", "fuse.ceph", "fuse.glusterfs", "glusterfs", "panfs", "pvfs2",
+                      "orangefs", "ocfs2", "gfs2", "virtiofs", "9p"}
+
+
+@dataclass
+class SlurmJob:
+    recipe: Path
+    run_dir: Path
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_node: int | None = None  # None: whole nodes (--exclusive), Ray gets every CPU of each
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    until: str | None = None
+    sbatch_args: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
+    setup: Path | None = None  # a shell script sourced first (site settings, proxies, caches)
+    venv: Path | None = None
+    scratch: str = "${TMPDIR:-/tmp}"  # node-local: Ray's sockets, logs and spilled objects
+    ray_port: int = 6379
+    dashboard_port: int = 8265
+    stop_before_s: int = 120
+    join_timeout_s: int = 600
+    workdir: Path = field(default_factory=Path.cwd)  # where the job runs, as `amalia run` would have
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 0 or (self.cpus_per_node is not None and self.cpus_per_node < 1):
+            raise AmaliaError("--nodes must be at least 1, --gpus-per-node at least 0, --cpus-per-node at least 1")
+        if self.time and not TIME_PATTERN.match(self.time):
+            raise AmaliaError(f"--time {self.time!r}: use a format sbatch takes, e.g. 02:00:00, 90, 1-12:00:00")
+        if self.time and self.stop_before_s >= seconds_of(self.time):
+            raise AmaliaError(f"--stop-before {self.stop_before_s}s leaves no time to run within --time {self.time}")
+        for name in ("partition", "account", "qos"):
+            if (value := getattr(self, name)) is not None and not re.fullmatch(r"[\w.,-]+", value):
+                raise AmaliaError(f"--{name} {value!r}: letters, digits, '_', '.', ',' and '-' only")
+
+    @property
+    def folder(self) -> Path:
+        return self.run_dir / "slurm"
+
+
+def seconds_of(limit: str) -> int:
+    """sbatch's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    days, _, clock = limit.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:
+        h, m, s = (parts + [0, 0])[:3]
+    else:
+        h, m, s = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
+
+
+def filesystem_of(path: Path) -> tuple[str, str]:
+    """(filesystem type, mount point) of the mount holding `path`, from /proc/self/mountinfo."""
+    path = Path(os.path.realpath(path))
+    best = ("", "/")
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        mount = left.split()[4].encode().decode("unicode_escape")
+        fstype = right.split()[0] if right else ""
+        if (path == Path(mount) or Path(mount) in path.parents) and len(mount) >= len(best[1]):
+            best = (fstype, mount)
+    return best
+
+
+def check_shared(job: SlurmJob) -> None:
+    """A job on several nodes needs the run folder and the recipe where every node sees them."""
+    if job.nodes == 1:
+        return
+    for what, path in (("the run folder", job.run_dir), ("the recipe", job.recipe)):
+        existing = next(p for p in [path, *path.parents] if p.exists())
+        fstype, mount = filesystem_of(existing)
+        if fstype and fstype not in SHARED_FILESYSTEMS:
+            raise AmaliaError(
+                f"{what} {path} is on {mount} ({fstype}), which the other {job.nodes - 1} node(s) do not see: put "
+                "run.output_dir (and the recipe) on the cluster's shared filesystem (e.g. your project or home "
+                "folder on GPFS or Lustre), or pass --assume-shared if this one is mounted on every node")
+
+
+def default_venv() -> Path | None:
+    """The virtual environment running this command, if any: the job runs with the same one."""
+    return Path(sys.prefix) if sys.prefix != sys.base_prefix else None
+
+
+def batch_script(job: SlurmJob) -> str:
+    q = shlex.quote
+    out = job.folder / "%j.out"
+    head = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={q('amalia-' + job.run_dir.name)}",
+        f"#SBATCH --nodes={job.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --exclusive" if job.cpus_per_node is None else f"#SBATCH --cpus-per-task={job.cpus_per_node}",
+        *([f"#SBATCH --gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
+        *([f"#SBATCH --time={job.time}"] if job.time else []),
+        *([f"#SBATCH --partition={job.partition}"] if job.partition else []),
+        *([f"#SBATCH --account={job.account}"] if job.account else []),
+        *([f"#SBATCH --qos={job.qos}"] if job.qos else []),
+        f"#SBATCH --chdir={job.workdir}",
+        f"#SBATCH --output={out}",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --signal=B:USR1@{job.stop_before_s}",
+        *[f"#SBATCH {arg}" for arg in job.sbatch_args],
+    ]
+    until = f" --until {q(job.until)}" if job.until else ""
+    setup = [f"module load {q(m)}" for m in job.modules]
+    if job.setup:
+        setup.append(f"source {q(str(job.setup))}")
+    if job.venv:
+        setup.append(f"source {q(str(job.venv / 'bin' / 'activate'))}")
+    gpus = f" --num-gpus={job.gpus_per_node}" if job.gpus_per_node else " --num-gpus=0"
+    body = f"""
+set -uo pipefail
+say() {{ echo "[amalia $(date +%H:%M:%S)] $*"; }}
+{chr(10).join(setup)}
+nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
+head_node=${{nodes[0]}}
+head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" hostname --ip-address | awk '{{print $1}}')
+export RAY_ADDRESS=$head_ip:{job.ray_port}  # Ray's own processes too: a node may run other Ray instances
+ray_address=$RAY_ADDRESS
+ray_tmp={job.scratch}/ray-$SLURM_JOB_ID
+cpus=${{SLURM_CPUS_ON_NODE:-$(nproc)}}
+say "job $SLURM_JOB_ID on ${{#nodes[@]}} node(s): Ray head on $head_node ($ray_address)"
+
+# Ray's head on the first node, a worker on each of the others; --block keeps each one a job step
+srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \\
+  ray start --head --node-ip-address="$head_ip" --port={job.ray_port} --dashboard-port={job.dashboard_port} \\
+  --num-cpus="$cpus"{gpus} --temp-dir="$ray_tmp" --block &
+sleep 5
+for node in "${{nodes[@]:1}}"; do
+  srun --nodes=1 --ntasks=1 --overlap -w "$node" \\
+    ray start --address="$ray_address" --num-cpus="$cpus"{gpus} --temp-dir="$ray_tmp" --block &
+done
+if ! python -c "from amalia_ray.cluster.slurm import wait_for_nodes; wait_for_nodes('$ray_address', ${{#nodes[@]}}, {job.join_timeout_s})"; then
+  say "Ray did not come up on every node"; kill $(jobs -p) 2>/dev/null; wait; exit 1
+fi
+
+# the pipeline; when Slurm warns that the time limit is near, the stop file tells it to checkpoint and stop
+stop_file={q(str(job.run_dir / STOP_FILE))}
+trap 'say "time limit near: the pipeline checkpoints and stops"; echo "time limit of job $SLURM_JOB_ID" > "$stop_file"' USR1
+python -u -m jobs.pipeline {q(str(job.recipe))}{until} &
+pipeline=$!
+wait "$pipeline"; rc=$?
+while kill -0 "$pipeline" 2>/dev/null; do wait "$pipeline"; rc=$?; done  # a trap ends `wait` early
+trap - USR1
+
+if [ "$rc" -eq {EXIT_STOPPED} ]; then
+  say "stopped at a checkpoint: the next job of the chain carries on"
+else
+  if [ "$rc" -eq 0 ]; then say "the run is complete"; else say "the pipeline failed (exit $rc)"; fi
+  chain={q(str(job.folder / CHAIN))}
+  later=$( [ -f "$chain" ] && awk -v me="$SLURM_JOB_ID" 'found {{print}} $1 == me {{found = 1}}' "$chain" )
+  if [ -n "$later" ]; then say "cancelling the rest of the chain: $later"; scancel $later; fi
+fi
+kill $(jobs -p) 2>/dev/null   # srun passes it on: each `ray start --block` stops its node's Ray
+wait
+exit "$rc"
+"""
+    return "\n".join(head) + "\n" + body
+
+
+def write_script(job: SlurmJob) -> Path:
+    job.folder.mkdir(parents=True, exist_ok=True)
+    path = job.folder / SCRIPT
+    path.write_text(batch_script(job))
+    path.chmod(0o755)
+    return path
+
+
+def _slurm(*args: str) -> str:
+    if shutil.which(args[0]) is None:
+        raise AmaliaError(f"`{args[0]}` not found: run this on a Slurm login node (or install Slurm's client tools)")
+    proc = subprocess.run(list(args), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AmaliaError(f"{' '.join(args[:2])} failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout.strip()
+
+
+def submit(job: SlurmJob, script: Path, chain: int = 1) -> list[str]:
+    """sbatch the script `chain` times, each job after the one before has ended (however it ended); returns the job
+    ids and records them, in order, in the chain file the script reads."""
+    if chain < 1:
+        raise AmaliaError("--chain must be at least 1")
+    ids: list[str] = []
+    for _ in range(chain):
+        after = [f"--dependency=afterany:{ids[-1]}"] if ids else []
+        ids.append(_slurm("sbatch", "--parsable", *after, str(script)).split(";")[0])
+    (job.folder / CHAIN).write_text("".join(f"{i}\n" for i in ids))
+    return ids
+
+
+def job_state(job_id: str) -> tuple[str | None, int | None]:
+    """Slurm's state of a job (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ...) and, once it has ended,
+    its exit code; (None, None) once Slurm has forgotten it."""
+    queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    if queued.returncode == 0 and queued.stdout.strip():
+        return queued.stdout.split()[0], None
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
+    if shown.returncode == 0 and (state := re.search(r"JobState=(\S+)", shown.stdout)):
+        code = re.search(r"\bExitCode=(\d+):", shown.stdout)
+        return state.group(1), int(code.group(1)) if code else None
+    return None, None
+
+
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
+
+
+def follow(job: SlurmJob, job_ids: list[str], emit: Callable[[str], None], poll_s: float = 2.0) -> dict[str, str]:
+    """Print each job's output as it grows, job after job, until each has ended; returns how each ended (Slurm's
+    state; STOPPED for a job that checkpointed and stopped for the next one to carry on)."""
+    finals: dict[str, str] = {}
+    for job_id in job_ids:
+        out, offset = job.folder / f"{job_id}.out", 0
+        while True:
+            state, code = job_state(job_id)
+            if out.exists():
+                with out.open("rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                offset += len(chunk)
+                if chunk:
+                    emit(chunk.decode("utf-8", errors="replace"))
+            if state not in ACTIVE:
+                finals[job_id] = "STOPPED" if code == EXIT_STOPPED else (state or "UNKNOWN")
+                break
+            time.sleep(poll_s)
+    return finals
+
+
+def wait_for_nodes(address: str, count: int, timeout_s: float) -> None:
+    """Block until `count` Ray nodes are alive in the cluster at `address` (run by the batch script)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+            break
+        except Exception:  # noqa: BLE001 - the head is still starting
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no Ray head answered at {address} within {timeout_s:.0f}s")
+            time.sleep(2)
+    try:
+        while (alive := sum(n["Alive"] for n in ray.nodes())) < count:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{alive} of {count} Ray nodes joined within {timeout_s:.0f}s")
+            time.sleep(2)
+        print(f"[amalia] {count} Ray node(s) up: {ray.cluster_resources()}", flush=True)
+    finally:
+        ray.shutdown()

@@ -1,0 +1,127 @@
+"""Ray on Slurm against a real Slurm (slurmctld + slurmd + munge on this machine, tests/slurm_cluster.py):
+`amalia slurm --submit --chain 2 --follow` sends a recipe (data → tokenizer → pack → a short pretraining) as two
+chained batch jobs. The first job is sent the signal Slurm sends before a time limit (`scancel --batch
+--signal=USR1`, what `--signal=B:USR1@120` delivers) while it trains: it checkpoints at that step and stops; the
+second job resumes from that checkpoint, trains every remaining step once and finishes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from amalia_ray.cluster.slurm import SlurmJob, batch_script, check_shared, seconds_of
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.stop import clear_stop, stop_on_signals, stop_requested
+from tests.conftest import free_port, read_jsonl, write_recipe
+from tests.slurm_cluster import SlurmCluster, missing_tools
+
+STEPS = 12
+
+
+def test_the_batch_script_follows_rays_slurm_pattern(tmp_path):
+    job = SlurmJob(recipe=tmp_path / "r.yaml", run_dir=tmp_path / "runs" / "x", nodes=4, gpus_per_node=4,
+                   partition="acc", account="ehpc01", time="2-00:00:00", modules=["CUDA/12.4"], until="sft",
+                   sbatch_args=["--mem=0"], venv=Path("/gpfs/venv"))
+    script = batch_script(job)
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive",
+                 "#SBATCH --gpus-per-node=4", "#SBATCH --time=2-00:00:00", "#SBATCH --partition=acc",
+                 "#SBATCH --account=ehpc01", "#SBATCH --signal=B:USR1@120", "#SBATCH --mem=0",
+                 "module load CUDA/12.4", "source /gpfs/venv/bin/activate"):
+        assert line in script.splitlines(), line
+    assert re.search(r"ray start --head --node-ip-address=\"\$head_ip\" --port=6379 .*--num-gpus=4 .*--block &",
+                     script.replace("\\\n", ""))
+    assert 'ray start --address="$ray_address"' in script and "--until sft" in script
+    assert "trap " in script and "USR1" in script and "stop_requested" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert seconds_of("2-00:00:00") == 172800 and seconds_of("90") == 5400 and seconds_of("1:30:00") == 5400
+    with pytest.raises(AmaliaError, match="--time"):
+        SlurmJob(recipe=job.recipe, run_dir=job.run_dir, time="tomorrow")
+    with pytest.raises(AmaliaError, match="--stop-before"):
+        SlurmJob(recipe=job.recipe, run_dir=job.run_dir, time="00:01:00")
+    with pytest.raises(AmaliaError, match="shared filesystem"):  # /tmp is local to this node
+        check_shared(SlurmJob(recipe=job.recipe, run_dir=Path("/tmp/amalia-run"), nodes=2))
+
+
+def test_sigusr1_asks_the_run_to_stop_and_a_new_run_forgets_it(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    with stop_on_signals(tmp_path):
+        assert stop_requested(tmp_path) is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+        assert "SIGUSR1" in stop_requested(tmp_path)
+    assert signal.getsignal(signal.SIGUSR1) is before
+    clear_stop(tmp_path)  # what the pipeline does when it starts
+    assert stop_requested(tmp_path) is None
+
+
+@pytest.mark.e2e
+def test_a_chained_job_stopped_before_its_time_limit_is_carried_on_by_the_next(tmp_path):
+    if missing := missing_tools():
+        pytest.fail(f"Slurm is not installed ({', '.join(missing)} missing): `make slurm` installs slurm-wlm and "
+                    "munge")
+    cluster = SlurmCluster(tmp_path / "slurm").start()
+    try:
+        _chain_of_two(tmp_path, cluster)
+    finally:
+        cluster.stop()
+
+
+def _chain_of_two(tmp_path: Path, cluster: SlurmCluster) -> None:
+    recipe = write_recipe(tmp_path, **{
+        "run.name": "slurm", "data.sources": [{"name": "debian-faq-pt", "split": "paragraph",
+                                              "paths": ["/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"]}],
+        "train.0.steps": STEPS, "train.0.checkpoint_every": 100, "train.0.warmup_steps": 2,
+        "train.0.curriculum": None, "train.0.max_failures": 0, "train.0.log_every": 1,
+    })
+    run_dir = tmp_path / "runs" / "slurm"
+    env = {**cluster.env, "RAY_AUTH_MODE": "disabled"}
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "amalia_ray.cli", "slurm", str(recipe), "--until", "pretrain", "--submit", "--follow",
+         "--chain", "2", "--time", "00:30:00", "--ray-port", str(free_port()), "--dashboard-port", str(free_port()),
+         "--scratch", f"/tmp/amalia-slurm-{os.getpid()}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_line = follow.stdout.readline() + follow.stdout.readline()
+    ids = re.search(r"^(\d+) (\d+)$", first_line, re.M)
+    assert ids, first_line + follow.stdout.read()
+    first, second = ids.groups()
+
+    # the time-limit warning, once the first job trains
+    metrics, deadline = run_dir / "pretrain" / "metrics.jsonl", time.monotonic() + 600
+    while not (metrics.exists() and len(read_jsonl(metrics)) >= 3):
+        assert time.monotonic() < deadline and follow.poll() is None, (follow.stdout.read(), cluster.log_tail())
+        time.sleep(1)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", first], env=cluster.env, check=True)
+    output, _ = follow.communicate(timeout=900)
+    assert follow.returncode == 0, output[-6000:] + cluster.log_tail()
+
+    assert f"job {first}: STOPPED" in output and f"job {second}: COMPLETED" in output, output[-3000:]
+    assert "time limit near" in output and "stopped at a checkpoint" in output and "the run is complete" in output
+    stopped_at = int(re.search(r"stopped on request at step (\d+) of " + str(STEPS), output).group(1))
+    assert 3 <= stopped_at < STEPS
+
+    script = (run_dir / "slurm" / "job.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@120" in script and "#SBATCH --time=00:30:00" in script
+    manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]
+    assert [k for k in manifest] == ["data", "tokenizer", "pack", "pretrain"]
+    assert all(r["status"] == "completed" for r in manifest.values()), manifest
+    assert [manifest[k]["attempts"] for k in ("data", "tokenizer", "pack")] == [1, 1, 1], "not run again"
+    assert manifest["pretrain"]["attempts"] == 2
+    assert manifest["pretrain"]["slurm_jobs"] == [first, second] and manifest["data"]["slurm_jobs"] == [first]
+    history = read_jsonl(metrics)
+    assert [h["step"] for h in history] == list(range(1, STEPS + 1)), "every step once, across the two jobs"
+    assert {h["attempt_start_step"] for h in history if h["step"] > stopped_at} == {stopped_at}, \
+        "the second job started from the first job's stop checkpoint"
+    assert (run_dir / "pretrain" / "hf" / "config.json").exists()
+    assert (run_dir / "pretrain" / "hf" / "model.safetensors").exists()
+    assert not (run_dir / "stop_requested").exists()
+    # each job's own output, kept beside the script
+    assert (run_dir / "slurm" / f"{first}.out").exists() and (run_dir / "slurm" / f"{second}.out").exists()
+    assert os.environ.get("SLURM_CONF") is None  # the test's cluster stayed the test's
