@@ -179,11 +179,13 @@ def test_second_run_skips_unchanged_stages(demo_run, recipe_path, capsys):
 
 
 def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run, recipe_path):
-    """pretrain -> sft on conversations made from the Debian FAQ -> AMALIA-style on-policy dpo: the pairs are
+    """pretrain -> LoRA sft on conversations made from the Debian FAQ -> AMALIA-style on-policy dpo: the pairs are
     sampled from the sft checkpoint through the vLLM engine and ranked by rewards. Each stage starts from the
-    previous stage's export, sft trains on assistant tokens only, dpo starts at exactly ln 2 (the policy is its own
-    reference before the first update), and both export HF checkpoints and TensorBoard events. (That DPO learns,
-    and that its loss equals TRL's, is shown without Ray in test_dpo.py.)"""
+    previous stage's export — dpo from the LoRA stage's merged weights —, sft trains adapters on assistant tokens
+    only and checkpoints nothing else, its PEFT adapter folder on the pretrained export gives the merged export's
+    logits, dpo starts at exactly ln 2 (the policy is its own reference before the first update), and both export
+    HF checkpoints and TensorBoard events. (That DPO learns, and that its loss equals TRL's, is shown without Ray in
+    test_dpo.py; LoRA's parity with PEFT in test_lora.py; full SFT runs in the demo run.)"""
     from amalia_ray.data.conversations import write_faq_conversations, write_jsonl
     from amalia_ray.data.tasks import arithmetic_tasks
 
@@ -192,12 +194,12 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run,
     tasks = recipe_path.parent / "dpo-tasks.jsonl"
     write_jsonl(arithmetic_tasks(48, seed=1), tasks)
     data = yaml.safe_load(recipe_path.read_text())
-    data["train"].append({**common_fields(data["train"][0]), "name": "sft", "objective": "sft", "dataset": str(chats),
-                          "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 8})
-    data["train"].append({**data["train"][-1], "name": "dpo", "objective": "dpo", "dataset": str(tasks),
-                          "on_policy": True, "num_generations": 4, "max_completion_length": 24, "seq_len": 160,
-                          "rewards": ["exact_answer", "has_number"], "steps": 4, "lr": 0.0005, "beta": 0.1,
-                          "checkpoint_every": 4})
+    sft = {**common_fields(data["train"][0]), "name": "sft", "objective": "sft", "dataset": str(chats),
+           "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 4}
+    dpo = {**sft, "name": "dpo", "objective": "dpo", "dataset": str(tasks), "on_policy": True, "num_generations": 4,
+           "max_completion_length": 24, "seq_len": 160, "rewards": ["exact_answer", "has_number"], "steps": 4,
+           "lr": 0.0005, "beta": 0.1, "checkpoint_every": 4}
+    data["train"] += [{**sft, "lora": {"r": 8, "alpha": 16, "merge": True}}, dpo]
     post_recipe = recipe_path.parent / "post.yaml"
     post_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     pipeline = Pipeline(load_recipe(post_recipe))
@@ -213,6 +215,7 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run,
     assert [h["step"] for h in sft] == list(range(1, 9))
     assert all(math.isfinite(h["loss"]) for h in sft) and sft[-1]["loss_items"] < 8 * 512
     assert all(0 < h["mfu"] < 1.5 and h["memory_gb"] > 0 for h in sft)
+    _adapters_only_and_merged(pipeline)
     pairs = read_jsonl(pipeline.run_dir / "dpo" / "on-policy-pairs.jsonl")
     assert pairs and all(p["chosen"] != p["rejected"] for p in pairs)
     dpo = read_jsonl(pipeline.run_dir / "dpo" / "metrics.jsonl")
@@ -220,6 +223,28 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(demo_run,
     assert abs(dpo[0]["loss"] - math.log(2)) < 1e-4 and abs(dpo[0]["rewards/margins"]) < 1e-4
     assert all(math.isfinite(h["loss"]) and 0 <= h["rewards/accuracies"] <= 1 for h in dpo)
     assert abs(dpo[-1]["rewards/chosen"]) > 1e-3, "the policy moved away from its reference"
+
+
+def _adapters_only_and_merged(pipeline) -> None:
+    """The LoRA sft stage's checkpoints hold adapters (and their optimizer state) only, and its adapter folder on
+    the stage's starting weights gives its merged export's logits."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    metadata = [dcp.FileSystemReader(str(m.parent)).read_metadata()
+                for m in (pipeline.run_dir / "sft" / "ray").rglob(".metadata")]
+    assert metadata, "the sft stage checkpointed"
+    for meta in metadata:
+        weights = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+        assert weights and all(".lora_" in k for k in weights), weights[:4]
+    base = AutoModelForCausalLM.from_pretrained(str(pipeline.checkpoint_of("pretrain")), dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(pipeline.run_dir / "sft" / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(pipeline.checkpoint_of("sft")), dtype=torch.float32)
+    ids = torch.arange(64).view(2, 32) * 37 % 4000
+    with torch.no_grad():
+        assert torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
 
 
 @pytest.mark.slow

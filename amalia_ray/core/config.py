@@ -480,6 +480,21 @@ class ProxyConfig(Strict):
     num_workers: int | None = Field(None, ge=1, description="workers per trial (default: the stage's minimum)")
 
 
+class LoraConfig(Strict):
+    """Low-rank adapters (PEFT's LoRA) instead of training every weight: the base weights stay frozen, only the
+    adapters (and `modules_to_save`) train and are checkpointed."""
+    r: int = Field(16, ge=1, description="the adapters' rank")
+    alpha: float = Field(32.0, gt=0, description="scaling: the update is alpha / r × B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; "
+        "all-linear: every linear layer but the LM head")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full beside the "
+                                       "adapters, e.g. [lm_head] after growing the vocabulary")
+    merge: bool = Field(False, description="also export the merged full checkpoint (hf/): served, evaluated and "
+                        "what a following stage starts from; the adapter folder (adapter/) is always written")
+
+
 # positions of the logits the loss upcasts to fp32 at once (train/loss.py); `amalia plan` counts one such chunk
 LOSS_CHUNK_POSITIONS = 2048
 
@@ -525,6 +540,8 @@ class TrainStageConfig(Strict):
         "previous", description="previous: start from the previous training stage's checkpoint (scratch for the first)"
     )
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the stage shrinks for `amalia sweep`")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters on the frozen starting weights (PEFT); "
+                                    "null: train every weight")
 
     @property
     def worker_range(self) -> tuple[int, int]:
@@ -849,6 +866,20 @@ class Recipe(Strict):
                     ModelConfig.model_validate({**self.model.model_dump(), **stage.proxy.model})
                 except ValueError as e:
                     raise ValueError(f"train stage '{stage.name}': proxy.model does not make a valid model: {e}") from None
+        for i, stage in enumerate(self.train):
+            if not stage.lora:
+                continue
+            if stage.objective == "grpo":
+                raise ValueError(f"train stage '{stage.name}': LoRA for GRPO is not implemented yet (the rollout "
+                                 "engine takes full weights); train it in full")
+            if stage.lora.merge:
+                continue
+            if i + 1 < len(self.train) and self.train[i + 1].init_from == "previous":
+                raise ValueError(f"train stage '{self.train[i + 1].name}' starts from '{stage.name}', a LoRA stage: "
+                                 f"set lora.merge: true on '{stage.name}' so it exports the merged weights")
+            if self.eval.tasks:
+                raise ValueError(f"train stage '{stage.name}': serving a LoRA adapter on its base engine is not "
+                                 "implemented yet; set lora.merge: true to serve and evaluate the merged weights")
         sources = {s.name for s in self.data.sources}
         for stage in self.train:
             curriculum = stage.curriculum if isinstance(stage, PretrainStage) else None

@@ -177,8 +177,11 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         inputs, named = by_content(
             {**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})})
         gpu = use_gpu(p)
+        # a LoRA stage exports its adapter folder, and the merged weights when it merges
+        outputs = {**({"adapter": d(stage.name) / "adapter"} if stage.lora else {}),
+                   **({} if stage.lora and not stage.lora.merge else {"checkpoint": p.checkpoint_of(stage.name)})}
         yield StageSpec(
-            stage.name, [stage, r.model, r.run.seed, *([named] if named else [])], inputs, {"checkpoint": p.checkpoint_of(stage.name)},
+            stage.name, [stage, r.model, r.run.seed, *([named] if named else [])], inputs, outputs,
             _train_body(p, stage, init, gpu),
             {"workers": stage.num_workers, "CPU_per_worker": stage.cpus_per_worker, "GPU_per_worker": int(gpu),
              "placement": stage.placement},

@@ -25,8 +25,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+
+# what trains: every weight in full training; with LoRA the adapters only (the frozen base comes from its export)
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+
+
+def loading_options(model) -> StateDictOptions:
+    """Loading what `TRAINED` saved: every weight strictly, or with frozen weights (LoRA's base, loaded from its
+    export) the trained ones only."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 TRAIN_STATE = "train_state.json"
 DCP_METADATA = ".metadata"
@@ -41,7 +51,7 @@ class CheckpointWriteError(RuntimeError):
 
 
 def save(folder: Path, model, optimizer, train_state: dict) -> None:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
     rank = dist.get_rank()
     torch.save(torch.get_rng_state(), folder / RNG.format(rank=rank))
@@ -182,7 +192,7 @@ def _damaged(files: CheckpointFiles, wanted: dict[str, list[int] | None], digest
 def restore(candidates: list, model, optimizer, device: torch.device) -> dict:
     """Load the newest of `candidates` (ray.train.Checkpoint, newest first) whose files every rank finds intact;
     returns its train state. Every rank takes part in each check (a collective on `device`)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
     state = {"model": model_sd, "optim": optim_sd}
     rank = dist.get_rank()
     for checkpoint in candidates:
@@ -196,7 +206,8 @@ def restore(candidates: list, model, optimizer, device: torch.device) -> dict:
                     log.warning(f"checkpoint {checkpoint.path} is damaged ({'; '.join(wrong[:3])}): trying an older one")
                 continue
             dcp.load(state, checkpoint_id=str(files.folder))
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=loading_options(model))
             rng = files.get(RNG.format(rank=rank))
             if rng is not None:
                 torch.set_rng_state(torch.load(rng, weights_only=True))

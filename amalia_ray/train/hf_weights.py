@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.train.lora import base_name, is_adapter
 
 INDEX = "model.safetensors.index.json"
 # activation checkpointing's and torch.compile's wrappers: part of the training module's names, not a checkpoint's
@@ -25,6 +26,12 @@ def plain_name(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's tensors a checkpoint holds, by their name there: without the wrappers' prefixes and, in a model
+    with LoRA adapters, the base weights by their own names (the adapters are not in it)."""
+    return {base_name(plain_name(n)): t for n, t in model.state_dict(keep_vars=True).items() if not is_adapter(n)}
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
@@ -50,8 +57,8 @@ def check_names(model, available: set[str], folder: Path) -> dict[str, str]:
     """Model state name -> the checkpoint name it loads from. Tied weights (one tensor under two names, e.g. an LM
     head tied to the embeddings) need one of their names only. Any missing or unexpected name fails with the names."""
     by_tensor: dict[int, list[str]] = defaultdict(list)
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        by_tensor[id(tensor)].append(plain_name(name))
+    for name, tensor in checkpoint_tensors(model).items():
+        by_tensor[id(tensor)].append(name)
     plan, missing = {}, []
     for names in by_tensor.values():
         found = [n for n in names if n in available]
@@ -83,7 +90,7 @@ def load_sharded(model, folder: Path, new_token_ids: list[int] | None = None) ->
 
     files = weight_files(folder)
     plan = check_names(model, set(files), folder)
-    targets = {plain_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
+    targets = checkpoint_tensors(model)
     vocab_sized = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())
                    if m is not None} if new_token_ids else set()
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -159,23 +166,35 @@ def stored_dtype(folder: Path) -> str | None:
     return None
 
 
+def gather_full(model) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) weights on rank 0's CPU, by module name without the wrappers' prefixes; None on the
+    other ranks. A collective: every rank calls it."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {plain_name(k): v for k, v in full.items()} if dist.get_rank() == 0 else None
+
+
 def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path, generation_config: dict | None = None,
               dtype: str | None = None) -> None:
     """Gather the full weights (a collective: every rank calls this) and let rank 0 write a HF checkpoint that
-    transformers and vLLM load: config.json, safetensors weights (in `dtype`: a base model's own, so loading and
-    exporting untrained weights is bit-identical), generation_config.json and the tokenizer files (chat template
-    included)."""
+    transformers and vLLM load (write_hf)."""
+    state = gather_full(model)
+    if state is not None:
+        write_hf(state, hf_config, out_dir, tokenizer_dir, generation_config, dtype)
+
+
+def write_hf(state: dict[str, torch.Tensor], hf_config, out_dir: Path, tokenizer_dir: Path,
+             generation_config: dict | None = None, dtype: str | None = None) -> None:
+    """Write full weights as a HF checkpoint: config.json, safetensors weights (in `dtype`: a base model's own, so
+    loading and exporting untrained weights is bit-identical), generation_config.json and the tokenizer files (chat
+    template included)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     cast = getattr(torch, dtype) if dtype else None
-    state = {plain_name(k): (v.to(cast) if cast is not None and v.is_floating_point() else v) for k, v in full.items()}
+    state = {k: (v.to(cast) if cast is not None and v.is_floating_point() else v) for k, v in state.items()}
     plain.load_state_dict(state, assign=True, strict=False)
     plain.tie_weights()
     if cast is not None:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from amalia_ray.train import checkpoint
+from amalia_ray.train import checkpoint, lora
 from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
 from amalia_ray.core.flops import flops_per_token_of
@@ -117,9 +117,11 @@ def train_loop(config: dict) -> None:
     model = build(hf_config, device,
                   lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"], stage.get("compile", False)),
                   init_dir=Path(init_dir) if init_dir else None, seed=config["seed"], trust_remote_code=remote_code,
-                  new_token_ids=config.get("new_token_ids"))
+                  new_token_ids=config.get("new_token_ids"), lora=stage.get("lora"))
+    # everything but what LoRA freezes: the optimizer's state (and the checkpoints) hold only what trains
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=stage["lr"], betas=tuple(stage["betas"]), weight_decay=stage["weight_decay"]
+        [p for p in model.parameters() if p.requires_grad], lr=stage["lr"], betas=tuple(stage["betas"]),
+        weight_decay=stage["weight_decay"]
     )
 
     gbs, micro, seed = stage["global_batch_size"], stage["micro_batch_size"], config["seed"]
@@ -231,6 +233,11 @@ def train_loop(config: dict) -> None:
         board.close()
     if stopping:
         return  # the stage carries on from the checkpoint in the next run; it exports when it completes
-    export_hf(model, hf_config, Path(config["export_dir"]), Path(config["tokenizer_dir"]),
-              config.get("generation_config"), config.get("export_dtype"))
+    if stage.get("lora"):
+        merged = Path(config["export_dir"]) if stage["lora"]["merge"] else None
+        lora.export(model, hf_config, stage["lora"], stage_dir / "adapter", merged, Path(config["tokenizer_dir"]),
+                    config.get("generation_config"), config.get("export_dtype"), init_dir)
+    else:
+        export_hf(model, hf_config, Path(config["export_dir"]), Path(config["tokenizer_dir"]),
+                  config.get("generation_config"), config.get("export_dtype"))
     dist.barrier()

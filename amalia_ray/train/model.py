@@ -145,10 +145,12 @@ def check_attention(kernel: str | None, device: torch.device) -> None:
 
 
 def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: int,
-          trust_remote_code: bool = False, new_token_ids: list[int] | None = None):
+          trust_remote_code: bool = False, new_token_ids: list[int] | None = None, lora: dict | None = None):
     """The training model, sharded by `shard(model)`: random weights from `seed` for a new model, or the
     checkpoint in `init_dir` (a base model or the previous stage's export) read shard by shard into each rank,
-    the rows of `new_token_ids` (an extended vocabulary) starting at the mean of the checkpoint's."""
+    the rows of `new_token_ids` (an extended vocabulary) starting at the mean of the checkpoint's. With `lora`,
+    PEFT's adapters are added before sharding and everything else is frozen."""
+    from amalia_ray.train import lora as adapters
     from amalia_ray.train.hf_weights import load_sharded
 
     check_attention(getattr(config, "_attn_implementation", None), device)
@@ -156,10 +158,17 @@ def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: i
     if init_dir is None:
         torch.manual_seed(seed)
         model = instantiate(config, empty=False, trust_remote_code=trust_remote_code).to(device)
+        if lora:
+            adapters.add_adapters(model, lora)
+            adapters.init_adapters(model, seed)
         shard(model)
         return model
     model = instantiate(config, empty=True, trust_remote_code=trust_remote_code)
+    if lora:
+        adapters.add_adapters(model, lora)
     shard(model)
     materialize(model, device)
     load_sharded(model, Path(init_dir), new_token_ids)
+    if lora:
+        adapters.init_adapters(model, seed)
     return model
