@@ -57,7 +57,7 @@ def run_ours(args, chats: Path, tok_dir: Path, model_cfg, tmp: Path) -> dict:
     stage = SFTStage(name="sft", objective="sft", dataset=str(chats), seq_len=args.seq_len, steps=args.steps,
                      global_batch_size=args.batch, micro_batch_size=args.batch // args.workers,
                      num_workers=args.workers, cpus_per_worker=args.threads, lr=1e-3, warmup_steps=0,
-                     compile=args.compile,
+                     compile=args.compile, lora=getattr(args, "lora", None),
                      checkpoint_every=10**6, log_every=10**6)
     t0 = time.perf_counter()
     run_train_stage(stage, model_cfg, data_dir=chats, tokenizer_dir=tok_dir, init_hf_dir=None,
@@ -68,10 +68,11 @@ def run_ours(args, chats: Path, tok_dir: Path, model_cfg, tmp: Path) -> dict:
     history = everything[WARMUP:]
     seconds = sum(h["step_time_s"] for h in history)
     return {"tokens_per_s": sum(h["tokens"] for h in history) / seconds, "wall_s": wall,
-            "mean_loss": sum(h["loss"] for h in everything) / len(everything)}
+            "mean_loss": sum(h["loss"] for h in everything) / len(everything),
+            "peak_rss_gb": max(h["memory_gb"] for h in everything)}
 
 
-def run_trl(args, conversations: list[dict], tok_dir: Path, hf_config, tmp: Path) -> dict:
+def run_trl(args, conversations: list[dict], tok_dir: Path, hf_config, tmp: Path, peft_config=None) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, LlamaForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -86,7 +87,8 @@ def run_trl(args, conversations: list[dict], tok_dir: Path, hf_config, tmp: Path
                        lr_scheduler_type="constant", report_to=[], use_cpu=True, bf16=False, logging_steps=10**6,
                        save_strategy="no", dataloader_num_workers=0, seed=0, torch_compile=args.compile)
     t0 = time.perf_counter()
-    trainer = SFTTrainer(model=model, args=config, processing_class=tok, train_dataset=Dataset.from_list(rows))
+    trainer = SFTTrainer(model=model, args=config, processing_class=tok, train_dataset=Dataset.from_list(rows),
+                         peft_config=peft_config)
     tokens_per_step: list[int] = []
     collate = trainer.data_collator
 
@@ -109,7 +111,10 @@ def run_trl(args, conversations: list[dict], tok_dir: Path, hf_config, tmp: Path
     wall = time.perf_counter() - t0
     seconds = sum(step_times[WARMUP:])
     tokens_per_s = sum(tokens_per_step[WARMUP:len(step_times)]) / seconds
-    return {"tokens_per_s": tokens_per_s, "wall_s": wall, "mean_loss": result.training_loss}
+    import resource
+
+    return {"tokens_per_s": tokens_per_s, "wall_s": wall, "mean_loss": result.training_loss,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def main() -> None:
