@@ -80,6 +80,7 @@ bench: install corpus
 	$(RUN_BENCH) serve_start serve_start.py --rounds 2
 	$(RUN_BENCH) train_vs_trl train_vs_trl.py
 	$(RUN_BENCH) train_vs_trl_compiled train_vs_trl.py --compile
+	$(RUN_BENCH) lora_vs_trl lora_vs_trl.py
 	$(RUN_BENCH) train_throughput train_throughput.py
 	$(RUN_BENCH) dedup_vs_datatrove dedup_vs_datatrove.py
 	$(RUN_BENCH) curation_throughput curation_throughput.py

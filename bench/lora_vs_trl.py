@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import tempfile
 import time
 from pathlib import Path
 
-from train_vs_trl import build_inputs, run_ours, run_trl
+from train_vs_trl import bench_model, build_inputs, run_ours, run_trl
 
 
 def _trl_child(args, conversations, tok_dir, hf_config_dict, tmp, lora, queue) -> None:
@@ -44,14 +43,10 @@ def main() -> None:
     args.workers, args.compile = 1, False
     args.lora = {"r": args.r, "alpha": 2.0 * args.r, "dropout": 0.0, "target_modules": "all-linear",
                  "modules_to_save": [], "merge": False}
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model_cfg = bench_model(args.seq_len)
 
-    from amalia_ray.core.config import ModelConfig
     from amalia_ray.train.stage import hf_config_dict
 
-    model_cfg = ModelConfig(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=4,
-                            max_position_embeddings=max(512, args.seq_len))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         chats, tok_dir, conversations = build_inputs(tmp)

@@ -32,6 +32,16 @@ MANUAL = Path("/usr/share/debian-reference/debian-reference.pt.txt.gz")
 WARMUP = 3
 
 
+def bench_model(seq_len: int):
+    """The benchmark's model (a local Ray without token auth, tokenizers without their own threads)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from amalia_ray.core.config import ModelConfig
+
+    return ModelConfig(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=4,
+                       max_position_embeddings=max(512, seq_len))
+
+
 def build_inputs(tmp: Path) -> tuple[Path, Path, list[dict]]:
     from amalia_ray.core.config import TokenizerConfig
     from amalia_ray.data.conversations import faq_conversations, write_jsonl
@@ -127,18 +137,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model_cfg = bench_model(args.seq_len)
 
     from transformers import LlamaConfig
 
-    from amalia_ray.core.config import ModelConfig
     from amalia_ray.core.flops import flops_per_token_of
     from amalia_ray.train.metrics import matmul_peak_flops
     from amalia_ray.train.stage import hf_config_dict
 
-    model_cfg = ModelConfig(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=4,
-                            max_position_embeddings=max(512, args.seq_len))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         chats, tok_dir, conversations = build_inputs(tmp)
