@@ -153,7 +153,7 @@ say() {{ echo "[amalia $(date +%H:%M:%S)] $*"; }}
 {chr(10).join(setup)}
 nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 head_node=${{nodes[0]}}
-head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" hostname --ip-address | awk '{{print $1}}')
+head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" sh -c 'hostname --ip-address || hostname -I' | awk '{{print $1}}')
 export RAY_ADDRESS=$head_ip:{job.ray_port}  # Ray's own processes too: a node may run other Ray instances
 ray_address=$RAY_ADDRESS
 ray_tmp={job.scratch}/ray-$SLURM_JOB_ID
