@@ -62,3 +62,39 @@ def test_promote_writes_the_winner_with_its_provenance(tmp_path):
 def test_promote_needs_a_finished_sweep(tmp_path):
     with pytest.raises(AmaliaError, match="not a finished sweep"):
         promote(tmp_path)
+
+
+def test_a_lora_stage_sweeps_its_adapters_and_promotes_them(tmp_path):
+    from amalia_ray.pipeline.sweep import trial_stage_of
+
+    recipe = write_recipe(tmp_path, **{"train.0.lora": {"r": 8, "merge": True}})
+    stage = load_recipe(recipe).recipe.train[0]
+    space = SweepSpace.model_validate({"parameters": {
+        "lora.r": {"values": [4, 16]}, "lora.alpha": {"distribution": "uniform", "low": 8, "high": 32},
+        "lora.target_modules": {"values": [["q_proj", "v_proj"], "all-linear"]}, "lr": {"values": [0.001]}}})
+    space.check_against(stage, ["debian-reference-pt", "debian-faq-pt"])
+    trial = trial_stage_of(stage.model_dump(), {"lora.r": 16, "lora.alpha": 20.0, "lr": 0.001}, None)
+    assert (trial.lora.r, trial.lora.alpha, trial.lora.merge, trial.lr) == (16, 20.0, True, 0.001)
+    with pytest.raises(AmaliaError, match="tunable LoRA fields: lora.r"):
+        SweepSpace.model_validate({"parameters": {"lora.merge": {"values": [False]}}}).check_against(stage, [])
+    with pytest.raises(AmaliaError, match="does not fit"):
+        SweepSpace.model_validate({"parameters": {"lora.r": {"values": [0]}}}).check_against(stage, [])
+    (tmp_path / "full").mkdir()
+    unmerged = load_recipe(write_recipe(tmp_path / "full", **{"train.0.lora": {"r": 8}},
+                                        **{"eval.tasks": []})).recipe.train[0]
+    with pytest.raises(AmaliaError, match="set lora.merge: true"):
+        SweepSpace.model_validate({"parameters": {"lora.r": {"values": [4]}},
+                                   "benchmark": {"task": "pt-mc-sample"}}).check_against(unmerged, [])
+    full = load_recipe(write_recipe(tmp_path / "full")).recipe.train[0]
+    with pytest.raises(AmaliaError, match="trains no LoRA adapters"):
+        space.check_against(full, [])
+
+    sweep_dir = tmp_path / "runs" / "demo" / "sweeps" / "pretrain-lora"
+    sweep_dir.mkdir(parents=True)
+    best = {"trial_id": "t1", "config": {"lora.r": 16, "lr": 0.001}, "metric": 5.0, "best_metric": 5.0, "steps": 30,
+            "status": "completed"}
+    (sweep_dir / "sweep.json").write_text(json.dumps({
+        "sweep_id": "pretrain-lora", "recipe": str(recipe), "run": "demo", "stage": "pretrain", "metric": "val_loss",
+        "mode": "min", "space": {}, "proxy": {}, "best": best, "trials": [best]}))
+    promoted = load_recipe(promote(sweep_dir)).recipe.train[0]
+    assert promoted.lora.r == 16 and promoted.lora.merge and promoted.lr == 0.001

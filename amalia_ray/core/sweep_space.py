@@ -12,6 +12,7 @@ an unknown field, an empty range or a value of the wrong type fails in a second,
       schedule: {values: [cosine, wsd]}
       global_batch_size: {values: [8, 16]}
       mix.debian-faq-pt: {values: [0.5, 1, 2]}     # a data source's sampling weight (pretraining)
+      lora.r: {values: [8, 16, 32]}                # a LoRA stage's adapters (lora.alpha, .dropout, .target_modules)
     benchmark: {task: pt-mc-sample, top: 2}        # also serve the best finished trials and score them over HTTP
 """
 
@@ -30,6 +31,20 @@ from amalia_ray.core.errors import AmaliaError
 # never swept: they name or wire the stage rather than tune it
 FIXED_FIELDS = {"name", "objective", "dataset", "init_from", "proxy", "rollout", "curriculum", "rewards"}
 MIX = "mix."  # mix.<source>: that data source's sampling weight
+LORA = "lora."  # lora.<field>: a field of the stage's LoRA adapters
+LORA_TUNABLE = ("r", "alpha", "dropout", "target_modules")
+
+
+def with_values(stage: dict, values: dict[str, Any]) -> dict:
+    """A stage's fields (model_dump) with swept values put in: `lora.<field>` into its lora section; the data
+    mix (`mix.*`) is the curriculum's business, left out here."""
+    out = dict(stage)
+    for name, value in values.items():
+        if name.startswith(LORA):
+            out["lora"] = {**(out.get("lora") or {}), name[len(LORA):]: value}
+        elif not name.startswith(MIX):
+            out[name] = value
+    return out
 
 
 class Parameter(Strict):
@@ -82,8 +97,9 @@ class SweepSpace(Strict):
     max_concurrent_trials: int | None = Field(None, ge=1, description="default: as many as the cluster fits")
     seed: int = 0
     scheduler: Scheduler = Scheduler()
-    parameters: dict[str, Parameter] = Field(..., min_length=1, description="stage fields, or mix.<source> for the "
-                                             "sampling weight of a data source (pretraining)")
+    parameters: dict[str, Parameter] = Field(..., min_length=1, description="stage fields, mix.<source> for the "
+                                             "sampling weight of a data source (pretraining), or lora.r, "
+                                             "lora.alpha, lora.dropout, lora.target_modules")
     benchmark: Benchmark | None = Field(None, description="also score the best finished trials on an eval task, "
                                         "served over HTTP")
 
@@ -98,18 +114,25 @@ class SweepSpace(Strict):
     def check_against(self, stage: TrainStageConfig, sources: list[str]) -> None:
         """Every parameter is a tunable field of the stage (or the weight of one of the recipe's data `sources`) and
         each of its values makes a valid stage."""
+        if self.benchmark and stage.lora and not stage.lora.merge:
+            raise AmaliaError(f"benchmark: serving the trials' LoRA adapters on one base engine is not implemented "
+                              f"yet; set lora.merge: true on train stage '{stage.name}' to serve their merged weights")
         for name, param in self.parameters.items():
             if name.startswith(MIX):
                 _check_mix(name, param, stage, sources)
                 continue
-            fields = type(stage).model_fields
+            if name.startswith(LORA) and (stage.lora is None or name[len(LORA):] not in LORA_TUNABLE):
+                raise AmaliaError(f"parameters.{name}: " + (
+                    f"train stage '{stage.name}' trains no LoRA adapters (give it a lora: section)"
+                    if stage.lora is None else f"tunable LoRA fields: {', '.join(LORA + f for f in LORA_TUNABLE)}"))
+            fields = {**type(stage).model_fields, **({name: None} if name.startswith(LORA) else {})}
             if name not in fields or name in FIXED_FIELDS:
                 tunable = sorted(set(fields) - FIXED_FIELDS)
                 raise AmaliaError(f"parameters.{name}: not a tunable field of train stage '{stage.name}'; "
                                   f"tunable: {', '.join(tunable)}")
             for value in param.edges():
                 try:
-                    train_stage({**stage.model_dump(), name: value})
+                    train_stage(with_values(stage.model_dump(), {name: value}))
                 except ValidationError as e:
                     problem = "; ".join(f"{'.'.join(map(str, err['loc'])) or name}: {err['msg']}" for err in e.errors())
                     raise AmaliaError(f"parameters.{name}: value {value!r} does not fit train stage "

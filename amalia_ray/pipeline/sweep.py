@@ -18,7 +18,7 @@ from amalia_ray.core.config import ModelConfig, TrainStageConfig, train_stage
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.storage import write_json
-from amalia_ray.core.sweep_space import MIX, SweepSpace
+from amalia_ray.core.sweep_space import MIX, SweepSpace, with_values
 from amalia_ray.pipeline.spec import RunContext
 
 
@@ -51,10 +51,10 @@ def sweep_id(stage: TrainStageConfig, space: SweepSpace) -> str:
 
 def trial_stage_of(base: dict, config: dict, mix: dict[str, float] | None) -> TrainStageConfig:
     """The stage a trial trains: the proxy with the trial's values; swept source weights become a one-phase mix."""
-    fields = {k: v for k, v in config.items() if not k.startswith(MIX)}
+    fields = with_values(base, config)
     if mix is not None:
         fields["curriculum"] = {"phases": [{"until_tokens": None, "weights": mix}]}
-    return train_stage({**base, **fields})
+    return train_stage(fields)
 
 
 def _trial(config: dict, *, base: dict, model: dict, data_dir: str, tokenizer_dir: str, init_hf_dir: str | None,
@@ -89,7 +89,7 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
     for name, param in space.parameters.items():  # the proxy's fixed values may clash with a swept one
         for value in param.edges() if not name.startswith(MIX) else []:
             try:
-                train_stage({**trial_stage.model_dump(), name: value})
+                train_stage(with_values(trial_stage.model_dump(), {name: value}))
             except ValueError as e:
                 raise AmaliaError(f"parameters.{name}: value {value!r} does not fit the proxy of train stage "
                                   f"'{stage_name}': {e}") from None
@@ -247,7 +247,7 @@ def promote(sweep_dir: Path, out: Path | None = None) -> Path:
     if entry is None:
         raise AmaliaError(f"{source} has no train stage '{info['stage']}' any more")
     best = info["best"]
-    entry.update({k: v for k, v in best["config"].items() if not k.startswith(MIX)})
+    entry.update(with_values(entry, best["config"]))
     if mix := {k[len(MIX):]: v for k, v in best["config"].items() if k.startswith(MIX)}:
         weights = {s["name"]: s.get("weight", 1.0) for s in data.get("data", {}).get("sources", [])}
         entry["curriculum"] = {"phases": [{"until_tokens": None, "weights": {**weights, **mix}}]}
