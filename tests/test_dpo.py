@@ -123,23 +123,31 @@ def test_dpo_loss_and_rewards_equal_trl(tokenizer, faq, tmp_path, conversational
         assert abs(ours_metrics[key] - trl_metrics[key]) < 1e-4, key
 
 
-def test_dpo_training_separates_chosen_from_rejected(tokenizer, faq, tmp_path):
-    """The objective in a plain loop: on a few fixed pairs the policy learns to prefer each chosen answer."""
-    tok, tok_dir = tokenizer
+def _fixed_pairs(tok_dir, faq, tmp_path) -> DPO:
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in mismatched_answer_pairs(faq[:4], 0)))
-    dpo = DPO(data, tok_dir, seq_len=256, beta=0.1, validation_fraction=0.0)
-    model = tiny_llama(len(tok), seed=0)
+    return DPO(data, tok_dir, seq_len=256, beta=0.1, validation_fraction=0.0)
+
+
+def _train(dpo: DPO, model, lr: float, steps: int) -> list[dict]:
+    """The objective in a plain loop on all its pairs at every step: each step's loss and metrics."""
     dpo.prepare(model, micro=4, rank=0, world=1, device=torch.device("cpu"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     rows = torch.arange(len(dpo.pairs["train"])).numpy()
     history = []
-    for _ in range(25):
+    for _ in range(steps):
         loss_sum, n = dpo.loss(model, dpo.batch(rows))
         (loss_sum / n).backward()
         optimizer.step()
         optimizer.zero_grad()
         history.append({k: s / c for k, (s, c) in dpo.take_metrics().items()} | {"loss": loss_sum.item() / n})
+    return history
+
+
+def test_dpo_training_separates_chosen_from_rejected(tokenizer, faq, tmp_path):
+    """The objective in a plain loop: on a few fixed pairs the policy learns to prefer each chosen answer."""
+    tok, tok_dir = tokenizer
+    history = _train(_fixed_pairs(tok_dir, faq, tmp_path), tiny_llama(len(tok), seed=0), lr=3e-3, steps=25)
     assert abs(history[0]["loss"] - 0.6931) < 1e-3
     assert history[-1]["loss"] < 0.2 and history[-1]["rewards/accuracies"] == 1.0
     assert history[-1]["rewards/margins"] > history[0]["rewards/margins"] + 1.0
@@ -151,24 +159,12 @@ def test_dpo_with_lora_adapters_starts_from_the_base_as_its_reference_and_leaves
     from amalia_ray.train.lora import add_adapters, init_adapters
 
     tok, tok_dir = tokenizer
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in mismatched_answer_pairs(faq[:4], 0)))
-    dpo = DPO(data, tok_dir, seq_len=256, beta=0.1, validation_fraction=0.0)
     model = tiny_llama(len(tok), seed=0)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     add_adapters(model, {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear",
                          "modules_to_save": [], "merge": False})
     init_adapters(model, seed=0)
-    dpo.prepare(model, micro=4, rank=0, world=1, device=torch.device("cpu"))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    rows = torch.arange(len(dpo.pairs["train"])).numpy()
-    losses = []
-    for _ in range(15):
-        loss_sum, n = dpo.loss(model, dpo.batch(rows))
-        (loss_sum / n).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss_sum.item() / n)
+    losses = [h["loss"] for h in _train(_fixed_pairs(tok_dir, faq, tmp_path), model, lr=1e-2, steps=15)]
     assert abs(losses[0] - 0.6931) < 1e-3
     assert losses[-1] < losses[0] - 0.1, losses
     frozen = {n.replace(".base_layer", ""): p for n, p in model.named_parameters() if ".lora_" not in n}
