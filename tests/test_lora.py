@@ -212,6 +212,7 @@ def test_the_recipe_refuses_what_lora_does_not_do_yet(tmp_path):
 
 def test_modules_to_save_train_in_full_and_travel_with_the_adapter(trained, tmp_path):
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from amalia_ray.core.config import ModelConfig
@@ -229,6 +230,7 @@ def test_modules_to_save_train_in_full_and_travel_with_the_adapter(trained, tmp_
         model(input_ids=ids, labels=ids).loss.backward()
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
         lora.export(model, config, cfg, tmp_path / "adapter", tmp_path / "hf", folder, None, "float32", str(folder))
+        lora.export(model, config, cfg, tmp_path / "alone", None, folder, None, "float32", str(folder))
     finally:
         dist.destroy_process_group()
     base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -236,5 +238,8 @@ def test_modules_to_save_train_in_full_and_travel_with_the_adapter(trained, tmp_
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     with torch.no_grad():
         assert torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+    # without a merge only the trained weights are gathered: the same adapter folder
+    alone, merged_too = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("alone", "adapter"))
+    assert alone.keys() == merged_too.keys() and all(torch.equal(alone[k], merged_too[k]) for k in alone)
     fresh = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)  # `base` now carries the adapter
     assert not torch.allclose(fresh.lm_head.weight, merged.lm_head.weight), "the LM head trained in full"

@@ -86,7 +86,6 @@ def load_sharded(model, folder: Path, new_token_ids: list[int] | None = None) ->
     those tokens' rows start at the mean of the checkpoint's rows."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     files = weight_files(folder)
     plan = check_names(model, set(files), folder)
@@ -110,13 +109,20 @@ def load_sharded(model, folder: Path, new_token_ids: list[int] | None = None) ->
                     raise AmaliaError(f"{file.name}: '{plan[name]}' has shape {tuple(stored.get_shape())}, the model "
                                       f"expects {tuple(target.shape)} (config.json and weights disagree)")
                 if isinstance(target, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
-                                                                          target.placements)
-                    local = target.to_local()
-                    if local.numel():
-                        local.copy_(stored[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+                    fill_local(target, stored)
                 else:
                     target.copy_(stored[:] if len(target.shape) else handle.get_tensor(plan[name]))
+
+
+def fill_local(target, full) -> None:
+    """Copy into a sharded parameter this rank's part of `full` (a tensor, or a safetensors slice read lazily): no
+    collective, each rank takes its own rows."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    local = target.to_local()
+    if local.numel():
+        local.copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
 
 
 def _load_vocab_rows(target, stored, new_ids: list[int], where: str) -> None:
@@ -166,10 +172,11 @@ def stored_dtype(folder: Path) -> str | None:
     return None
 
 
-def gather_full(model) -> dict[str, torch.Tensor] | None:
-    """The full (unsharded) weights on rank 0's CPU, by module name without the wrappers' prefixes; None on the
-    other ranks. A collective: every rank calls it."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def gather_full(model, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) weights on rank 0's CPU — or only those that train (LoRA's adapters) — by module name
+    without the wrappers' prefixes; None on the other ranks. A collective: every rank calls it."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=trained_only))
     return {plain_name(k): v for k, v in full.items()} if dist.get_rank() == 0 else None
 
 

@@ -58,9 +58,9 @@ def init_adapters(model, seed: int) -> None:
     `kaiming_uniform_(a=√5)`, B zeros (so the adapted model starts equal to the base). Each A is drawn whole from a
     generator seeded by the seed and its name — the same on every rank and every run — and each rank keeps its
     shard."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
-    from amalia_ray.train.hf_weights import plain_name
+    from amalia_ray.train.hf_weights import fill_local, plain_name
 
     for name, param in model.named_parameters():
         if not is_adapter(name):
@@ -73,28 +73,24 @@ def init_adapters(model, seed: int) -> None:
             bound = math.sqrt(6 / ((1 + 5) * fan_in))  # kaiming_uniform_ with a = sqrt(5)
             full.uniform_(-bound, bound, generator=gen)
         if isinstance(param, DTensor):
-            param.to_local().copy_(distribute_tensor(full.to(param.device), param.device_mesh,
-                                                     param.placements).to_local())
+            fill_local(param, full)
         else:
             param.copy_(full.to(param.device))
-
-
-def adapter_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def export(model, hf_config, cfg: dict, adapter_dir: Path, merged_dir: Path | None, tokenizer_dir: Path,
            generation_config: dict | None, dtype: str | None, base: str | None) -> None:
     """Gather the adapted model (a collective) and let rank 0 write the PEFT adapter folder and, with `merged_dir`,
-    the merged checkpoint (write_hf: what transformers and vLLM load, in the starting checkpoint's dtype)."""
+    the merged checkpoint (write_hf: what transformers and vLLM load, in the starting checkpoint's dtype). Without a
+    merge only the trained weights are gathered: the base stays where it is."""
     import shutil
 
     from amalia_ray.train.hf_weights import gather_full, write_hf
 
-    state = gather_full(model)
+    state = gather_full(model, trained_only=merged_dir is None)
     if state is None:
         return
-    wrapped = _peft_model(state, hf_config, cfg, base)
+    wrapped = _peft_model(state, hf_config, cfg, base, with_base=merged_dir is not None)
     tmp = adapter_dir.with_name(adapter_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     wrapped.save_pretrained(str(tmp))
@@ -105,8 +101,9 @@ def export(model, hf_config, cfg: dict, adapter_dir: Path, merged_dir: Path | No
         write_hf(merged.state_dict(), hf_config, merged_dir, tokenizer_dir, generation_config, dtype)
 
 
-def _peft_model(state: dict, hf_config, cfg: dict, base: str | None):
-    """PEFT's own model of the base with these adapters, holding the gathered weights."""
+def _peft_model(state: dict, hf_config, cfg: dict, base: str | None, with_base: bool):
+    """PEFT's own model of the base with these adapters, holding the gathered weights (`with_base`: all of them;
+    else the trained ones, the base left on the meta device — enough to write the adapter folder)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -123,8 +120,9 @@ def _peft_model(state: dict, hf_config, cfg: dict, base: str | None):
                 at = parts.index(module) + 1
                 for kept in ([f"modules_to_save.{ADAPTER_NAME}"], ["original_module"]):
                     full[".".join(parts[:at] + kept + parts[at:])] = value
-    if missing := sorted(names - set(full)):
+    needed = names if with_base else {n for n in names if is_adapter(n) or ".modules_to_save." in n}
+    if missing := sorted(needed - set(full)):
         raise RuntimeError(f"the LoRA export lacks {len(missing)} weight(s) of PEFT's model: {missing[:5]}")
-    inner.load_state_dict({k: full[k] for k in names}, strict=True, assign=True)
+    inner.load_state_dict({k: full[k] for k in needed}, strict=with_base, assign=True)
     inner.tie_weights()
     return wrapped
