@@ -121,12 +121,14 @@ class SweepSpace(Strict):
             if name.startswith(MIX):
                 _check_mix(name, param, stage, sources)
                 continue
-            if name.startswith(LORA) and (stage.lora is None or name[len(LORA):] not in LORA_TUNABLE):
-                raise AmaliaError(f"parameters.{name}: " + (
-                    f"train stage '{stage.name}' trains no LoRA adapters (give it a lora: section)"
-                    if stage.lora is None else f"tunable LoRA fields: {', '.join(LORA + f for f in LORA_TUNABLE)}"))
-            fields = {**type(stage).model_fields, **({name: None} if name.startswith(LORA) else {})}
-            if name not in fields or name in FIXED_FIELDS:
+            if name.startswith(LORA):
+                if stage.lora is None:
+                    raise AmaliaError(f"parameters.{name}: train stage '{stage.name}' trains no LoRA adapters "
+                                      "(give it a lora: section)")
+                if name[len(LORA):] not in LORA_TUNABLE:
+                    raise AmaliaError(f"parameters.{name}: tunable LoRA fields: "
+                                      f"{', '.join(LORA + f for f in LORA_TUNABLE)}")
+            elif name not in (fields := type(stage).model_fields) or name in FIXED_FIELDS:
                 tunable = sorted(set(fields) - FIXED_FIELDS)
                 raise AmaliaError(f"parameters.{name}: not a tunable field of train stage '{stage.name}'; "
                                   f"tunable: {', '.join(tunable)}")
