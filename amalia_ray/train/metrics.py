@@ -46,12 +46,13 @@ def _sync(device: torch.device) -> None:
 
 
 def memory_gb(device: torch.device) -> float:
-    """Peak memory of this worker: allocated accelerator memory on GPU, resident set size on CPU."""
+    """Peak memory of this worker: allocated accelerator memory on GPU, the process's peak resident set size on CPU
+    (Linux reports it in KiB)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import psutil
+    import resource
 
-    return psutil.Process().memory_info().rss / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 class TensorBoard:
