@@ -114,3 +114,30 @@ def demo_run(ray_cluster, recipe_path, other_team):
 
 
 DEMO_PRETRAIN_METRICS = "demo-pretrain-metrics.jsonl"
+
+
+@pytest.fixture(scope="session")
+def post_training(demo_run, recipe_path) -> Path:
+    """The demo run continued: pretrain -> LoRA sft (merged) on conversations made from the Debian FAQ -> on-policy
+    dpo, trained up to sft here (test_e2e.py trains the rest; test_e2e_serving.py serves the sft adapter). Returns
+    the recipe."""
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.data.conversations import write_faq_conversations, write_jsonl
+    from amalia_ray.data.tasks import arithmetic_tasks
+    from amalia_ray.pipeline.runner import Pipeline
+
+    chats = recipe_path.parent / "faq-chat.jsonl"
+    assert write_faq_conversations(Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"), chats) >= 100
+    tasks = recipe_path.parent / "dpo-tasks.jsonl"
+    write_jsonl(arithmetic_tasks(48, seed=1), tasks)
+    data = yaml.safe_load(recipe_path.read_text())
+    sft = {**common_fields(data["train"][0]), "name": "sft", "objective": "sft", "dataset": str(chats),
+           "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 4}
+    dpo = {**sft, "name": "dpo", "objective": "dpo", "dataset": str(tasks), "on_policy": True, "num_generations": 4,
+           "max_completion_length": 24, "seq_len": 160, "rewards": ["exact_answer", "has_number"], "steps": 4,
+           "lr": 0.0005, "beta": 0.1, "checkpoint_every": 4}
+    data["train"] += [{**sft, "lora": {"r": 8, "alpha": 16, "merge": True}}, dpo]
+    post_recipe = recipe_path.parent / "post.yaml"
+    post_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    Pipeline(load_recipe(post_recipe)).run(until="sft")
+    return post_recipe

@@ -1,5 +1,5 @@
-"""Faults, end to end on the session's Ray cluster: in one run, training workers SIGKILLed three times within the
-failure budget and then the driver killed mid-stage; a checkpoint write that fails half way; and the same recipe run
+"""Faults, end to end on the session's Ray cluster: in one run, a training worker SIGKILLed within the failure budget
+and then the driver killed mid-stage; a checkpoint write that fails half way; and the same recipe run
 twice giving the same data hashes and (before the first kill) the same loss at every step. (A Serve replica killed
 during an evaluation: tests/test_e2e.py, beside the server.)"""
 
@@ -52,15 +52,16 @@ def assert_same_losses(history: list[dict], reference: list[dict], tolerance: fl
 
 
 def test_killed_workers_then_a_killed_driver_resume_at_the_same_losses(demo_run, recipe_path, uninterrupted):
-    """`amalia run` with max_failures: 3, and a training worker SIGKILLed at three random steps: Ray Train restarts
-    the workers from the latest checkpoint each time, inside the same run, each kill costing at most one checkpoint
-    interval. Then the driver itself is SIGKILLed (its Ray job and workers die with it): the manifest shows the stage
-    as interrupted, and running it again resumes from its checkpoint, not step 0. The loss at every step equals the
-    uninterrupted run's: bit for bit before the first kill (the same recipe run twice, each from step 0), within
-    1e-4 after the restarts, the final step included."""
+    """`amalia run` with max_failures: 1, and a training worker SIGKILLed at a random step: Ray Train restarts the
+    workers from the latest checkpoint, inside the same run, the kill costing at most one checkpoint interval. Then
+    the driver itself is SIGKILLed (its Ray job and workers die with it): the manifest shows the stage as
+    interrupted, and running it again resumes from its checkpoint, not step 0. The loss at every step equals the
+    uninterrupted run's: bit for bit before the kill (the same recipe run twice, each from step 0), within 1e-4
+    after the restarts, the final step included. (Workers lost again and again, to nodes going away and coming
+    back: tests/test_multinode.py.)"""
     import ray
 
-    recipe = fault_recipe(recipe_path, "kills", **{"train.0.max_failures": 3})
+    recipe = fault_recipe(recipe_path, "kills", **{"train.0.max_failures": 1})
     run_dir = recipe_path.parent / "runs" / "e2e"
     metrics = run_dir / "pretrain" / "metrics.jsonl"
     metrics.unlink(missing_ok=True)  # the earlier history of this stage
@@ -70,7 +71,7 @@ def test_killed_workers_then_a_killed_driver_resume_at_the_same_losses(demo_run,
                               env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     driver.log = log
     rng = random.Random(int(os.environ.get("AMALIA_FAULT_SEED", "8")))
-    targets = [rng.randint(6, 8), rng.randint(14, 16), rng.randint(22, 24)]
+    targets = [rng.randint(6, 18)]
     killed_at, resumable = [], []
     for target in targets:
         # a worker dies once the step is reached and the checkpoint of its interval is registered
@@ -79,9 +80,9 @@ def test_killed_workers_then_a_killed_driver_resume_at_the_same_losses(demo_run,
         resumable.append(_registered_step(run_dir))
         _kill_a_training_worker()
         killed_at.append(_last_step(metrics))
-    # then the driver, past the next registered checkpoint of the fourth attempt
+    # then the driver, past the next registered checkpoint of the restarted attempt
     _wait(lambda: _registered_step(run_dir) > killed_at[-1] and _last_step(metrics) > _registered_step(run_dir),
-          "a registered checkpoint after the third restart", driver)
+          "a registered checkpoint after the restart", driver)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     driver_killed_at = _last_step(metrics)
@@ -95,12 +96,12 @@ def test_killed_workers_then_a_killed_driver_resume_at_the_same_losses(demo_run,
     rec = resumed.manifest.stages["pretrain"]
     assert rec.status == "completed" and rec.attempts == 2, "the driver's kill took a second run"
     history = read_jsonl(metrics)
-    starts = sorted({h["attempt_start_step"] for h in history})  # where each of the five attempts began
-    assert len(starts) == 5 and starts[0] == 0, (starts, resumable, killed_at)
-    for killed, registered, restart in zip(killed_at, resumable, starts[1:4]):
+    starts = sorted({h["attempt_start_step"] for h in history})  # where each attempt began
+    assert len(starts) == len(targets) + 2 and starts[0] == 0, (starts, resumable, killed_at)
+    for killed, registered, restart in zip(killed_at, resumable, starts[1:-1]):
         assert registered <= restart <= killed and restart % EVERY == 0, (starts, resumable, killed_at)
         assert killed - restart <= EVERY, "at most one checkpoint interval is trained again"
-    assert driver_resumable <= starts[4] <= driver_killed_at and starts[4] % EVERY == 0 and starts[4] > starts[3], (
+    assert driver_resumable <= starts[-1] <= driver_killed_at and starts[-1] % EVERY == 0 and starts[-1] > starts[-2], (
         "the second run starts from the last checkpoint, not step 0", starts, driver_resumable, driver_killed_at)
     first = starts[1]
     assert [h["loss"] for h in history[:first]] == [h["loss"] for h in uninterrupted[:first]], "reproducible"

@@ -199,8 +199,10 @@ def test_the_recipe_refuses_what_lora_does_not_do_yet(tmp_path):
     dpo = {"name": "dpo", "objective": "dpo", "dataset": "pairs.jsonl", "steps": 20}
     with pytest.raises(RecipeError, match="set lora.merge: true on 'sft'"):
         load_recipe(_recipe(tmp_path, [sft, dpo], tasks=[]))
-    with pytest.raises(RecipeError, match="serving a LoRA adapter on its base engine is not implemented yet"):
-        load_recipe(_recipe(tmp_path, [sft]))
+    with pytest.raises(RecipeError, match="vLLM's LoRA engine cannot serve an adapter with modules_to_save"):
+        load_recipe(_recipe(tmp_path, [{**sft, "lora": {"modules_to_save": ["lm_head"]}}]))
+    with pytest.raises(RecipeError, match="its adapters train on random initial weights"):
+        load_recipe(_recipe(tmp_path, [{**sft, "init_from": "scratch"}]))
     grpo = {"name": "grpo", "objective": "grpo", "dataset": "tasks.jsonl", "steps": 20, "lora": {"merge": True}}
     with pytest.raises(RecipeError, match="LoRA for GRPO is not implemented yet"):
         load_recipe(_recipe(tmp_path, [grpo], tasks=[]))
@@ -208,6 +210,31 @@ def test_the_recipe_refuses_what_lora_does_not_do_yet(tmp_path):
         load_recipe(_recipe(tmp_path, [{**sft, "lora": {"rank": 8}}], tasks=[]))
     merged = load_recipe(_recipe(tmp_path, [{**sft, "lora": {"r": 8, "merge": True}}, dpo])).recipe
     assert merged.train[1].lora.r == 8 and merged.train[1].lora.target_modules == "all-linear"
+
+
+@pytest.mark.parametrize("stages, engines, adapters", [
+    ([{"lora": {"merge": True}}, {}], ["pretrain", "dpo"], {"pretrain": ["sft"]}),
+    ([{}, {"lora": {}}], ["pretrain", "sft"], {"sft": ["dpo"]}),
+    ([{"lora": {"merge": True}}, {"lora": {}}], ["pretrain", "sft"], {"sft": ["dpo"]}),
+    ([{"lora": {"merge": True}}, {"lora": {"merge": True}}], ["pretrain", "sft"], {"sft": ["dpo"]}),
+    ([{"lora": {"merge": True, "modules_to_save": ["lm_head"]}}, {"lora": {}}], ["pretrain", "sft"], {"sft": ["dpo"]}),
+    ([{}, {}], ["pretrain", "sft", "dpo"], {}),
+])
+def test_the_eval_stage_serves_each_adapter_on_the_checkpoint_it_was_trained_from(tmp_path, stages, engines, adapters):
+    """Each LoRA stage's adapter runs on the engine of the checkpoint it was trained from (one engine for a base and
+    its adapters); a LoRA stage that a later adapter was trained on, or whose adapter vLLM cannot serve, is served in
+    full from its merged export."""
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline.runner import Pipeline
+    from amalia_ray.pipeline.stages import served_models
+
+    sft = {"name": "sft", "objective": "sft", "dataset": "chats.jsonl", "steps": 20, **stages[0]}
+    dpo = {"name": "dpo", "objective": "dpo", "dataset": "pairs.jsonl", "steps": 20, **stages[1]}
+    pipeline = Pipeline(load_recipe(_recipe(tmp_path, [sft, dpo])))
+    models, on = served_models(pipeline)
+    run = pipeline.run_name
+    assert models == {f"{run}-{s}": pipeline.checkpoint_of(s) for s in engines}
+    assert on == {f"{run}-{b}": {a: pipeline.run_dir / a / "adapter" for a in named} for b, named in adapters.items()}
 
 
 def test_modules_to_save_train_in_full_and_travel_with_the_adapter(trained, tmp_path):
@@ -243,3 +270,16 @@ def test_modules_to_save_train_in_full_and_travel_with_the_adapter(trained, tmp_
     assert alone.keys() == merged_too.keys() and all(torch.equal(alone[k], merged_too[k]) for k in alone)
     fresh = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)  # `base` now carries the adapter
     assert not torch.allclose(fresh.lm_head.weight, merged.lm_head.weight), "the LM head trained in full"
+
+
+def test_the_report_compares_each_adapter_with_the_checkpoint_it_runs_on(tmp_path):
+    from amalia_ray.pipeline.report import evaluation_section
+
+    def scored(acc):
+        return {"acc": acc, "acc_stderr": 0.01, "n": 10, "chance": 0.25, "metric": "acc"}
+
+    metrics = {"base_url": "http://x/v1", "adapters": {"run-pretrain:sft": "run-pretrain"},
+               "results": {"run-pretrain/mc": scored(0.5), "run-pretrain:sft/mc": scored(0.625)}}
+    text = "\n".join(evaluation_section(tmp_path, metrics))
+    assert "run-pretrain:sft on run-pretrain" in text
+    assert "0.625 ± 0.010 (+0.125)" in text and "0.500 ± 0.010 |" in text

@@ -4,6 +4,7 @@ LLMConfig, the API key is kept only as a digest, and the request guard (API key,
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -86,6 +87,71 @@ def test_no_key_set_means_an_open_endpoint_and_a_bad_checkpoint_is_named(checkpo
     assert serve_app.app_args({"m": checkpoint}, ServeConfig(), False)["api_key_sha256"] is None
     with pytest.raises(AmaliaError, match=f"not a HF checkpoint \\(no config.json\\): {tmp_path}"):
         serve_app.app_args({"m": tmp_path}, ServeConfig(), False)
+
+
+def adapter_folder(where, r: int = 8, **config):
+    where.mkdir(parents=True)
+    (where / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 16,
+                                                           "target_modules": ["q_proj"], **config}))
+    (where / "adapter_model.safetensors").write_bytes(b"")
+    return where
+
+
+def test_adapters_run_on_their_base_models_engine_with_vllms_lora_settings(checkpoint, tmp_path):
+    """LoRA adapters ride on the engine of the model they name: vLLM's LoRA engine on (one slot per adapter, the
+    largest rank rounded up to one vLLM takes), Ray Serve LLM's adapter loading on, and the folders handed to the
+    replica's loader; the model without adapters keeps a plain engine. The Serve config file carries the same."""
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    adapters = {"base": {"a": adapter_folder(tmp_path / "a", r=8), "b": adapter_folder(tmp_path / "b", r=12)}}
+    config = serve_app.serve_config({"base": checkpoint, "other": checkpoint}, ServeConfig(), False, "amalia-x",
+                                    adapters)
+    (application,) = ServeDeploySchema.model_validate(config).applications
+    with_adapters, plain = application.args["llm_configs"]
+    assert with_adapters["engine_kwargs"] | {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16} == \
+        with_adapters["engine_kwargs"]
+    assert with_adapters["adapters"] == {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
+    assert "enable_lora" not in plain["engine_kwargs"] and "adapters" not in plain
+    llm = LLMConfig.model_validate({k: v for k, v in with_adapters.items() if k != "adapters"})
+    assert llm.lora_config.max_num_adapters_per_replica == 2 and llm.lora_config.dynamic_lora_loading_path is None
+    assert serve_app.adapter_id("base", "a") == "base:a"
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"use_dora": True}, "DoRA"),
+    ({"r": 1024}, "over vLLM's largest LoRA rank"),
+])
+def test_an_adapter_vllm_cannot_serve_is_refused_before_serving(checkpoint, tmp_path, config, problem):
+    folder = adapter_folder(tmp_path / "a", **config)
+    with pytest.raises(AmaliaError, match=f"adapter 'a': .*{problem}"):
+        serve_app.app_args({"m": checkpoint}, ServeConfig(), False, {"m": {"a": folder}})
+
+
+def test_adapters_name_a_served_model_and_a_folder(checkpoint, tmp_path):
+    folder = adapter_folder(tmp_path / "a")
+    with pytest.raises(AmaliaError, match=r"adapters for \['x'\], which is not served here"):
+        serve_app.app_args({"m": checkpoint}, ServeConfig(), False, {"x": {"a": folder}})
+    with pytest.raises(AmaliaError, match="not a PEFT adapter folder"):
+        serve_app.app_args({"m": checkpoint}, ServeConfig(), False, {"m": {"a": tmp_path}})
+    with pytest.raises(AmaliaError, match="adapter name 'a:b'"):
+        serve_app.app_args({"m": checkpoint}, ServeConfig(), False, {"m": {"a:b": folder}})
+    with pytest.raises(AmaliaError, match="':' is kept for adapters"):
+        serve_app.app_args({"m:1": checkpoint}, ServeConfig(), False)
+
+
+def test_lora_options_attach_adapters_to_the_first_or_the_named_checkpoint():
+    from amalia_ray.cli.serve import _adapters
+
+    got = _adapters(["a=/x/a", "sft:b=/x/b", "c=/x/c"], ["base", "sft"])
+    assert got == {"base": {"a": Path("/x/a"), "c": Path("/x/c")}, "sft": {"b": Path("/x/b")}}
+    for bad, problem in (("a", "expected NAME=FOLDER"), ("dpo:a=/x", "'dpo' is not a served model"),
+                         ("=/x", "expected NAME=FOLDER")):
+        with pytest.raises(AmaliaError, match=problem):
+            _adapters([bad], ["base", "sft"])
+    with pytest.raises(AmaliaError, match="already has an adapter named 'a'"):
+        _adapters(["a=/x", "base:a=/y"], ["base", "sft"])
 
 
 def guarded_client(key: str | None, max_bytes: int = 1024) -> TestClient:

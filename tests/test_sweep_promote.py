@@ -82,9 +82,11 @@ def test_a_lora_stage_sweeps_its_adapters_and_promotes_them(tmp_path):
     (tmp_path / "full").mkdir()
     unmerged = load_recipe(write_recipe(tmp_path / "full", **{"train.0.lora": {"r": 8}},
                                         **{"eval.tasks": []})).recipe.train[0]
-    with pytest.raises(AmaliaError, match="set lora.merge: true"):
-        SweepSpace.model_validate({"parameters": {"lora.r": {"values": [4]}},
-                                   "benchmark": {"task": "pt-mc-sample"}}).check_against(unmerged, [])
+    benchmarked = SweepSpace.model_validate({"parameters": {"lora.r": {"values": [4]}},
+                                             "benchmark": {"task": "pt-mc-sample"}})
+    with pytest.raises(AmaliaError, match="a proxy model .*set lora.merge: true"):
+        benchmarked.check_against(unmerged, [])  # the proxy's 1-layer model has no engine to run adapters on
+    benchmarked.check_against(unmerged.model_copy(update={"proxy": type(unmerged.proxy)()}), [])  # one engine
     full = load_recipe(write_recipe(tmp_path / "full")).recipe.train[0]
     with pytest.raises(AmaliaError, match="trains no LoRA adapters"):
         space.check_against(full, [])

@@ -17,6 +17,9 @@ def serve(
     checkpoints: Annotated[list[Path] | None, typer.Argument(help="HF checkpoint folders to serve side by side "
                                                            "(on a cluster: paths every node can read)")] = None,
     name: Annotated[list[str] | None, typer.Option("--name", help="model id per checkpoint (default: folder)")] = None,
+    lora: Annotated[list[str] | None, typer.Option(
+        "--lora", help="NAME=FOLDER: a PEFT LoRA adapter served on the first checkpoint's engine as the model id "
+        "'MODEL:NAME' (MODEL:NAME=FOLDER for another checkpoint's); repeatable, all on one engine")] = None,
     host: str = "127.0.0.1",
     port: int = 8000,
     min_replicas: int = 1,
@@ -68,9 +71,11 @@ def serve(
                       target_ongoing_requests=target_ongoing_requests, api_key_env=api_key_env,
                       gpus_per_replica=gpus_per_replica, pipeline_parallel_size=pipeline_parallel_size)
     models = dict(zip(names, checkpoints))
+    adapters = _adapters(lora or [], names)
     if config_out:
         use_gpu = device == "cuda" or (device == "auto" and gpus_per_replica > 0)
-        config_out.write_text(yaml.safe_dump(serve_app.serve_config(models, cfg, use_gpu, app_name), sort_keys=False))
+        config_out.write_text(yaml.safe_dump(serve_app.serve_config(models, cfg, use_gpu, app_name, adapters),
+                                             sort_keys=False))
         console.print(f"wrote {config_out} ({'GPU' if use_gpu else 'CPU'} replicas): `serve deploy {config_out}` "
                       "on a cluster with this package installed")
         return
@@ -81,14 +86,16 @@ def serve(
         console.print(f"[yellow]no API key[/]: {api_key_env} is not set, so the endpoint is open to anyone who can "
                       f"reach {host}:{port}")
     with ray_session():
-        url = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()), app_name)
+        url = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()), app_name,
+                              adapters)
+        served = [*names, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
         if on_cluster:
-            console.print(f"[green]deployed[/] {', '.join(names)} at {url} as Serve application '{app_name}' (stop: "
-                          f"amalia serve --stop --app {app_name})")
+            console.print(f"[green]deployed[/] {', '.join(served)} at {url} as Serve application '{app_name}' "
+                          f"(stop: amalia serve --stop --app {app_name})")
             return
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
-        with serve_app.local_state(host, port, url, names):
-            console.print(f"[green]serving[/] {', '.join(names)} at {url} (Ctrl-C or `amalia serve --stop --port "
+        with serve_app.local_state(host, port, url, served):
+            console.print(f"[green]serving[/] {', '.join(served)} at {url} (Ctrl-C or `amalia serve --stop --port "
                           f"{port}` to stop)")
             try:
                 while True:
@@ -97,6 +104,25 @@ def serve(
                 console.print("stop requested (SIGTERM): shutting down")
             finally:
                 serve_app.stop(app_name)
+
+
+def _adapters(specs: list[str], names: list[str]) -> dict[str, dict[str, Path]]:
+    """--lora values (NAME=FOLDER, or MODEL:NAME=FOLDER) by the served model whose engine runs them."""
+    from amalia_ray.core.errors import AmaliaError
+
+    adapters: dict[str, dict[str, Path]] = {}
+    for spec in specs:
+        key, sep, folder = spec.partition("=")
+        model, _, adapter = key.rpartition(":")
+        model = model or names[0]
+        if not sep or not adapter or not folder:
+            raise AmaliaError(f"--lora {spec}: expected NAME=FOLDER (or MODEL:NAME=FOLDER)")
+        if model not in names:
+            raise AmaliaError(f"--lora {spec}: '{model}' is not a served model ({', '.join(names)})")
+        if adapter in adapters.get(model, {}):
+            raise AmaliaError(f"--lora {spec}: '{model}' already has an adapter named '{adapter}'")
+        adapters.setdefault(model, {})[adapter] = Path(folder)
+    return adapters
 
 
 def _task_config(task: Path, format: str, method: str | None, name: str | None = None, **fields):

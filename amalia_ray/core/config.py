@@ -491,8 +491,9 @@ class LoraConfig(Strict):
         "all-linear: every linear layer but the LM head")
     modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full beside the "
                                        "adapters, e.g. [lm_head] after growing the vocabulary")
-    merge: bool = Field(False, description="also export the merged full checkpoint (hf/): served, evaluated and "
-                        "what a following stage starts from; the adapter folder (adapter/) is always written")
+    merge: bool = Field(False, description="also export the merged full checkpoint (hf/), what a following stage "
+                        "starts from; the adapter folder (adapter/) is always written, and the eval stage serves it on "
+                        "the engine of the weights it was trained from (one engine for the base and its adapters)")
 
 
 # positions of the logits the loss upcasts to fp32 at once (train/loss.py); `amalia plan` counts one such chunk
@@ -877,9 +878,15 @@ class Recipe(Strict):
             if i + 1 < len(self.train) and self.train[i + 1].init_from == "previous":
                 raise ValueError(f"train stage '{self.train[i + 1].name}' starts from '{stage.name}', a LoRA stage: "
                                  f"set lora.merge: true on '{stage.name}' so it exports the merged weights")
-            if self.eval.tasks:
-                raise ValueError(f"train stage '{stage.name}': serving a LoRA adapter on its base engine is not "
-                                 "implemented yet; set lora.merge: true to serve and evaluate the merged weights")
+            if not self.eval.tasks:
+                continue
+            # evaluated as an adapter on the engine of the weights it was trained from (see the eval stage)
+            if stage.lora.modules_to_save:
+                raise ValueError(f"train stage '{stage.name}': vLLM's LoRA engine cannot serve an adapter with "
+                                 "modules_to_save; set lora.merge: true to serve and evaluate the merged weights")
+            if stage.init_from == "scratch" or (i == 0 and not self.model.base):
+                raise ValueError(f"train stage '{stage.name}': its adapters train on random initial weights, which "
+                                 "no engine serves; set lora.merge: true to serve and evaluate the merged weights")
         sources = {s.name for s in self.data.sources}
         for stage in self.train:
             curriculum = stage.curriculum if isinstance(stage, PretrainStage) else None

@@ -88,6 +88,13 @@ class Benchmark(Strict):
     top: int = Field(2, ge=1, description="serve the best trials that ran to the end, this many, and score them")
 
 
+def adapters_servable(stage: TrainStageConfig) -> bool:
+    """Whether a sweep's LoRA trials are benchmarked as adapters on one engine of the stage's starting checkpoint:
+    vLLM serves their adapters and the trials train the full-size model from that checkpoint."""
+    return bool(stage.lora) and not stage.lora.modules_to_save and not stage.proxy.model and \
+        stage.init_from == "previous"
+
+
 class SweepSpace(Strict):
     metric: str = "val_loss"
     mode: Literal["min", "max"] = "min"
@@ -114,9 +121,10 @@ class SweepSpace(Strict):
     def check_against(self, stage: TrainStageConfig, sources: list[str]) -> None:
         """Every parameter is a tunable field of the stage (or the weight of one of the recipe's data `sources`) and
         each of its values makes a valid stage."""
-        if self.benchmark and stage.lora and not stage.lora.merge:
-            raise AmaliaError(f"benchmark: serving the trials' LoRA adapters on one base engine is not implemented "
-                              f"yet; set lora.merge: true on train stage '{stage.name}' to serve their merged weights")
+        if self.benchmark and stage.lora and not stage.lora.merge and not adapters_servable(stage):
+            raise AmaliaError(f"benchmark: the trials' LoRA adapters of train stage '{stage.name}' cannot run on its "
+                              "starting checkpoint's engine (modules_to_save, a proxy model or random initial "
+                              "weights); set lora.merge: true to serve their merged weights")
         for name, param in self.parameters.items():
             if name.startswith(MIX):
                 _check_mix(name, param, stage, sources)

@@ -79,25 +79,33 @@ def _headline(r: dict) -> tuple[str, float | None, float | None]:
 
 def evaluation_section(run_dir: Path, metrics: dict) -> list[str]:
     """One row per task, one column per checkpoint (the base model when there is one, then the run's stages in
-    order): its headline score ± stderr, and each stage's change against the base model."""
-    results, base = metrics["results"], metrics.get("base_model")
+    order): its headline score ± stderr, and each stage's change against the base model — a LoRA adapter's against
+    the checkpoint it was trained from, whose engine served it."""
+    results, base, adapters = metrics["results"], metrics.get("base_model"), metrics.get("adapters") or {}
     models, tasks = _split(results)
+    reference = {m: adapters.get(m) or (base if m != base else None) for m in models}
     rows = []
     for task in tasks:
         first = _first(results, models, task)
         metric = _headline(first)[0]
-        base_value = _headline(results.get(f"{base}/{task}", {}))[1] if base else None
         cells = []
         for m in models:
             _, value, se = _headline(results.get(f"{m}/{task}", {}))
             cell = "" if value is None else f"{value:.3f}" + (f" ± {se:.3f}" if se is not None else "")
-            if value is not None and base_value is not None and m != base:
-                cell += f" ({value - base_value:+.3f})"
+            ref_value = _headline(results.get(f"{reference[m]}/{task}", {}))[1] if reference[m] else None
+            if value is not None and ref_value is not None:
+                cell += f" ({value - ref_value:+.3f})"
             cells.append(cell)
         rows.append([task, metric, *cells, first.get("chance"), first.get("n")])
-    against = f"; in brackets each stage's change against the base model {base}" if base else ""
+    against = [f"each stage's change against the base model {base}"] if base else []
+    against += ["each LoRA adapter's (MODEL:ADAPTER) against the checkpoint it was trained from"] if adapters else []
+    on = ", ".join(f"{a} on {m}" for a, m in adapters.items())
     parts = ["## Evaluation", "", f"Served at {metrics.get('base_url')} with Ray Serve + vLLM; scored over HTTP "
-             f"(mean ± standard error{against}).", "", _table(["task", "metric", *models, "chance", "n"], rows), ""]
+             f"(mean ± standard error{'; in brackets ' + ' and '.join(against) if against else ''}).", ""]
+    if adapters:
+        parts += [f"LoRA adapters, each served on the engine of the checkpoint it was trained from (no engine of "
+                  f"its own): {on}.", ""]
+    parts += [_table(["task", "metric", *models, "chance", "n"], rows), ""]
     if any("n_seen" in r for r in results.values()):
         clean_rows = []
         for task in tasks:
@@ -238,6 +246,9 @@ def write_sweep_report(sweep_dir: Path, summary: dict) -> Path:
              f"Best ({summary['mode']} {summary['metric']}): {best['config']} → {best['metric']:.4g} "
              f"(trial {best['trial_id']}). `amalia promote {sweep_dir}` writes it into a full-scale recipe.", "",
              _sweep_table(summary), ""] + ([f"![sweep]({png.name})", ""] if png else [])
+    if any(t.get("benchmark", {}).get("one_engine") for t in summary["trials"]):
+        parts += ["The benchmarked trials' LoRA adapters were served together on one engine of the stage's starting "
+                  "checkpoint (model ids base:trial-ID).", ""]
     out = sweep_dir / "report.md"
     out.write_text("\n".join(parts), encoding="utf-8")
     return out

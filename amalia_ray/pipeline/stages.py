@@ -53,7 +53,8 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
     if r.model.base:
         check_base_model(r, p.loaded.resolve)
     judge = r.eval.judge
-    served = [p.model_id(s.name) for s in r.train] + ([p.model_id("base")] if r.model.base else [])
+    engines, adapters = served_models(p)
+    served = [*engines, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
     if judge and judge.base_url is None and judge.model not in served:
         raise AmaliaError(f"eval.judge.model '{judge.model}' is not one of the run's served checkpoints {served}; "
                           "name one of them, or set eval.judge.base_url to reach another server")
@@ -117,7 +118,7 @@ def logical_cpus_needed(r) -> int:
     """Logical CPUs the recipe's widest step holds at once: serving every trained model side by side (a vLLM
     replica holds its actor's CPU and its engine bundle's) plus the ingress and slack, or the widest training stage
     plus its rollout engine and controller."""
-    served = len(r.train) + (1 if r.model.base else 0)  # a base model is served beside its stages
+    served = len(r.train) + (1 if r.model.base else 0)  # a base model is served beside its stages (at most)
     serve = 2 * served * r.serve.cpus_per_replica * r.serve.max_replicas + 4
     train = max((s.worker_range[1] * s.cpus_per_worker + 3 for s in r.train), default=0)
     return max(serve if r.eval.tasks else 0, train)
@@ -189,20 +190,45 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
             metrics_file=d(stage.name) / "metrics.jsonl",
         )
     if "eval" in names and r.eval.tasks:
-        # a base model is served beside the stages trained from it, so the report shows what each stage changed
-        base = {p.model_id("base"): base_model_dir(p)} if r.model.base else {}
-        models = {**base, **{p.model_id(s.name): p.checkpoint_of(s.name) for s in r.train}}
+        models, adapters = served_models(p)
         tasks = {f"task:{t.name}": p.loaded.resolve(t.path) for t in r.eval.tasks}
         tasks |= {f"fewshot:{t.name}": p.loaded.resolve(t.fewshot_path) for t in r.eval.tasks if t.fewshot_path}
-        replicas = len(models) * r.serve.min_replicas
+        replicas = len(models) * r.serve.min_replicas  # adapters add no replica: they run on their base's engine
         # a vLLM replica holds its actor's CPUs and its engine's (or one GPU)
         serve_held = {"CPU": min(2 * replicas * r.serve.cpus_per_replica, p.cluster_info["billable_cpus"]),
                       "GPU": replicas if use_gpu(p) else 0}
-        inputs, named = by_content({**{f"model:{k}": v for k, v in models.items()}, **tasks})
+        served = {**models, **{serve_app.adapter_id(m, a): path for m, named in adapters.items()
+                               for a, path in named.items()}}
+        inputs, named = by_content({**{f"model:{k}": v for k, v in served.items()}, **tasks})
         yield StageSpec("eval", [r.eval, r.serve, *([named] if named else [])], inputs,
-                        {"results": d("eval")}, lambda: _serve_and_evaluate(p, models),
+                        {"results": d("eval")}, lambda: _serve_and_evaluate(p, models, adapters),
                         {"replicas": r.serve.min_replicas, "CPU_per_replica": r.serve.cpus_per_replica},
                         held=lambda m: serve_held, tokens=lambda m: m.get("tokens_processed"))
+
+
+def served_models(p: RunContext) -> tuple[dict[str, Path], dict[str, dict[str, Path]]]:
+    """What the eval stage serves: the checkpoints that get an engine each (model id -> folder: the base model, so
+    the report shows what each stage changed, and every stage trained in full), and per engine the LoRA stages'
+    adapters that run on it (engine id -> {stage name -> adapter folder}), each stage's on the checkpoint it was
+    trained from. A LoRA stage is served in full (its merged export) instead when a later LoRA stage was trained on
+    its merged weights (that one's adapter needs them as its engine) or when vLLM cannot serve its adapter
+    (modules_to_save, or no starting checkpoint to run on: random initial weights)."""
+    r = p.recipe
+    base_id = p.model_id("base") if r.model.base else None
+    starts = [(p.model_id(r.train[i - 1].name) if i else base_id) if s.init_from == "previous" else None
+              for i, s in enumerate(r.train)]
+    as_adapter = [bool(s.lora) and not s.lora.modules_to_save and starts[i] is not None for i, s in enumerate(r.train)]
+    for i in range(len(r.train) - 1):
+        if as_adapter[i + 1] and starts[i + 1] == p.model_id(r.train[i].name):
+            as_adapter[i] = False
+    models = {base_id: base_model_dir(p)} if base_id else {}
+    adapters: dict[str, dict[str, Path]] = {}
+    for i, s in enumerate(r.train):
+        if as_adapter[i]:
+            adapters.setdefault(starts[i], {})[s.name] = p.stage_dir(s.name) / "adapter"
+        else:
+            models[p.model_id(s.name)] = p.checkpoint_of(s.name)
+    return models, adapters
 
 
 def decontamination_tasks(r) -> list:
@@ -241,17 +267,20 @@ def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
     return body
 
 
-def _serve_and_evaluate(p: RunContext, models: dict[str, Path]) -> dict:
-    """Serve every trained checkpoint side by side, score each task on each over HTTP, then stop serving."""
+def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[str, dict[str, Path]]) -> dict:
+    """Serve every trained checkpoint side by side (LoRA adapters on the engine of the checkpoint they were trained
+    from), score each task on each over HTTP, then stop serving."""
     r = p.recipe
     name = serve_app.app_name(p.run_name)
-    out: dict = {"results": {}, "tokens_processed": 0, **({"base_model": p.model_id("base")} if r.model.base else {})}
+    on = {serve_app.adapter_id(m, a): m for m, named in adapters.items() for a in named}  # adapter id -> engine
+    out: dict = {"results": {}, "tokens_processed": 0, **({"base_model": p.model_id("base")} if r.model.base else {}),
+                 **({"adapters": on} if on else {})}
     targets = [p.run_dir if t == "this_run" else p.loaded.resolve(t) for t in r.eval.contamination_of]
     seen = {t.name: seen_items(load_task(p.loaded.resolve(t.path), t.format, t.limit), targets, t.name)
             for t in r.eval.tasks} if targets else {}
     try:
-        out["base_url"] = base_url = serve_app.start(models, r.serve, use_gpu(p), name)
-        for model_id in models:
+        out["base_url"] = base_url = serve_app.start(models, r.serve, use_gpu(p), name, adapters)
+        for model_id in [*models, *on]:
             for task in r.eval.tasks:
                 res = run_task(*eval_task(p, task), base_url=base_url, model=model_id,
                                settings=r.eval, output=p.stage_dir("eval") / model_id / f"{task.name}.json",

@@ -18,7 +18,7 @@ from amalia_ray.core.config import ModelConfig, TrainStageConfig, train_stage
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.storage import write_json
-from amalia_ray.core.sweep_space import MIX, SweepSpace, with_values
+from amalia_ray.core.sweep_space import MIX, SweepSpace, adapters_servable, with_values
 from amalia_ray.pipeline.spec import RunContext
 
 
@@ -127,7 +127,8 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
         results = _fit(trainable, space, trial_stage, out, p.cluster_info["billable_cpus"])
         summary = _summarize(results, space, stage, trial_stage, p, out)
         if space.benchmark:
-            _benchmark(p, summary, tasks[space.benchmark.task], space.benchmark.top, out)
+            on = init if adapters_servable(stage) else None
+            _benchmark(p, summary, tasks[space.benchmark.task], space.benchmark.top, out, on)
     write_json(out / "sweep.json", summary)
     from amalia_ray.pipeline.report import write_report, write_sweep_report
 
@@ -203,8 +204,9 @@ def _summarize(results, space: SweepSpace, stage, trial_stage, p: RunContext, ou
     }
 
 
-def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path) -> None:
-    """Serve the best finished trials' exports side by side and score each on the task over HTTP."""
+def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path, lora_base: Path | None) -> None:
+    """Serve the best finished trials side by side and score each on the task over HTTP: LoRA trials as adapters
+    on one engine of the checkpoint they were trained from (`lora_base`), others by their exports."""
     from amalia_ray.evals.runner import metrics_of, run_task
     from amalia_ray.pipeline import stages
     from amalia_ray.serve import app as serve_app
@@ -212,18 +214,24 @@ def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path) -> None:
     sign = 1 if summary["mode"] == "min" else -1
     finished = sorted((t for t in summary["trials"] if t["status"] == "completed" and t["metric"] is not None),
                       key=lambda t: sign * t["metric"])[:top]
-    models = {f"trial-{t['trial_id']}": out / "trials" / t["trial_id"] / "hf" for t in finished}
-    if not models:
+    trials = {f"trial-{t['trial_id']}": out / "trials" / t["trial_id"] for t in finished}
+    if not trials:
         return
+    if lora_base:
+        models, adapters = {"base": lora_base}, {"base": {n: d / "adapter" for n, d in trials.items()}}
+        ids = [serve_app.adapter_id("base", n) for n in trials]
+    else:
+        models, adapters, ids = {n: d / "hf" for n, d in trials.items()}, None, list(trials)
     r = p.recipe
     name = serve_app.app_name(f"{p.run_name}-sweep-{out.name}")
     try:
-        base_url = serve_app.start(models, r.serve, stages.use_gpu(p), name)
-        for t, model_id in zip(finished, models):
+        base_url = serve_app.start(models, r.serve, stages.use_gpu(p), name, adapters)
+        for t, model_id in zip(finished, ids):
             res = run_task(*stages.eval_task(p, task), base_url=base_url, model=model_id, settings=r.eval,
                            output=out / "benchmark" / f"{model_id}.json", api_key=serve_app.api_key(r.serve))
             metric = metrics_of(task)[0]
-            t["benchmark"] = {"task": task.name, "metric": metric, "value": res["scores"][metric], "n": res["n"]}
+            t["benchmark"] = {"task": task.name, "metric": metric, "value": res["scores"][metric], "n": res["n"],
+                              "model": model_id, "one_engine": bool(lora_base)}
     finally:
         serve_app.stop(name)
 

@@ -1,5 +1,6 @@
 """Serve checkpoints with `ray.serve.llm` + vLLM behind the OpenAI API, one Serve application for one or several
-checkpoints side by side (each a model id in /v1/models).
+checkpoints side by side (each a model id in /v1/models), and LoRA adapters on the engine of the checkpoint they
+were trained on (each its own model id "MODEL:ADAPTER", N adapters for the cost of one engine).
 
 Each run, sweep and `amalia serve` owns a Serve application of its own name: stopping deletes only that one, so on a
 shared cluster no one tears down another's models. Where Serve already runs, its HTTP proxy is joined (its host and
@@ -54,10 +55,15 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool) -> dict:
+def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool,
+               adapters: dict[str, Path] | None = None) -> dict:
+    """One model's ray.serve.llm LLMConfig (as a dict), plus `adapters`: the LoRA adapter folders its engine serves
+    beside it (each as the model id "MODEL:NAME"), which build_app hands to the replica's adapter loader."""
     if not (checkpoint / "config.json").is_file():
         raise AmaliaError(f"not a HF checkpoint (no config.json): {checkpoint}")
-    return {
+    if ":" in model_id:
+        raise AmaliaError(f"model id '{model_id}': ':' is kept for adapters (MODEL:ADAPTER); name it without one")
+    config = {
         "model_loading_config": {"model_id": model_id, "model_source": str(checkpoint.resolve())},
         "deployment_config": {
             "autoscaling_config": {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas,
@@ -65,6 +71,50 @@ def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool)
         },
         **replica_placement(cfg, use_gpu),
     }
+    if adapters:
+        rank = max(adapter_rank(name, path) for name, path in adapters.items())
+        # vLLM's LoRA engine: one slot per adapter, so a batch may mix all of them
+        config["engine_kwargs"] |= {"enable_lora": True, "max_loras": len(adapters),
+                                    "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank)}
+        config["lora_config"] = {"max_num_adapters_per_replica": len(adapters)}
+        config["adapters"] = {name: str(path.resolve()) for name, path in adapters.items()}
+    return config
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM's LoRA engine takes
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def adapter_rank(name: str, folder: Path) -> int:
+    """An adapter folder's LoRA rank, after checking vLLM's LoRA engine can serve it (PEFT's adapter_config.json and
+    weights; no DoRA, no fully trained modules beside the adapters)."""
+    if not ADAPTER_NAME.match(name):
+        raise AmaliaError(f"adapter name '{name}': letters, digits, '.', '_' and '-' only")
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise AmaliaError(f"adapter '{name}': not a PEFT adapter folder (no adapter_config.json): {folder}")
+    if not any((folder / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise AmaliaError(f"adapter '{name}': no adapter_model.safetensors in {folder}")
+    try:
+        adapter = json.loads(config_file.read_text(encoding="utf-8"))
+        rank = int(adapter["r"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise AmaliaError(f"adapter '{name}': {config_file} is not a LoRA adapter config ({e})") from None
+    if adapter.get("peft_type", "LORA") != "LORA" or adapter.get("use_dora"):
+        raise AmaliaError(f"adapter '{name}': only plain LoRA adapters are served (this one is "
+                          f"{'DoRA' if adapter.get('use_dora') else adapter.get('peft_type')}); serve its merged "
+                          "checkpoint instead")
+    if adapter.get("modules_to_save"):
+        raise AmaliaError(f"adapter '{name}': it trains {adapter['modules_to_save']} in full (modules_to_save), "
+                          "which vLLM's LoRA engine cannot serve; serve its merged checkpoint instead")
+    if rank > VLLM_LORA_RANKS[-1]:
+        raise AmaliaError(f"adapter '{name}': rank {rank} is over vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+    return rank
+
+
+def adapter_id(model_id: str, adapter: str) -> str:
+    """The model id an adapter is served under: its base model's id, a colon, its name (Ray Serve LLM's routing)."""
+    return f"{model_id}:{adapter}"
 
 
 def replica_placement(cfg: ServeConfig, use_gpu: bool) -> dict:
@@ -86,10 +136,15 @@ def api_key(cfg: ServeConfig) -> str | None:
     return os.environ.get(cfg.api_key_env) or None
 
 
-def app_args(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool) -> dict:
-    """The application builder's args (see ingress.build_app): what `start` runs and the Serve config carries."""
+def app_args(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool,
+             adapters: dict[str, dict[str, Path]] | None = None) -> dict:
+    """The application builder's args (see ingress.build_app): what `start` runs and the Serve config carries.
+    `adapters`: per served model, the LoRA adapters its engine serves too."""
+    adapters = adapters or {}
+    if unknown := sorted(set(adapters) - set(models)):
+        raise AmaliaError(f"adapters for {unknown}, which is not served here (served: {sorted(models)})")
     key = api_key(cfg)
-    return {"llm_configs": [llm_config(mid, path, cfg, use_gpu) for mid, path in models.items()],
+    return {"llm_configs": [llm_config(mid, path, cfg, use_gpu, adapters.get(mid)) for mid, path in models.items()],
             "api_key_sha256": key_digest(key) if key else None, "max_request_bytes": cfg.max_request_bytes}
 
 
@@ -97,13 +152,14 @@ def logging_config(cfg: ServeConfig) -> dict:
     return {"enable_access_log": cfg.access_log}
 
 
-def serve_config(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str) -> dict:
+def serve_config(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
+                 adapters: dict[str, dict[str, Path]] | None = None) -> dict:
     """A Serve config file for `serve deploy` / `serve run` (Ray's ServeDeploySchema): the same application."""
     return {
         "proxy_location": cfg.proxy_location,
         "http_options": {"host": cfg.host, "port": cfg.port},
         "applications": [{"name": name, "route_prefix": "/", "import_path": BUILDER,
-                          "args": app_args(models, cfg, use_gpu), "logging_config": logging_config(cfg)}],
+                          "args": app_args(models, cfg, use_gpu, adapters), "logging_config": logging_config(cfg)}],
     }
 
 
@@ -127,10 +183,13 @@ def check_can_serve(cfg: ServeConfig) -> None:
         check_port_free(cfg.host, cfg.port)
 
 
-def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str) -> str:
+def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
+          adapters: dict[str, dict[str, Path]] | None = None) -> str:
     """Deploy the application `name` and block until every model answers /v1/models; returns the base URL (…/v1),
-    the one that answers. A start that does not come up deletes what it deployed."""
+    the one that answers. A start that does not come up deletes what it deployed. `adapters`: per model, the LoRA
+    adapters served on its engine (model ids "MODEL:NAME")."""
     require_vllm()
+    args = app_args(models, cfg, use_gpu, adapters)  # bad adapters fail here, before Serve starts
     from ray import serve
 
     running = running_serve()
@@ -148,10 +207,11 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str) -
     try:
         # deployed without waiting here (serve.run would wait, with no time limit, until the engines are up):
         # the wait below is bounded by serve.startup_timeout_s
-        serve.run_many([serve.RunTarget(target=build_app(app_args(models, cfg, use_gpu)), name=name,
+        serve.run_many([serve.RunTarget(target=build_app(args), name=name,
                                         route_prefix=prefix, logging_config=logging_config(cfg))],
                        wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
-        wait_until_serving(base_url, set(models), cfg.startup_timeout_s)
+        served = set(models) | {adapter_id(m, a) for m, named in (adapters or {}).items() for a in named}
+        wait_until_serving(base_url, served, cfg.startup_timeout_s)
     except BaseException:
         with suppress(Exception):  # the cause, not a failed clean-up, is what the caller hears of
             stop(name)

