@@ -56,3 +56,24 @@ def test_pack_keeps_every_sequence_within_one_source(tokenizer_dir):
     for ids, source in zip(out["input_ids"].to_pylist(), out["source"].to_pylist()):
         words = set(tok.decode(ids).split())
         assert ("web" in words) == (source == "web") and ("livro" in words) == (source == "books")
+
+
+@pytest.mark.parametrize("family", ["ours", "llama", "qwen3", "gemma3_text", "mistral"])
+def test_the_packing_actors_tokenize_as_transformers_does(tokenizer_dir, tmp_path, family):
+    """The actors encode with the tokenizers backend the driver took from transformers' tokenizer: the same ids as
+    transformers' own call on text with special tokens, accents and odd spacing — for our trained tokenizer and the
+    test base models' own (each family's)."""
+    from transformers import AutoTokenizer
+
+    from amalia_ray.data.pack import tokenizer_for_workers
+    from tests.base_models import make_base_model
+
+    folder = tokenizer_dir if family == "ours" else make_base_model(tmp_path / family, family)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    texts = ["A instalação  do Debian\té simples:\n\n ação, coração, pôr.", f"fim{tok.eos_token} e depois",
+             "  espaços   no início", "<|user|>\nOlá<|end|>", "ＦＵＬＬ width ﬁ ligature", ""]
+    spec = tokenizer_for_workers(str(folder))
+    assert "json" in spec, "a fast tokenizer reaches the actors without transformers"
+    packer = TokenizeAndPack(spec, seq_len=8)
+    assert packer.encode(texts) == tok(texts, add_special_tokens=False)["input_ids"]
+    assert packer.eos == tok.eos_token_id

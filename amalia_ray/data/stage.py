@@ -21,7 +21,7 @@ from amalia_ray.data.decontaminate import Decontaminate, contamination_report
 from amalia_ray.data.dedup import near_duplicate_clusters, unique_ids, with_clusters
 from amalia_ray.data.language import LanguageID, VarietyTag
 from amalia_ray.data.minhash import MinHashParams
-from amalia_ray.data.pack import TokenizeAndPack
+from amalia_ray.data.pack import TokenizeAndPack, tokenizer_for_workers
 from amalia_ray.data.partitions import (
     configure_data_context,
     map_blocks,
@@ -225,6 +225,7 @@ def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, 
         _mark_split(cfg.validation_fraction), batch_format="pyarrow"
     ).materialize()
     stats = {"seq_len": cfg.seq_len, "source_weights": weights}
+    tokenizer = tokenizer_for_workers(str(tokenizer_dir))
     for split in ("train", "validation"):
         part = docs.filter(expr=col("split") == split)
         if split == "train" and any(w != 1.0 for w in weights.values()):
@@ -234,7 +235,7 @@ def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, 
             continue
         stats[f"{split}_sequences"] = write_ordered_shards(part.map_batches(
             TokenizeAndPack,
-            fn_constructor_args=(str(tokenizer_dir), cfg.seq_len),
+            fn_constructor_args=(tokenizer, cfg.seq_len),
             batch_size=512,
             batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=num_actors),
