@@ -89,11 +89,16 @@ def test_no_key_set_means_an_open_endpoint_and_a_bad_checkpoint_is_named(checkpo
         serve_app.app_args({"m": tmp_path}, ServeConfig(), False)
 
 
-def adapter_folder(where, r: int = 8, **config):
+def adapter_folder(where, r: int = 8, layers=("q_proj",), **config):
+    """A PEFT adapter folder as PeftModel.save_pretrained writes it (zero weights)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
     where.mkdir(parents=True)
     (where / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 16,
-                                                           "target_modules": ["q_proj"], **config}))
-    (where / "adapter_model.safetensors").write_bytes(b"")
+                                                           "target_modules": list(layers), **config}))
+    save_file({f"base_model.model.model.layers.0.self_attn.{layer}.lora_{ab}.weight": np.zeros((r, r), np.float32)
+               for layer in layers for ab in "AB"}, str(where / "adapter_model.safetensors"))
     return where
 
 
@@ -104,13 +109,15 @@ def test_adapters_run_on_their_base_models_engine_with_vllms_lora_settings(check
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
     from ray.serve.schema import ServeDeploySchema
 
-    adapters = {"base": {"a": adapter_folder(tmp_path / "a", r=8), "b": adapter_folder(tmp_path / "b", r=12)}}
+    adapters = {"base": {"a": adapter_folder(tmp_path / "a", r=8),
+                         "b": adapter_folder(tmp_path / "b", r=12, layers=("v_proj", "down_proj"))}}
     config = serve_app.serve_config({"base": checkpoint, "other": checkpoint}, ServeConfig(), False, "amalia-x",
                                     adapters)
     (application,) = ServeDeploySchema.model_validate(config).applications
     with_adapters, plain = application.args["llm_configs"]
-    assert with_adapters["engine_kwargs"] | {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16} == \
-        with_adapters["engine_kwargs"]
+    assert with_adapters["engine_kwargs"] | {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16,
+                                             "lora_target_modules": ["down_proj", "q_proj", "v_proj"]} == \
+        with_adapters["engine_kwargs"], "LoRA layers only where an adapter has weights"
     assert with_adapters["adapters"] == {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
     assert "enable_lora" not in plain["engine_kwargs"] and "adapters" not in plain
     llm = LLMConfig.model_validate({k: v for k, v in with_adapters.items() if k != "adapters"})
@@ -122,6 +129,7 @@ def test_adapters_run_on_their_base_models_engine_with_vllms_lora_settings(check
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"use_dora": True}, "DoRA"),
     ({"r": 1024}, "over vLLM's largest LoRA rank"),
+    ({"layers": ("q_proj", "lm_head")}, r"adapts \['lm_head'\]"),
 ])
 def test_an_adapter_vllm_cannot_serve_is_refused_before_serving(checkpoint, tmp_path, config, problem):
     folder = adapter_folder(tmp_path / "a", **config)

@@ -72,10 +72,14 @@ def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool,
         **replica_placement(cfg, use_gpu),
     }
     if adapters:
-        rank = max(adapter_rank(name, path) for name, path in adapters.items())
-        # vLLM's LoRA engine: one slot per adapter, so a batch may mix all of them
+        shapes = [adapter_shape(name, path) for name, path in adapters.items()]
+        rank = max(r for r, _ in shapes)
+        # vLLM's LoRA engine: one slot per adapter, so a batch may mix all of them; LoRA layers only where an
+        # adapter has weights (vLLM would wrap every supported layer, the LM head included, whose LoRA path fails
+        # on prompt log-likelihoods of several requests at once)
         config["engine_kwargs"] |= {"enable_lora": True, "max_loras": len(adapters),
-                                    "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank)}
+                                    "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank),
+                                    "lora_target_modules": sorted(set().union(*(m for _, m in shapes)))}
         config["lora_config"] = {"max_num_adapters_per_replica": len(adapters)}
         config["adapters"] = {name: str(path.resolve()) for name, path in adapters.items()}
     return config
@@ -85,15 +89,17 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank va
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def adapter_rank(name: str, folder: Path) -> int:
-    """An adapter folder's LoRA rank, after checking vLLM's LoRA engine can serve it (PEFT's adapter_config.json and
-    weights; no DoRA, no fully trained modules beside the adapters)."""
+def adapter_shape(name: str, folder: Path) -> tuple[int, set[str]]:
+    """An adapter folder's LoRA rank and the names of the layers it adapts (`q_proj`, …), after checking vLLM's LoRA
+    engine can serve it: PEFT's adapter_config.json and safetensors weights, plain LoRA on the decoder's layers (no
+    DoRA, no LM head or embeddings, no fully trained modules beside the adapters)."""
     if not ADAPTER_NAME.match(name):
         raise AmaliaError(f"adapter name '{name}': letters, digits, '.', '_' and '-' only")
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise AmaliaError(f"adapter '{name}': not a PEFT adapter folder (no adapter_config.json): {folder}")
-    if not any((folder / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
         raise AmaliaError(f"adapter '{name}': no adapter_model.safetensors in {folder}")
     try:
         adapter = json.loads(config_file.read_text(encoding="utf-8"))
@@ -109,7 +115,26 @@ def adapter_rank(name: str, folder: Path) -> int:
                           "which vLLM's LoRA engine cannot serve; serve its merged checkpoint instead")
     if rank > VLLM_LORA_RANKS[-1]:
         raise AmaliaError(f"adapter '{name}': rank {rank} is over vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
-    return rank
+    layers = adapted_layers(weights)
+    if not layers:
+        raise AmaliaError(f"adapter '{name}': {weights} holds no LoRA weights (lora_A / lora_B)")
+    if outside := sorted(layers & {"lm_head", "embed_tokens"}):
+        raise AmaliaError(f"adapter '{name}': it adapts {outside}, which vLLM's LoRA engine does not serve for "
+                          "log-likelihoods; serve its merged checkpoint instead")
+    return rank, layers
+
+
+def adapted_layers(weights: Path) -> set[str]:
+    """The names of the layers a PEFT safetensors file holds LoRA weights for (`…q_proj.lora_A.weight` -> q_proj),
+    read from its header only."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="numpy") as f:
+            keys = list(f.keys())
+    except Exception as e:  # noqa: BLE001 - any unreadable header is the same problem for the user
+        raise AmaliaError(f"{weights}: not a readable safetensors file ({e})") from None
+    return {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys if ".lora_A" in k or ".lora_B" in k}
 
 
 def adapter_id(model_id: str, adapter: str) -> str:

@@ -1,6 +1,7 @@
-"""The Serve application: `ray.serve.llm`'s OpenAI ingress in front of one vLLM deployment per checkpoint, plus what a
-shared service needs — a `/health` endpoint that asks every model's engine, an optional Bearer API key, a request size
-limit, and a 404 that lists the served model ids.
+"""The Serve application: `ray.serve.llm`'s OpenAI ingress in front of one vLLM deployment per checkpoint (with the LoRA
+adapters trained on it as model ids "MODEL:ADAPTER" on the same engine), plus what a shared service needs — a
+`/health` endpoint that asks every model's engine, an optional Bearer API key, a request size limit, and a 404 that
+lists the served model ids.
 
 `build_app(args)` is a Serve application builder: the same args dict is what `amalia serve` runs and what the
 generated Serve config YAML (`serve deploy`) carries. The API key never appears in it, only its SHA-256."""
@@ -264,8 +265,8 @@ def build_app(args: dict):
     adapters = {c["model_loading_config"]["model_id"]: c.get("adapters") or {} for c in args["llm_configs"]}
     configs = [LLMConfig.model_validate({**{k: v for k, v in c.items() if k != "adapters"},
                                          "callback_config": {"callback_class": local_checkpoint_callback()},
-                                         "server_cls": llm_server_class(adapters[c["model_loading_config"]["model_id"]])})
-               for c in args["llm_configs"]]
+                                         "server_cls": llm_server_class(adapters[model_id])})
+               for c in args["llm_configs"] for model_id in [c["model_loading_config"]["model_id"]]]
     ids = [c.model_id for c in configs]
     if not ids or len(set(ids)) != len(ids):
         raise ValueError(f"serve needs at least one model and unique model ids, got {ids}")
