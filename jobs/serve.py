@@ -16,6 +16,7 @@ from amalia_ray.core import secrets
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import load_recipe
 from amalia_ray.pipeline.runner import Pipeline
+from amalia_ray.pipeline.stages import served_models
 from amalia_ray.serve import app as serve_app
 from jobs.pipeline import failed
 
@@ -36,15 +37,23 @@ def main(argv: list[str] | None = None) -> int:
         names = args.stage or [s.name for s in pipeline.recipe.train]
         if unknown := set(names) - {s.name for s in pipeline.recipe.train}:
             raise AmaliaError(f"unknown train stage(s) {sorted(unknown)}")
-        models = {pipeline.model_id(n): pipeline.checkpoint_of(n) for n in names}
-        if missing := [str(p) for p in models.values() if not (p / "config.json").exists()]:
+        # as the eval stage serves them: LoRA stages as adapters on the engine of the checkpoint they were trained from
+        engines, adapters = served_models(pipeline)
+        wanted = {pipeline.model_id(n) for n in names}
+        adapters = {m: {a: path for a, path in named.items() if pipeline.model_id(a) in wanted}
+                    for m, named in adapters.items()}
+        adapters = {m: named for m, named in adapters.items() if named}
+        models = {m: path for m, path in engines.items() if m in wanted or m in adapters}
+        if missing := [str(p) for p in models.values() if not (p / "config.json").exists()] + [
+                str(p) for named in adapters.values() for p in named.values() if not p.is_dir()]:
             raise AmaliaError(f"no exported checkpoint at {', '.join(missing)}: run the training stages first")
         with ray_session():
             name = serve_app.app_name(f"{pipeline.run_name}-serve")
-            url = serve_app.start(models, pipeline.recipe.serve, cluster_has_gpu(), name)
+            url = serve_app.start(models, pipeline.recipe.serve, cluster_has_gpu(), name, adapters)
+        served = [*models, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
     except Exception as e:  # noqa: BLE001 - the job's log is where a user reads why it failed
         return failed(e)
-    print(f"serving {', '.join(models)} at {url} as Serve application '{name}' (stop: amalia serve --stop --app "
+    print(f"serving {', '.join(served)} at {url} as Serve application '{name}' (stop: amalia serve --stop --app "
           f"{name} --address …)")
     return 0
 

@@ -35,7 +35,8 @@ def served(demo_run, post_training, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(AMALIA_API_KEY=API_KEY, AMALIA_STATE_DIR=str(state), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     ckpt = str(pipeline.checkpoint_of("pretrain"))
-    adapters = {"sft": pipeline.run_dir / "sft" / "adapter", "plain": _peft_adapter(ckpt, state / "plain")}
+    adapters = {"sft": pipeline.run_dir / "sft" / "adapter",
+                "plain": _peft_adapter(ckpt, tmp_path_factory.mktemp("adapter") / "plain")}
     cli = [sys.executable, "-m", "amalia_ray.cli"]
     log = state / "serve.log"  # a file, not a pipe: an unread pipe fills up and blocks the server
     proc = subprocess.Popen([*cli, "serve", ckpt, "--name", "pre", "--port", str(port),
@@ -139,10 +140,11 @@ def test_serving_guards_bad_requests_and_keeps_serving(served):
     assert httpx.post(f"{base}/v1/completions", json=ok).status_code == 401
     assert httpx.post(f"{base}/v1/completions", json=ok, headers={"Authorization": "Bearer nope"}).status_code == 401
     health = httpx.get(f"{base}/health")
-    assert health.status_code == 200 and health.json() == {"status": "ok", "models": {"pre": "ok"}}
-    assert {m["id"] for m in httpx.get(f"{base}/v1/models", headers=auth).json()["data"]} == {"pre"}
+    healthy = {"pre": "ok", "pre:plain": "ok", "pre:sft": "ok"}  # the adapters as healthy as their engine
+    assert health.status_code == 200 and health.json() == {"status": "ok", "models": healthy}
+    assert {m["id"] for m in httpx.get(f"{base}/v1/models", headers=auth).json()["data"]} == set(healthy)
     r = httpx.post(f"{base}/v1/completions", json={**ok, "model": "nope"}, headers=auth)
-    assert r.status_code == 404 and "served models: ['pre']" in r.text
+    assert r.status_code == 404 and "served models: ['pre', 'pre:plain', 'pre:sft']" in r.text
     cases = [({**ok, "prompt": "palavra " * 3000}, 400), ({**ok, "max_tokens": 100_000}, 400),
              ({**ok, "prompt": 5.5, "max_tokens": "x"}, 400), ({**ok, "prompt": "a" * (9 << 20)}, 413)]
     for body, code in cases:

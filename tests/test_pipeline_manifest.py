@@ -122,6 +122,9 @@ def test_serve_job_needs_a_cluster(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert serve.main([str(write_recipe(tmp_path))]) == 1
     assert "deploys onto a cluster" in capsys.readouterr().err
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # refused before it connects: nothing trained yet
+    assert serve.main([str(write_recipe(tmp_path)), "--stage", "pretrain"]) == 1
+    assert "no exported checkpoint at " in capsys.readouterr().err
 
 
 def _finish_stage(run_dir, name, barrier) -> None:

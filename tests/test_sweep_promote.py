@@ -100,3 +100,36 @@ def test_a_lora_stage_sweeps_its_adapters_and_promotes_them(tmp_path):
         "mode": "min", "space": {}, "proxy": {}, "best": best, "trials": [best]}))
     promoted = load_recipe(promote(sweep_dir)).recipe.train[0]
     assert promoted.lora.r == 16 and promoted.lora.merge and promoted.lr == 0.001
+
+
+@pytest.mark.parametrize("lora_base", [True, False])
+def test_the_benchmarked_trials_are_served_on_one_engine_when_they_are_adapters(tmp_path, monkeypatch, lora_base):
+    """A LoRA stage's benchmarked trials: one engine of the checkpoint they were trained from, each trial's adapter
+    a model id on it; other trials: each trial's export its own engine. Every trial is scored by its model id."""
+    import amalia_ray.evals.runner as runner
+    from amalia_ray.pipeline import stages, sweep
+    from amalia_ray.serve import app as serve_app
+
+    pipeline = Pipeline(load_recipe(write_recipe(tmp_path)))
+    started, scored = [], []
+    monkeypatch.setattr(serve_app, "start", lambda models, cfg, gpu, name, adapters=None: started.append(
+        (models, adapters)) or "http://127.0.0.1:1/v1")
+    monkeypatch.setattr(serve_app, "stop", lambda name: None)
+    monkeypatch.setattr(stages, "use_gpu", lambda p: False)
+    monkeypatch.setattr(runner, "run_task", lambda task, path, *, model, **kw: scored.append(model) or {
+        "scores": {"acc": 0.5, "acc_norm": 0.5}, "n": 20})
+    out = tmp_path / "sweep"
+    summary = {"mode": "min", "trials": [{"trial_id": t, "status": "completed", "metric": m}
+                                         for t, m in (("a", 2.0), ("b", 1.0), ("c", 3.0))]}
+    task = pipeline.recipe.eval.tasks[0]
+    sweep._benchmark(pipeline, summary, task, 2, out, tmp_path / "start" if lora_base else None)
+    (models, adapters), = started
+    if lora_base:
+        assert models == {"base": tmp_path / "start"}
+        assert adapters == {"base": {f"trial-{t}": out / "trials" / t / "adapter" for t in "ba"}}
+        assert scored == ["base:trial-b", "base:trial-a"]
+    else:
+        assert models == {f"trial-{t}": out / "trials" / t / "hf" for t in "ba"} and not adapters
+        assert scored == ["trial-b", "trial-a"]
+    best = summary["trials"][1]["benchmark"]
+    assert best["model"] == scored[0] and best["one_engine"] is lora_base and "benchmark" not in summary["trials"][2]
