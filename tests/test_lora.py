@@ -226,7 +226,7 @@ def test_the_eval_stage_serves_each_adapter_on_the_checkpoint_it_was_trained_fro
     full from its merged export."""
     from amalia_ray.core.recipe import load_recipe
     from amalia_ray.pipeline.runner import Pipeline
-    from amalia_ray.pipeline.stages import served_models
+    from amalia_ray.pipeline.stages import _in_stage_order, served_models
 
     sft = {"name": "sft", "objective": "sft", "dataset": "chats.jsonl", "steps": 20, **stages[0]}
     dpo = {"name": "dpo", "objective": "dpo", "dataset": "pairs.jsonl", "steps": 20, **stages[1]}
@@ -235,6 +235,10 @@ def test_the_eval_stage_serves_each_adapter_on_the_checkpoint_it_was_trained_fro
     run = pipeline.run_name
     assert models == {f"{run}-{s}": pipeline.checkpoint_of(s) for s in engines}
     assert on == {f"{run}-{b}": {a: pipeline.run_dir / a / "adapter" for a in named} for b, named in adapters.items()}
+    by_adapter = {f"{b}:{a}": b for b, named in on.items() for a in named}
+    order = _in_stage_order(pipeline, [*models, *by_adapter], by_adapter)
+    assert [m.rsplit(":", 1)[-1].removeprefix(f"{run}-") for m in order] == ["pretrain", "sft", "dpo"], \
+        "the report's columns in the recipe's order"
 
 
 def test_modules_to_save_train_in_full_and_travel_with_the_adapter(trained, tmp_path):

@@ -267,6 +267,16 @@ def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
     return body
 
 
+def _in_stage_order(p: RunContext, model_ids: list[str], adapters: dict[str, str]) -> list[str]:
+    """The base model first, then each stage's model (its own or its adapter's id), as the recipe orders them: the
+    order of the report's columns."""
+    rank = {name: i for i, name in enumerate(["base", *(s.name for s in p.recipe.train)])}
+
+    def stage_of(model_id: str) -> str:
+        return model_id.split(":", 1)[1] if model_id in adapters else model_id.removeprefix(f"{p.run_name}-")
+    return sorted(model_ids, key=lambda m: rank.get(stage_of(m), len(rank)))
+
+
 def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[str, dict[str, Path]]) -> dict:
     """Serve every trained checkpoint side by side (LoRA adapters on the engine of the checkpoint they were trained
     from), score each task on each over HTTP, then stop serving."""
@@ -280,7 +290,7 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
             for t in r.eval.tasks} if targets else {}
     try:
         out["base_url"] = base_url = serve_app.start(models, r.serve, use_gpu(p), name, adapters)
-        for model_id in [*models, *on]:
+        for model_id in _in_stage_order(p, [*models, *on], on):
             for task in r.eval.tasks:
                 res = run_task(*eval_task(p, task), base_url=base_url, model=model_id,
                                settings=r.eval, output=p.stage_dir("eval") / model_id / f"{task.name}.json",
