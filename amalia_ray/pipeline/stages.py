@@ -53,7 +53,7 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
     if r.model.base:
         check_base_model(r, p.loaded.resolve)
     judge = r.eval.judge
-    engines, adapters = served_models(p)
+    engines, adapters = served_models(p, paths=False)
     served = [*engines, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
     if judge and judge.base_url is None and judge.model not in served:
         raise AmaliaError(f"eval.judge.model '{judge.model}' is not one of the run's served checkpoints {served}; "
@@ -206,13 +206,14 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
                         held=lambda m: serve_held, tokens=lambda m: m.get("tokens_processed"))
 
 
-def served_models(p: RunContext) -> tuple[dict[str, Path], dict[str, dict[str, Path]]]:
+def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | None], dict[str, dict[str, Path]]]:
     """What the eval stage serves: the checkpoints that get an engine each (model id -> folder: the base model, so
     the report shows what each stage changed, and every stage trained in full), and per engine the LoRA stages'
     adapters that run on it (engine id -> {stage name -> adapter folder}), each stage's on the checkpoint it was
     trained from. A LoRA stage is served in full (its merged export) instead when a later LoRA stage was trained on
     its merged weights (that one's adapter needs them as its engine) or when vLLM cannot serve its adapter
-    (modules_to_save, or no starting checkpoint to run on: random initial weights)."""
+    (modules_to_save, or no starting checkpoint to run on: random initial weights). paths=False leaves the base
+    model's folder None (finding it may mean downloading it)."""
     r = p.recipe
     base_id = p.model_id("base") if r.model.base else None
     starts = [(p.model_id(r.train[i - 1].name) if i else base_id) if s.init_from == "previous" else None
@@ -221,7 +222,7 @@ def served_models(p: RunContext) -> tuple[dict[str, Path], dict[str, dict[str, P
     for i in range(len(r.train) - 1):
         if as_adapter[i + 1] and starts[i + 1] == p.model_id(r.train[i].name):
             as_adapter[i] = False
-    models = {base_id: base_model_dir(p)} if base_id else {}
+    models = {base_id: base_model_dir(p) if paths else None} if base_id else {}
     adapters: dict[str, dict[str, Path]] = {}
     for i, s in enumerate(r.train):
         if as_adapter[i]:
