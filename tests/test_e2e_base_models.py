@@ -92,11 +92,13 @@ def test_sft_from_a_base_model_matches_transformers_and_exports_its_architecture
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
-def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained, tmp_path):
+@pytest.mark.parametrize("lora", [None, {"r": 8, "alpha": 16, "merge": True}], ids=["full", "lora"])
+def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained, tmp_path, lora):
     """The R1-Zero recipe: GRPO straight from a base model — a Qwen 3 (its own chat template renders the prompts)
     — on generated Portuguese arithmetic, completions sampled every step by vLLM's Qwen 3 with the weights pushed
-    into it in place, weighted rule-based rewards, group advantages, k3 KL to the base; the first step's policy is
-    its reference, and the export keeps the base's architecture."""
+    into it in place (with LoRA: the merged weights), weighted rule-based rewards, group advantages, k3 KL to the
+    base (with LoRA: the policy with its adapters off); the first step's policy is its reference, and the export
+    keeps the base's architecture."""
     from amalia_ray.data.conversations import write_jsonl
     from amalia_ray.data.tasks import arithmetic_tasks
     from amalia_ray.train.stage import run_train_stage
@@ -108,7 +110,8 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
                       global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
                       checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,
-                      kl_coef=0.05, rewards=["format", "exact_answer", "has_number"], reward_weights=[1.0, 1.0, 0.2])
+                      kl_coef=0.05, rewards=["format", "exact_answer", "has_number"], reward_weights=[1.0, 1.0, 0.2],
+                      lora=lora)
     run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=tasks, tokenizer_dir=base,
                     init_hf_dir=base, base_dir=base, stage_dir=tmp_path / "grpo", ray_run_name="grpo-qwen3",
                     seed=SEED, use_gpu=False, progress=False)
@@ -119,6 +122,8 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
         assert all(0 <= h[f"rewards/{r}"] <= 1 for r in stage.rewards) and "reward_std" in h
     assert history[0]["kl"] < 1e-6, "the first rollout's policy is the reference"
     assert json.loads((tmp_path / "grpo" / "hf" / "config.json").read_text())["model_type"] == "qwen3"
+    if lora:
+        assert (tmp_path / "grpo" / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_every_family_export_is_served_by_vllm_over_http(trained, other_team):

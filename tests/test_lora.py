@@ -1,7 +1,7 @@
 """LoRA through PEFT under FSDP2 on 2 gloo ranks, against PEFT + transformers on one process: the first SFT step's
 loss and the adapters' gradients; only adapters train and are checkpointed, and a run resumed from such a checkpoint
 takes the next step exactly as the uninterrupted one; the exported adapter folder loads in PEFT and gives the merged
-checkpoint's logits; the recipe refuses what is not built."""
+checkpoint's logits; a rollout engine gets the merged weights; the recipe refuses adapters nothing could serve."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _train_on_ranks(rank: int, world: int, port: int, folder: str, out: str) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from amalia_ray.train import checkpoint, lora
-    from amalia_ray.train.hf_weights import plain_name
+    from amalia_ray.train.hf_weights import export_hf, plain_name
     from amalia_ray.train.model import base_config, build, config_from_dict
     from amalia_ray.train.parallel import apply_fsdp
     from amalia_ray.core.config import ModelConfig
@@ -78,12 +78,40 @@ def _train_on_ranks(rank: int, world: int, port: int, folder: str, out: str) -> 
         o.step()
         second.append((step_loss / step_tokens).item())
     same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), resumed.parameters()))
+    # what a rollout engine gets from the trained adapters (GRPO, on-policy DPO): the merged weights, streamed or
+    # exported; and GRPO's KL reference, the same model with its adapters switched off
+    with torch.no_grad(), lora.adapters_off(model):
+        off_sum, off_tokens = sft.loss(model, batch)
+    pushed = _push_to_a_recorder(model)
+    export_hf(model, config, out / "exported", folder)
     if rank == 0:
         torch.save({"loss": (loss_sum / ntok).item(), "grads": grads, "trained": sorted(trained),
-                    "total": sum(p.numel() for p in model.parameters()), "second": second, "same": same},
-                   out / "ranks.pt")
+                    "total": sum(p.numel() for p in model.parameters()), "second": second, "same": same,
+                    "adapters_off_loss": (off_sum / off_tokens).item(), "pushed": pushed}, out / "ranks.pt")
     lora.export(model, config, LORA, out / "adapter", out / "hf", folder, None, "float32", str(folder))
     dist.destroy_process_group()
+
+
+def _push_to_a_recorder(model) -> dict[str, torch.Tensor]:
+    """push_weights into an engine that keeps what it is sent (rank 0's record; every rank takes part)."""
+    import types
+
+    from amalia_ray.train import rollout
+
+    got = {}
+
+    class Call:
+        def __init__(self, fn):
+            self.remote = fn
+
+    recorder = types.SimpleNamespace(begin_update=Call(lambda: None), end_update=Call(lambda: None), push=Call(
+        lambda bucket: got.update({n: rollout.from_wire(a, d).clone() for n, d, a in bucket})))
+    real_ray, rollout.ray = rollout.ray, types.SimpleNamespace(get=lambda ref: ref)
+    try:
+        rollout.push_weights(model, recorder, torch.float32, bucket_bytes=1 << 16)
+    finally:
+        rollout.ray = real_ray
+    return got
 
 
 def _load(folder: Path, model, optimizer) -> None:
@@ -179,6 +207,25 @@ def test_the_adapter_folder_loads_in_peft_and_equals_the_merged_checkpoint(train
     assert (out / "hf" / "tokenizer_config.json").exists() and (out / "hf" / "generation_config.json").exists()
 
 
+def test_a_rollout_engine_gets_the_merged_weights_and_the_reference_is_the_base(trained):
+    """GRPO and on-policy DPO with adapters: the weights streamed into the rollout engine and the export it starts
+    from are PEFT's merge of the trained adapters, under the plain model's names; switching the adapters off gives
+    back the base's loss on the first batch (where the adapters, B = 0, did not change it yet)."""
+    from safetensors.torch import load_file
+
+    _, out, ours = trained
+    peft_merged = load_file(str(out / "hf" / "model.safetensors"))
+    exported = load_file(str(out / "exported" / "model.safetensors"))
+    assert set(ours["pushed"]) == set(peft_merged) == set(exported)
+    for name, want in peft_merged.items():
+        assert torch.allclose(ours["pushed"][name], want, atol=1e-6), name
+        assert torch.allclose(exported[name], want, atol=1e-6), name
+    moved = [n for n in peft_merged if n.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight"))]
+    base = {n: t for f in trained[0].glob("*.safetensors") for n, t in load_file(str(f)).items()}
+    assert moved and all(not torch.equal(peft_merged[n], base[n]) for n in moved), "the adapters trained"
+    assert abs(ours["adapters_off_loss"] - ours["loss"]) < 1e-6
+
+
 def _recipe(tmp_path, stages, tasks=None):
     import yaml
 
@@ -192,7 +239,7 @@ def _recipe(tmp_path, stages, tasks=None):
     return path
 
 
-def test_the_recipe_refuses_what_lora_does_not_do_yet(tmp_path):
+def test_the_recipe_refuses_adapters_that_nothing_could_serve_or_continue_from(tmp_path):
     from amalia_ray.core.recipe import load_recipe
 
     sft = {"name": "sft", "objective": "sft", "dataset": "chats.jsonl", "steps": 20, "lora": {"r": 8}}
@@ -203,9 +250,6 @@ def test_the_recipe_refuses_what_lora_does_not_do_yet(tmp_path):
         load_recipe(_recipe(tmp_path, [{**sft, "lora": {"modules_to_save": ["lm_head"]}}]))
     with pytest.raises(RecipeError, match="its adapters train on random initial weights"):
         load_recipe(_recipe(tmp_path, [{**sft, "init_from": "scratch"}]))
-    grpo = {"name": "grpo", "objective": "grpo", "dataset": "tasks.jsonl", "steps": 20, "lora": {"merge": True}}
-    with pytest.raises(RecipeError, match="LoRA for GRPO is not implemented yet"):
-        load_recipe(_recipe(tmp_path, [grpo], tasks=[]))
     with pytest.raises(RecipeError, match="lora"):
         load_recipe(_recipe(tmp_path, [{**sft, "lora": {"rank": 8}}], tasks=[]))
     merged = load_recipe(_recipe(tmp_path, [{**sft, "lora": {"r": 8, "merge": True}}, dpo])).recipe

@@ -870,9 +870,6 @@ class Recipe(Strict):
         for i, stage in enumerate(self.train):
             if not stage.lora:
                 continue
-            if stage.objective == "grpo":
-                raise ValueError(f"train stage '{stage.name}': LoRA for GRPO is not implemented yet (the rollout "
-                                 "engine takes full weights); train it in full")
             if stage.lora.merge:
                 continue
             if i + 1 < len(self.train) and self.train[i + 1].init_from == "previous":

@@ -8,6 +8,7 @@ changes nothing."""
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from amalia_ray.core.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
 from amalia_ray.core.rewards import get_reward
 from amalia_ray.core.config import RolloutConfig
+from amalia_ray.train.lora import adapters_off
 from amalia_ray.train.objective import Objective
 from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, read_tasks, sample_and_score
 
@@ -61,6 +63,7 @@ class GRPO(Objective):
         self.G, self.max_new = stage["num_generations"], stage["max_completion_length"]
         self.temperature, self.kl_coef = stage["temperature"], stage["kl_coef"]
         self.engine_config = stage["rollout"]
+        self.lora = bool(stage.get("lora"))
         self.engine_dtype = getattr(torch, RolloutConfig.model_validate(self.engine_config).resolved_dtype(use_gpu))
         self.sequences = stage["global_batch_size"]
         self.reward_names = list(stage["rewards"])
@@ -95,11 +98,12 @@ class GRPO(Objective):
     def prepare(self, model, micro: int, rank: int, world: int, device: torch.device, frozen_copy=None) -> None:
         """Start the rollout engine on the initial weights (exported once as a HF folder it can load), and build
         the frozen reference from that export when a KL penalty is asked for: `frozen_copy(folder)` shards it over
-        the workers like the policy, so no GPU holds a whole copy."""
+        the workers like the policy, so no GPU holds a whole copy. With LoRA the reference is the policy with its
+        adapters switched off: no second model."""
         engine = {**self.engine_config, "max_model_len": self.seq_len}
         self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu,
                                       self.sequences, max(map(len, self.prompts)) + self.max_new)
-        if self.kl_coef > 0:
+        if self.kl_coef > 0 and not self.lora:
             self.reference = frozen_copy(self.work_dir / "rollout-init")
 
     def step_rows(self, model, sampler: MixtureSampler, global_batch_size: int) -> np.ndarray:
@@ -139,10 +143,11 @@ class GRPO(Objective):
         logps = token_logps(model, batch)
         mask = batch["completion_mask"][:, 1:].to(logps.dtype)
         ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = token_logps(self.reference, batch)
-            self.reference.reshard()  # FSDP2 keeps the root module gathered after a forward without backward
+        if self.kl_coef > 0:
+            with torch.no_grad(), adapters_off(model) if self.lora else nullcontext():
+                ref = token_logps(model if self.lora else self.reference, batch)
+            if not self.lora:
+                self.reference.reshard()  # FSDP2 keeps the root module gathered after a forward without backward
         per_token, kl = policy_loss(logps, batch["advantages"], ref, self.kl_coef)
         if kl is not None:
             self._kl = [self._kl[0] + (kl * mask).sum().item(), self._kl[1] + int(mask.sum())]
@@ -150,7 +155,7 @@ class GRPO(Objective):
 
     def take_metrics(self) -> dict[str, tuple[float, float]]:
         out = dict(self._stats)
-        if self.reference is not None:
+        if self.kl_coef > 0:
             out["kl"] = tuple(self._kl)
         self._stats, self._kl = {k: (0.0, 0) for k in self._stats}, [0.0, 0]
         return out

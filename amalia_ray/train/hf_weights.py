@@ -183,9 +183,13 @@ def gather_full(model, trained_only: bool = False) -> dict[str, torch.Tensor] | 
 def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path, generation_config: dict | None = None,
               dtype: str | None = None) -> None:
     """Gather the full weights (a collective: every rank calls this) and let rank 0 write a HF checkpoint that
-    transformers and vLLM load (write_hf)."""
+    transformers and vLLM load (write_hf); a model with LoRA adapters is written merged."""
+    from amalia_ray.train.lora import merged, scalings
+
     state = gather_full(model)
     if state is not None:
+        if layers := scalings(model):
+            state = merged(state, layers)
         write_hf(state, hf_config, out_dir, tokenizer_dir, generation_config, dtype)
 
 

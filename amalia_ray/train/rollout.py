@@ -195,27 +195,32 @@ def push_weights(model, engine, dtype: torch.dtype, bucket_bytes: int = PUSH_BUC
     """Stream the model's current weights into the running engine, one tensor at a time in the engine's dtype: each
     sharded tensor is gathered on every rank (a collective: every rank calls this), rank 0 casts it, copies it to
     the host and sends it on in buckets of `bucket_bytes`, one in flight while the next fills. No rank ever holds
-    the whole state."""
+    the whole state. A model with LoRA adapters sends its merged weights (the engine serves the plain model), each
+    layer merged on rank 0 once its base weight and adapters are in."""
     from torch.distributed.tensor import DTensor
 
     from amalia_ray.train.hf_weights import plain_name
+    from amalia_ray.train.lora import Merger, scalings
 
     first = dist.get_rank() == 0
     if first:
         ray.get(engine.begin_update.remote())
+    merger = Merger(scalings(model))
     bucket, size, in_flight = [], 0, None
     for name, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if first:
-            host = full.detach().to("cpu", dtype=dtype if full.is_floating_point() else full.dtype, copy=True)
-            bucket.append((plain_name(name), *to_wire(host)))
-            size += host.nbytes
+            for out_name, tensor in merger.feed(plain_name(name), full.detach()):
+                host = tensor.to("cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
+                bucket.append((out_name, *to_wire(host)))
+                size += host.nbytes
         del full
         if first and size >= bucket_bytes:
             if in_flight is not None:
                 ray.get(in_flight)
             in_flight, bucket, size = engine.push.remote(bucket), [], 0
     if first:
+        merger.close()
         if in_flight is not None:
             ray.get(in_flight)
         if bucket:
