@@ -114,6 +114,23 @@ def demo_run(ray_cluster, recipe_path, other_team):
 
 
 DEMO_PRETRAIN_METRICS = "demo-pretrain-metrics.jsonl"
+DATA_STAGES = ("data", "tokenizer", "pack")
+
+
+def carry_over_data_stages(demo_run, run_dir: Path) -> dict:
+    """Copies the demo run's data, tokenizer and pack stages (folders and manifest records) into another run folder,
+    so a test of training on another kind of cluster starts from them (a recipe with the demo's data settings
+    skips them) instead of curating the corpus again. Returns the carried manifest."""
+    import json
+    import shutil
+
+    demo, _ = demo_run
+    for stage in DATA_STAGES:
+        shutil.copytree(demo.run_dir / stage, run_dir / stage)
+    carried = json.loads((demo.run_dir / "manifest.json").read_text())
+    carried.update(run_name=run_dir.name, stages={k: carried["stages"][k] for k in DATA_STAGES})
+    (run_dir / "manifest.json").write_text(json.dumps(carried))
+    return carried
 
 
 @pytest.fixture(scope="session")

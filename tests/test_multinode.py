@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import DEMO_PRETRAIN_METRICS, STEPS, read_jsonl
+from tests.conftest import DATA_STAGES, DEMO_PRETRAIN_METRICS, STEPS, carry_over_data_stages, read_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -33,12 +32,7 @@ def test_a_submitted_job_shrinks_and_grows_with_its_worker_nodes(demo_run, recip
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     run_dir = tmp_path / "runs" / "multinode"
-    demo, _ = demo_run
-    for stage in ("data", "tokenizer", "pack"):
-        shutil.copytree(demo.run_dir / stage, run_dir / stage)
-    carried = json.loads((demo.run_dir / "manifest.json").read_text())
-    carried.update(run_name="multinode", stages={k: carried["stages"][k] for k in ("data", "tokenizer", "pack")})
-    (run_dir / "manifest.json").write_text(json.dumps(carried))
+    carried = carry_over_data_stages(demo_run, run_dir)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "-m", "tests.multinode_job", str(recipe), str(run_dir), str(tmp_path)],
                           cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=1800)
@@ -58,7 +52,7 @@ def test_a_submitted_job_shrinks_and_grows_with_its_worker_nodes(demo_run, recip
     manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]
     assert list(manifest) == ["data", "tokenizer", "pack", "pretrain"]
     assert all(rec["status"] == "completed" for rec in manifest.values())
-    assert all(manifest[k]["attempts"] == carried["stages"][k]["attempts"] for k in ("data", "tokenizer", "pack")), \
+    assert all(manifest[k]["attempts"] == carried["stages"][k]["attempts"] for k in DATA_STAGES), \
         "the data stages were carried over, not run again"
     history = read_jsonl(run_dir / "pretrain" / "metrics.jsonl")
     assert [h["step"] for h in history] == list(range(1, STEPS + 1)), "every step once, across the restarts"

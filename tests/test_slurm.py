@@ -1,6 +1,6 @@
 """Ray on Slurm against a real Slurm (slurmctld + slurmd + munge on this machine, tests/slurm_cluster.py):
-`amalia slurm --submit --chain 2 --follow` sends a recipe (data → tokenizer → pack → a short pretraining) as two
-chained batch jobs. The first job is sent the signal Slurm sends before a time limit (`scancel --batch
+`amalia slurm --submit --chain 2 --follow` sends a recipe (a short pretraining, its data stages carried over from the
+demo run) as two chained batch jobs. The first job is sent the signal Slurm sends before a time limit (`scancel --batch
 --signal=USR1`, what `--signal=B:USR1@120` delivers) while it trains: it checkpoints at that step and stops; the
 second job resumes from that checkpoint, trains every remaining step once and finishes the run."""
 
@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from amalia_ray.cluster.slurm import SlurmJob, batch_script, check_shared, seconds_of
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import clear_stop, stop_on_signals, stop_requested
-from tests.conftest import free_port, read_jsonl, write_recipe
+from tests.conftest import DATA_STAGES, carry_over_data_stages, free_port, read_jsonl
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
 STEPS = 12
@@ -63,25 +64,26 @@ def test_sigusr1_asks_the_run_to_stop_and_a_new_run_forgets_it(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_chained_job_stopped_before_its_time_limit_is_carried_on_by_the_next(tmp_path):
+def test_a_chained_job_stopped_before_its_time_limit_is_carried_on_by_the_next(demo_run, recipe_path, tmp_path):
     if missing := missing_tools():
         pytest.fail(f"Slurm is not installed ({', '.join(missing)} missing): `make slurm` installs slurm-wlm and "
                     "munge")
     cluster = SlurmCluster(tmp_path / "slurm").start()
     try:
-        _chain_of_two(tmp_path, cluster)
+        _chain_of_two(demo_run, recipe_path, tmp_path, cluster)
     finally:
         cluster.stop()
 
 
-def _chain_of_two(tmp_path: Path, cluster: SlurmCluster) -> None:
-    recipe = write_recipe(tmp_path, **{
-        "run.name": "slurm", "data.sources": [{"name": "debian-faq-pt", "split": "paragraph",
-                                              "paths": ["/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"]}],
-        "train.0.steps": STEPS, "train.0.checkpoint_every": 100, "train.0.warmup_steps": 2,
-        "train.0.curriculum": None, "train.0.max_failures": 0, "train.0.log_every": 1,
-    })
+def _chain_of_two(demo_run, recipe_path: Path, tmp_path: Path, cluster: SlurmCluster) -> None:
+    data = yaml.safe_load(recipe_path.read_text())
+    data["run"].update(name="slurm", output_dir=str(tmp_path / "runs"))
+    data["train"][0].update(steps=STEPS, checkpoint_every=100, warmup_steps=2, curriculum=None, max_failures=0,
+                            log_every=1)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     run_dir = tmp_path / "runs" / "slurm"
+    carried = carry_over_data_stages(demo_run, run_dir)  # curating the corpus on Ray: the demo run's to test
     env = {**cluster.env, "RAY_AUTH_MODE": "disabled"}
     follow = subprocess.Popen(
         [sys.executable, "-m", "amalia_ray.cli", "slurm", str(recipe), "--until", "pretrain", "--submit", "--follow",
@@ -112,9 +114,8 @@ def _chain_of_two(tmp_path: Path, cluster: SlurmCluster) -> None:
     manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]
     assert [k for k in manifest] == ["data", "tokenizer", "pack", "pretrain"]
     assert all(r["status"] == "completed" for r in manifest.values()), manifest
-    assert [manifest[k]["attempts"] for k in ("data", "tokenizer", "pack")] == [1, 1, 1], "not run again"
-    assert manifest["pretrain"]["attempts"] == 2
-    assert manifest["pretrain"]["slurm_jobs"] == [first, second] and manifest["data"]["slurm_jobs"] == [first]
+    assert all(manifest[k]["attempts"] == carried["stages"][k]["attempts"] for k in DATA_STAGES), "not run again"
+    assert manifest["pretrain"]["attempts"] == 2 and manifest["pretrain"]["slurm_jobs"] == [first, second]
     history = read_jsonl(metrics)
     assert [h["step"] for h in history] == list(range(1, STEPS + 1)), "every step once, across the two jobs"
     assert {h["attempt_start_step"] for h in history if h["step"] > stopped_at} == {stopped_at}, \
