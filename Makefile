@@ -9,6 +9,10 @@ export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# pip installs with --no-compile, so Python writes each module's bytecode when a process first imports it; where the
+# environment sets PYTHONDONTWRITEBYTECODE, every process (each Ray worker, vLLM engine, CLI call) would compile
+# torch, transformers, Ray and vLLM from source again: seconds of CPU each
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo demo-inputs test test-all test-fast reliability install corpus slurm clean docs bench
 
