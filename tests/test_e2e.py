@@ -320,6 +320,36 @@ def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_
 
 
 @pytest.mark.slow
+def test_a_lora_sweep_benchmarks_its_trial_adapters_on_one_engine(post_training):
+    """`amalia sweep` over a LoRA SFT stage's rank and scale: two trials train adapters on the pretrained
+    checkpoint, and the benchmark serves both on one vLLM engine of that checkpoint, each trial a model id on it,
+    scored over HTTP on an eval task."""
+    from amalia_ray.core.sweep_space import SweepSpace
+    from amalia_ray.pipeline.sweep import run_sweep
+
+    data = yaml.safe_load(post_training.read_text())
+    sft = next(s for s in data["train"] if s["name"] == "sft")
+    sft["proxy"] = {"steps": 4, "validate_every": 2, "num_workers": 1}
+    recipe = post_training.with_name("lora-sweep.yaml")
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    task = data["eval"]["tasks"][0]["name"]
+    space = SweepSpace.model_validate({
+        "search": "grid", "max_concurrent_trials": 2, "scheduler": {"grace_period": 2},
+        "parameters": {"lora.r": {"values": [4, 8]}, "lora.alpha": {"values": [16]}},
+        "benchmark": {"task": task, "top": 2}})
+    out = run_sweep(Pipeline(load_recipe(recipe)), "sft", space)
+    summary = json.loads((out / "sweep.json").read_text())
+    benchmarked = [t for t in summary["trials"] if "benchmark" in t]
+    assert len(benchmarked) == 2, summary["trials"]
+    for t in benchmarked:
+        assert t["benchmark"]["one_engine"] is True and t["benchmark"]["model"] == f"base:trial-{t['trial_id']}"
+        assert t["benchmark"]["n"] > 0 and 0 <= t["benchmark"]["value"] <= 1
+        adapter = json.loads((out / "trials" / t["trial_id"] / "adapter" / "adapter_config.json").read_text())
+        assert adapter["r"] == t["config"]["lora.r"]
+    assert "served together on one engine" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
 def test_an_interrupted_data_mix_ablation_resumes_and_scores_per_source_and_on_a_served_benchmark(
         demo_run, recipe_path, tmp_path):
     """A data-mix ablation: two trials that differ only in one source's sampling weight, scored by validation loss

@@ -33,7 +33,11 @@ def test_a_submitted_job_shrinks_and_grows_with_its_worker_nodes(demo_run, recip
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     run_dir = tmp_path / "runs" / "multinode"
     carried = carry_over_data_stages(demo_run, run_dir)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+    # Right after a node goes, Ray Train's elastic policy may still count its CPUs and wait for a worker group of
+    # the old size until its start-up timeout (60 s by default) before it retries with what is left; workers start
+    # in seconds on these nodes, so the test waits 30 s at most
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
+        "RAY_AUTH_MODE": "disabled", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}
     proc = subprocess.run([sys.executable, "-m", "tests.multinode_job", str(recipe), str(run_dir), str(tmp_path)],
                           cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=1800)
     result = json.loads((tmp_path / "result.json").read_text()) if (tmp_path / "result.json").exists() else {}
