@@ -63,7 +63,9 @@ class GRPO(Objective):
         self.G, self.max_new = stage["num_generations"], stage["max_completion_length"]
         self.temperature, self.kl_coef = stage["temperature"], stage["kl_coef"]
         self.engine_config = stage["rollout"]
-        self.lora = bool(stage.get("lora"))
+        # the base is the policy with its adapters off, unless modules_to_save train in place beside them
+        lora = stage.get("lora")
+        self.lora = bool(lora) and not lora.get("modules_to_save")
         self.engine_dtype = getattr(torch, RolloutConfig.model_validate(self.engine_config).resolved_dtype(use_gpu))
         self.sequences = stage["global_batch_size"]
         self.reward_names = list(stage["rewards"])
@@ -98,8 +100,8 @@ class GRPO(Objective):
     def prepare(self, model, micro: int, rank: int, world: int, device: torch.device, frozen_copy=None) -> None:
         """Start the rollout engine on the initial weights (exported once as a HF folder it can load), and build
         the frozen reference from that export when a KL penalty is asked for: `frozen_copy(folder)` shards it over
-        the workers like the policy, so no GPU holds a whole copy. With LoRA the reference is the policy with its
-        adapters switched off: no second model."""
+        the workers like the policy, so no GPU holds a whole copy. With LoRA adapters only, the reference is the
+        policy with its adapters switched off: no second model."""
         engine = {**self.engine_config, "max_model_len": self.seq_len}
         self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu,
                                       self.sequences, max(map(len, self.prompts)) + self.max_new)
