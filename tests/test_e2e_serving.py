@@ -247,7 +247,7 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", served["key"])  # lm-eval's local-completions sends it as the Bearer token
     theirs = lm_eval.simple_evaluate(
         model="local-completions", tasks=[t.name for t in tasks], task_manager=TaskManager(
-            include_path=str(tmp_path / "lm")),
+            include_path=str(tmp_path / "lm"), include_defaults=False),
         model_args=f"model=pre,base_url={served['url']}/completions,tokenizer={served['checkpoint']},"
                    "tokenizer_backend=huggingface,num_concurrent=4,max_retries=2", log_samples=True)
     # the context rendered by the model's chat template, with a system prompt and 2-shot examples (lm-eval's
@@ -258,7 +258,8 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
                                api_key=served["key"])
     export_lm_eval(chat, Path(mc), tmp_path / "lm-chat")
     theirs_chat = lm_eval.simple_evaluate(
-        model="local-completions", tasks=[chat.name], task_manager=TaskManager(include_path=str(tmp_path / "lm-chat")),
+        model="local-completions", tasks=[chat.name], task_manager=TaskManager(
+            include_path=str(tmp_path / "lm-chat"), include_defaults=False),
         model_args=f"model=pre,base_url={served['url']}/completions,tokenizer={served['checkpoint']},"
                    "tokenizer_backend=huggingface,num_concurrent=4,max_retries=2", log_samples=True,
         apply_chat_template=True, system_instruction=chat.system_prompt)

@@ -17,13 +17,19 @@ from amalia_ray.evals.lmeval_export import export_lm_eval
 from tests.test_euroeval import _row
 
 
-def _lm_eval_requests(task: EvalTaskConfig, path, out) -> dict[int, list[tuple[str, str]]]:
-    """What lm-eval would send for each document: (context, continuation) per choice."""
+def _lm_eval_task(task: EvalTaskConfig, path, out):
+    """The task as lm-eval loads it from our export (its own tasks left unindexed: seconds each time)."""
     from lm_eval.tasks import TaskManager
 
     export_lm_eval(task, path, out)
-    lm_task = TaskManager(include_path=str(out)).load_task_or_group([task.name])[task.name]
+    lm_task = TaskManager(include_path=str(out), include_defaults=False).load_task_or_group([task.name])[task.name]
     lm_task.set_fewshot_seed(1234)  # simple_evaluate's default fewshot_random_seed
+    return lm_task
+
+
+def _lm_eval_requests(task: EvalTaskConfig, path, out) -> dict[int, list[tuple[str, str]]]:
+    """What lm-eval would send for each document: (context, continuation) per choice."""
+    lm_task = _lm_eval_task(task, path, out)
     lm_task.build_all_requests(limit=task.limit)
     requests: dict[int, list[tuple[str, str]]] = {}
     for instance in sorted(lm_task.instances, key=lambda i: (i.doc_id, i.idx)):
@@ -99,11 +105,7 @@ def test_chat_contexts_are_lm_evals_with_a_system_prompt_and_examples(tmp_path, 
     task = EvalTaskConfig(name="pt-exams", path=str(folder), format="euroeval", num_fewshot=2, chat=True,
                           system_prompt="És um examinador.", fewshot_as_multiturn=multiturn)
     assert task.model_copy(update={"fewshot_as_multiturn": None}).multiturn, "lm-eval's default with chat"
-    from lm_eval.tasks import TaskManager
-
-    export_lm_eval(task, folder, tmp_path / "lm")
-    lm_task = TaskManager(include_path=str(tmp_path / "lm")).load_task_or_group([task.name])[task.name]
-    lm_task.set_fewshot_seed(1234)
+    lm_task = _lm_eval_task(task, folder, tmp_path / "lm")
     lm_task.build_all_requests(system_instruction=task.system_prompt, apply_chat_template=True,
                                fewshot_as_multiturn=multiturn, chat_template=render_chat)
     theirs = {i.doc_id: i.arguments[0] for i in lm_task.instances}

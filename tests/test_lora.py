@@ -1,7 +1,8 @@
-"""LoRA through PEFT under FSDP2 on 2 gloo ranks, against PEFT + transformers on one process: the first SFT step's
-loss and the adapters' gradients; only adapters train and are checkpointed, and a run resumed from such a checkpoint
-takes the next step exactly as the uninterrupted one; the exported adapter folder loads in PEFT and gives the merged
-checkpoint's logits; a rollout engine gets the merged weights; the recipe refuses adapters nothing could serve."""
+"""LoRA through PEFT under FSDP2 on 2 gloo ranks, against PEFT + transformers on one process: the first SFT and
+pretraining steps' losses and the adapters' gradients (with activation checkpointing; compiled blocks too, slow);
+only adapters train and are checkpointed, and a run resumed from such a checkpoint takes the next step exactly as the
+uninterrupted one; the exported adapter folder loads in PEFT and gives the merged checkpoint's logits; a rollout
+engine gets the merged weights; the recipe refuses adapters nothing could serve."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 from amalia_ray.core.errors import RecipeError
 from tests.base_models import make_base_model
 from tests.conftest import free_port
+from tests.test_shards import write_packed_split
 
 LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
         "modules_to_save": [], "merge": True}
@@ -51,6 +53,7 @@ def _train_on_ranks(rank: int, world: int, port: int, folder: str, out: str) -> 
                   init_dir=folder, seed=7, lora=LORA)
     trained = {plain_name(n) for n, p in model.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    pretrain = _first_pretrain_step(model, out / "packed")
     sft = _sft(folder, out / f"work{rank}")
     batch = sft.batch(np.arange(4))
     loss_sum, ntok = sft.loss(model, batch)
@@ -87,9 +90,23 @@ def _train_on_ranks(rank: int, world: int, port: int, folder: str, out: str) -> 
     if rank == 0:
         torch.save({"loss": (loss_sum / ntok).item(), "grads": grads, "trained": sorted(trained),
                     "total": sum(p.numel() for p in model.parameters()), "second": second, "same": same,
-                    "adapters_off_loss": (off_sum / off_tokens).item(), "pushed": pushed}, out / "ranks.pt")
+                    "adapters_off_loss": (off_sum / off_tokens).item(), "pushed": pushed, "pretrain": pretrain},
+                   out / "ranks.pt")
     lora.export(model, config, LORA, out / "adapter", out / "hf", folder, None, "float32", str(folder))
     dist.destroy_process_group()
+
+
+def _first_pretrain_step(model, packed: Path) -> dict:
+    """The pretrain objective's loss and adapter gradients on the packed split's first rows (gradients cleared)."""
+    from amalia_ray.train.hf_weights import plain_name
+    from amalia_ray.train.objectives import Pretrain
+
+    pretrain = Pretrain(packed)
+    loss_sum, ntok = pretrain.loss(model, pretrain.batch(np.arange(4)))
+    (loss_sum / ntok).backward()
+    grads = {plain_name(n): p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return {"loss": (loss_sum / ntok).item(), "grads": grads}
 
 
 def _push_to_a_recorder(model) -> dict[str, torch.Tensor]:
@@ -135,6 +152,8 @@ def trained(tmp_path_factory):
     out = tmp / "out"
     for rank in (0, 1):
         (out / f"work{rank}").mkdir(parents=True)
+    for split in ("train", "validation"):  # packed documents for the pretrain objective
+        write_packed_split(out / "packed" / split, 16, 48, 8, files=1, vocab=640)
     mp.spawn(_train_on_ranks, args=(2, free_port(), str(folder), str(out)), nprocs=2)
     return folder, out, torch.load(out / "ranks.pt")
 
@@ -237,6 +256,58 @@ def _recipe(tmp_path, stages, tasks=None):
     data["eval"]["tasks"] = data["eval"]["tasks"] if tasks is None else tasks
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def _compiled_pretrain_step_on_ranks(rank: int, world: int, port: int, folder: str, packed: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from amalia_ray.core.config import ModelConfig
+    from amalia_ray.train.model import base_config, build, config_from_dict
+    from amalia_ray.train.parallel import apply_fsdp
+
+    folder = Path(folder)
+    config = config_from_dict(base_config(ModelConfig.model_validate({"from": str(folder)}), folder))
+    model = build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "fp32", True, compile_blocks=True),
+                  init_dir=folder, seed=7, lora=LORA)
+    step = _first_pretrain_step(model, Path(packed))
+    if rank == 0:
+        torch.save({"pretrain": step}, Path(out) / "compiled.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compile_blocks", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_pretraining_adapters_with_checkpointed_and_compiled_blocks_equal_peft(trained, tmp_path, compile_blocks):
+    """The pretrain objective (packed documents, positions restarting at each) with adapters, on 2 FSDP2 ranks with
+    activation checkpointing, compiled blocks or not: the first step's loss and adapter gradients are PEFT +
+    transformers' on one process."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from amalia_ray.train.lora import init_adapters, peft_config
+    from amalia_ray.train.objectives import Pretrain
+
+    folder, out, ours = trained
+    if compile_blocks:
+        mp.spawn(_compiled_pretrain_step_on_ranks, nprocs=2, args=(
+            2, free_port(), str(folder), str(out / "packed"), str(tmp_path)))
+        ours = torch.load(tmp_path / "compiled.pt")
+    ours = ours["pretrain"]
+
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32),
+                               peft_config(LORA))
+    init_adapters(reference.base_model.model, seed=7)
+    pretrain = Pretrain(out / "packed")
+    batch = pretrain.batch(np.arange(4))
+    assert len(set(batch["position_ids"][:, 1:].eq(0).nonzero()[:, 0].tolist())) > 1, "several documents per row"
+    loss_sum, ntok = pretrain.loss(reference, batch)
+    (loss_sum / ntok).backward()
+    assert abs((loss_sum / ntok).item() - ours["loss"]) < 1e-5
+    peft_grads = {n.removeprefix("base_model.model."): p.grad for n, p in reference.named_parameters()
+                  if p.grad is not None}
+    assert set(peft_grads) == set(ours["grads"]) and all(".lora_" in n for n in peft_grads), "only the adapters train"
+    for name, grad in peft_grads.items():
+        assert torch.allclose(grad, ours["grads"][name], rtol=1e-4, atol=1e-6), name
 
 
 def test_the_recipe_refuses_adapters_that_nothing_could_serve_or_continue_from(tmp_path):

@@ -98,15 +98,16 @@ def test_positions_restart_at_every_document():
     assert document_positions([[0, 3, 6], [2]], 8).tolist() == [[0, 1, 2, 0, 1, 2, 0, 1], [0, 1, 0, 1, 2, 3, 4, 5]]
 
 
-def write_packed_split(folder, rows: int, seq_len: int, rows_per_group: int, files: int = 4) -> int:
-    """A packed split in the pack stage's layout: random tokens, two sources in runs of 100 sequences, a few
-    documents per sequence. Returns its token bytes as int32."""
+def write_packed_split(folder, rows: int, seq_len: int, rows_per_group: int, files: int = 4,
+                       vocab: int = 32000) -> int:
+    """A packed split in the pack stage's layout: random tokens below `vocab`, two sources in runs of 100
+    sequences, a few documents per sequence. Returns its token bytes as int32."""
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True, exist_ok=True)
     per_file = -(-rows // files)
     for i, lo in enumerate(range(0, rows, per_file)):
         n = min(per_file, rows - lo)
-        tokens = rng.integers(0, 32000, size=n * seq_len, dtype=np.int32)
+        tokens = rng.integers(0, vocab, size=n * seq_len, dtype=np.int32)
         starts = [sorted({0, *rng.integers(1, seq_len, size=3).tolist()}) for _ in range(n)]
         sources = ["web" if (lo + r) // 100 % 3 else "books" for r in range(n)]
         table = pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(tokens), seq_len),
