@@ -428,14 +428,15 @@ def s3_server():
 @pytest.mark.reliability
 def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run, recipe_path, tmp_path, s3_server):
     """run.storage: s3://… — the finished data stages are mirrored there, Ray Train writes its DCP checkpoints
-    there directly; a stage that fails after its second checkpoint, whose newest checkpoint is then damaged in the
-    bucket, resumes from the one before; a machine without the run folder pulls the manifest and outputs and skips
-    every stage."""
+    there directly. The bucket fills up while the third checkpoint is uploaded (one file of it written): the run
+    fails with one clear line and the half-written checkpoint, which Ray Train never registered, is detected; then
+    the newest registered checkpoint is damaged in the bucket, and the rerun resumes from the one before. A machine
+    without the run folder pulls the manifest and outputs and skips every stage."""
     import cloudpickle
     import pyarrow.fs as pafs
 
     import tests.fault_injection as faults
-    from amalia_ray.train import stage
+    from amalia_ray.train import checkpoint, stage
 
     pipeline, _ = demo_run
     local = tmp_path / "runs"
@@ -443,32 +444,43 @@ def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run
         n for n in names if Path(d) == pipeline.run_dir and n not in ("data", "tokenizer", "pack", "manifest.json")])
     recipe = write_recipe(tmp_path, **{
         "run.name": "e2e", "run.output_dir": str(local), "run.storage": "s3://amalia/team/runs",
-        "run.storage_options": s3_server, "train.0.steps": 6, "train.0.checkpoint_every": 2,
+        "run.storage_options": s3_server, "train.0.steps": 8, "train.0.checkpoint_every": 2,
         "train.0.warmup_steps": 1, "train.0.max_failures": 0,
     })
     cloudpickle.register_pickle_by_value(faults)
     real_loop = stage.train_loop
-    stage.train_loop = faults.crash_after_checkpoints(2)
+    stage.train_loop = faults.full_storage_at(upload=3)
+    failing = Pipeline(load_recipe(recipe))
     try:
-        with pytest.raises(Exception, match="injected failure after the checkpoint of step 4"):  # noqa: PT011
-            Pipeline(load_recipe(recipe)).run(until="pretrain")
+        with pytest.raises(AmaliaError) as failed:
+            failing.run(until="pretrain")
     finally:
         stage.train_loop = real_loop
+    message = str(failed.value)
+    assert message.startswith("[pretrain] the checkpoint of step 6 could not be written (OSError: [Errno 28] No "
+                              "space left on device"), message
+    assert "\n" not in message and "the checkpoints before it are intact" in message
+    rec = failing.manifest.stages["pretrain"]
+    assert rec.status == "failed" and "No space left on device" in rec.error
     s3 = pafs.S3FileSystem(**s3_server)
     ray_runs = [i.path for i in s3.get_file_info(pafs.FileSelector("amalia/team/runs/e2e/pretrain/ray"))]
     snapshot = json.loads(s3.open_input_stream(f"{ray_runs[0]}/checkpoint_manager_snapshot.json").read())
     registered = {r["metrics"]["step"]: r for r in snapshot["checkpoint_results"]}
     assert sorted(registered) == [2, 4], "two checkpoints registered before the failure"
-    newest = next(i.path for i in s3.get_file_info(pafs.FileSelector(ray_runs[0], recursive=True))
-                  if i.path.endswith("/train_state.json")
-                  and json.loads(s3.open_input_stream(i.path).read())["step"] == 4).rsplit("/", 1)[0]
+    folders = sorted(i.path for i in s3.get_file_info(pafs.FileSelector(ray_runs[0]))
+                     if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_"))
+    assert len(folders) == 3, folders
+    intact = {f: not checkpoint.problems(checkpoint.CheckpointFiles(s3, f), None) for f in folders}
+    assert sum(intact.values()) == 2, "the half-written one is detected, the two before it are intact"
+    newest = next(f for f in folders if intact[f]
+                  and json.loads(s3.open_input_stream(f"{f}/{checkpoint.TRAIN_STATE}").read())["step"] == 4)
     shard = f"{newest}/__1_0.distcp"
     damaged = s3.open_input_stream(shard).read()[:-100]  # an interrupted copy into the bucket
     with s3.open_output_stream(shard) as out:
         out.write(damaged)
     Pipeline(load_recipe(recipe)).run(until="pretrain")
     history = read_jsonl(local / "e2e" / "pretrain" / "metrics.jsonl")
-    assert [h["step"] for h in history] == list(range(1, 7))
+    assert [h["step"] for h in history] == list(range(1, 9))
     assert {h["attempt_start_step"] for h in history if h["step"] > 2} == {2}, "resumed from step 2, not 4"
     stored = {i.path.removeprefix("amalia/team/runs/e2e/") for i in s3.get_file_info(
         pafs.FileSelector("amalia/team/runs/e2e", recursive=True)) if i.type == pafs.FileType.File}

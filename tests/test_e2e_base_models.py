@@ -92,7 +92,10 @@ def test_sft_from_a_base_model_matches_transformers_and_exports_its_architecture
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
-@pytest.mark.parametrize("lora", [None, {"r": 8, "alpha": 16, "merge": True}], ids=["full", "lora"])
+# full weights: slow (make test-all), as the LoRA run covers the same rollout path and more — its engine is streamed
+# every weight too (merged), and the frozen KL reference of full-weight GRPO is tests/test_grpo.py's
+@pytest.mark.parametrize("lora", [pytest.param(None, marks=pytest.mark.slow),
+                                  {"r": 8, "alpha": 16, "merge": True}], ids=["full", "lora"])
 def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained, tmp_path, lora):
     """The R1-Zero recipe: GRPO straight from a base model — a Qwen 3 (its own chat template renders the prompts)
     — on generated Portuguese arithmetic, completions sampled every step by vLLM's Qwen 3 with the weights pushed
