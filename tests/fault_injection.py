@@ -1,6 +1,5 @@
 """Faults injected into Ray Train workers by the tests (pickled by value into the workers, so nothing here needs to
-be importable there): a storage that fills up half way through writing a checkpoint, a worker that fails right
-after a checkpoint."""
+be importable there): a storage that fills up half way through writing a checkpoint."""
 
 from __future__ import annotations
 
@@ -43,36 +42,5 @@ def full_storage_at(upload: int):
 
     def train_loop(config: dict) -> None:
         train_loop_with_full_storage_at(config, upload)
-
-    return train_loop
-
-
-def train_loop_crashing_after_checkpoints(config: dict, checkpoints: int) -> None:
-    """The real training loop, except that it fails right after its `checkpoints`-th checkpoint is reported."""
-    import time
-
-    import ray.train
-
-    from amalia_ray.train.loop import train_loop
-
-    real, reported = ray.train.report, []
-
-    def report(metrics, checkpoint=None, **kw):
-        real(metrics, checkpoint=checkpoint, **kw)
-        if checkpoint is not None:
-            reported.append(metrics.get("step"))
-            if len(reported) == checkpoints:
-                time.sleep(3)  # Ray Train's controller registers the checkpoint first
-                raise RuntimeError(f"injected failure after the checkpoint of step {reported[-1]}")
-
-    ray.train.report = report
-    train_loop(config)
-
-
-def crash_after_checkpoints(checkpoints: int):
-    """A train function (what TorchTrainer takes) that fails right after its `checkpoints`-th checkpoint."""
-
-    def train_loop(config: dict) -> None:
-        train_loop_crashing_after_checkpoints(config, checkpoints)
 
     return train_loop
