@@ -49,6 +49,21 @@ def common_fields(stage: dict) -> dict:
     return {k: v for k, v in stage.items() if k in TrainStageConfig.model_fields}
 
 
+@pytest.fixture
+def whole_dataset_shuffles_refused(monkeypatch):
+    """The data stage runs without Ray Data's sort and groupby, which shuffle every block's rows to every reducer
+    (B² objects at a terabyte's 7,500 blocks): keys move in exchanges sized by bytes, counts are summed per block."""
+    import ray.data
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"Dataset.{name} shuffles the whole dataset: the data stage must not call it")
+        return refused
+
+    for name in ("sort", "groupby", "random_shuffle", "repartition"):
+        monkeypatch.setattr(ray.data.Dataset, name, refuse(name))
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -17,10 +17,9 @@ def test_min_length_marks_instead_of_dropping():
 
 def test_exact_dedup_keeps_smallest_id_and_counts_copies():
     group = pa.table({"id": ["src/b#2", "src/a#9", "src/c#1", "src/d#4", "src/e#0"], "text": ["t", "t", "u", "t", "u"]})
-    kept = keep_best_per_hash()(ContentHash(partitions=1)(group)).sort_by("id")
+    kept = keep_best_per_hash()(ContentHash()(group)).sort_by("id")
     assert kept["id"].to_pylist() == ["src/a#9", "src/c#1"]
     assert kept["duplicates"].to_pylist() == [3, 2]
-    assert "part" not in kept.column_names
 
 
 def test_text_documents_are_split_as_the_file_streams(tmp_path, monkeypatch):

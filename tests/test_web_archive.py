@@ -75,7 +75,7 @@ def test_latest_capture_per_page_from_jsonl_fields(tmp_path):
     assert docs["url_key"].to_pylist() == ["a.pt/p", "a.pt/p", "a.pt/p", "a.pt/b", None]
     for order, kept_text, reason in (("latest", "página A de 2023", "capture:older"),
                                      ("earliest", "página A de 2019", "capture:newer")):
-        out = latest_capture(order)(docs.append_column("part", pa.array([0] * len(docs), pa.int32())))
+        out = latest_capture(order)(docs)
         by_text = dict(zip(out["text"].to_pylist(), out["drop_reason"].to_pylist()))
         assert by_text[kept_text] is None and by_text["página B"] is None and by_text["sem endereço"] is None
         assert sorted(r for r in by_text.values() if r) == [reason, reason]
@@ -89,8 +89,7 @@ def test_keep_rules_pick_the_known_best_member():
     ])
     rows = (rows.append_column("cluster_id", pa.array(["a", "a", "a", "d", "d"]))
             .append_column("quality_score", pa.array([0.2, 0.1, 0.9, None, 0.5]))
-            .append_column("captured_at", pa.array([3, 1, 2, 5, 5], pa.int64()))
-            .append_column("part", pa.array([0] * 5, pa.int32())))
+            .append_column("captured_at", pa.array([3, 1, 2, 5, 5], pa.int64())))
     expected = {"smallest_id": {"a": "a", "d": "d"}, "longest": {"a": "b", "d": "e"},
                 "quality": {"a": "c", "d": "e"}, "latest": {"a": "a", "d": "d"}}
     for keep, best in expected.items():
@@ -244,7 +243,7 @@ def test_curation_recipe_is_valid_and_quality_keep_needs_a_score():
 
 
 @pytest.mark.e2e
-def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path):
+def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path, whole_dataset_shuffles_refused):
     """Three WARC files of dated captures of real pages (debian-reference-pt's HTML in a site's boilerplate), a
     mirror that copies some pages with their punctuation stripped, and exam items quoting some pages: a recipe
     with only a data section curates them (the pipeline `amalia run` drives). The latest capture of each page is
@@ -323,7 +322,8 @@ def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path):
 
 
 @pytest.mark.e2e
-def test_the_data_stage_scores_with_a_trained_model_and_flags_contamination(ray_cluster, tmp_path):
+def test_the_data_stage_scores_with_a_trained_model_and_flags_contamination(ray_cluster, tmp_path,
+                                                                           whole_dataset_shuffles_refused):
     """The other settings on the data stage itself: a jsonl export with its own URL and date fields, the earliest
     capture kept, the trained classifier scoring every document on Ray actors (threshold drops the licence text),
     exact copies resolved by `latest`, and contamination flagged instead of dropped."""

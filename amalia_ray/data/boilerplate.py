@@ -13,10 +13,10 @@ import pyarrow as pa
 import ray
 from ray.data.expressions import col
 
-from amalia_ray.data.partitions import map_blocks, per_part, to_arrow, with_part
+from amalia_ray.data.partitions import count_by, exchange, map_blocks, to_arrow
 from amalia_ray.data.steps import already_dropped, map_text
 
-LINE_KEYS = pa.schema([("site", pa.string()), ("key", pa.uint64()), ("part", pa.int32())])
+LINE_KEYS = pa.schema([("site", pa.string()), ("key", pa.uint64())])
 
 
 def site_of(url_key: str) -> str:
@@ -34,7 +34,7 @@ def _page_lines(text: str) -> list[str]:
     return [line for line in text.split("\n") if line.strip()]
 
 
-def boilerplate_lines(pages: ray.data.Dataset, min_pages: int, min_share: float, partitions: int) -> np.ndarray:
+def boilerplate_lines(pages: ray.data.Dataset, min_pages: int, min_share: float) -> np.ndarray:
     """The sorted hashes of every (site, line) that is boilerplate, from the live documents with a URL."""
     def emit(batch: pa.Table) -> pa.Table:
         sites, keys = [], []
@@ -47,24 +47,22 @@ def boilerplate_lines(pages: ray.data.Dataset, min_pages: int, min_share: float,
             sites += [site] * len(hashed)
             keys.append(hashed)
         keys_arr = pa.array(np.concatenate(keys) if keys else np.empty(0, np.uint64), pa.uint64())
-        return with_part(pa.table({"site": pa.array(sites, pa.string()), "key": keys_arr}), "key", partitions)
+        return pa.table({"site": pa.array(sites, pa.string()), "key": keys_arr})
 
-    site_pages = (pages.filter(expr=col("drop_reason").is_null())
-                  .map_batches(lambda b: pa.table({"site": [site_of(u) for u in b["url_key"].to_pylist()]}),
-                               batch_format="pyarrow")
-                  .groupby("site").count().to_pandas())
-    if not len(site_pages):
+    site_pages = count_by(pages.filter(expr=col("drop_reason").is_null()).map_batches(
+        lambda b: pa.table({"site": pa.array([site_of(u) for u in b["url_key"].to_pylist()], pa.string())}),
+        batch_format="pyarrow").materialize(), ["site"])
+    if not site_pages:
         return np.empty(0, np.uint64)
-    totals = dict(zip(site_pages["site"], site_pages["count()"]))
+    totals = {row["site"]: row["count"] for row in site_pages}
 
     def repeated(group: pa.Table) -> pa.Table:
         counts = pl.from_arrow(group.select(["site", "key"])).group_by("site", "key").len()
         need = pl.Series([float(max(min_pages, min_share * totals.get(s, 0))) for s in counts["site"]],
                          dtype=pl.Float64)
-        return to_arrow(counts.filter(counts["len"] >= need).select("site", "key")
-                        .with_columns(part=pl.lit(0, pl.Int32)), LINE_KEYS)
+        return to_arrow(counts.filter(counts["len"] >= need).select("site", "key"), LINE_KEYS)
 
-    found = per_part(map_blocks(pages, emit), repeated, partitions)
+    found = exchange(map_blocks(pages, emit), "key", repeated)
     keys = [t["key"].to_numpy() for t in ray.get(found.to_arrow_refs()) if len(t)]
     return np.sort(np.concatenate(keys)) if keys else np.empty(0, np.uint64)
 

@@ -15,8 +15,6 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from amalia_ray.data.partitions import part_of
-
 # query parameters that say where a visitor came from, not which page it is
 TRACKING_PARAMS = frozenset({
     "gclid", "gclsrc", "dclid", "fbclid", "msclkid", "yclid", "igshid", "mc_cid", "mc_eid", "_ga", "_gl", "_hsenc",
@@ -149,13 +147,6 @@ class CaptureKeys:
             "captured_at", pa.array(times, pa.int64()))
 
 
-def capture_parts(partitions: int):
-    """The shuffle key of capture selection: the normalised URL."""
-    def part(batch: pa.Table) -> pa.Table:
-        return batch.append_column("part", part_of(batch["url_key"], partitions))
-    return part
-
-
 def latest_capture(order: str):
     """Rows of one part -> the same rows, every capture but the chosen one of each `url_key` marked dropped
     (`capture:older` when the latest is kept, `capture:newer` when the earliest is). Undated captures lose to
@@ -163,7 +154,6 @@ def latest_capture(order: str):
     reason = "capture:older" if order == "latest" else "capture:newer"
 
     def select(group: pa.Table) -> pa.Table:
-        group = group.drop_columns(["part"])
         live = pc.and_(pc.is_valid(group["url_key"]), pc.is_null(group["drop_reason"]))
         rows = pc.indices_nonzero(live)
         if len(rows) < 2:

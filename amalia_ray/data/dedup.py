@@ -4,14 +4,13 @@ cluster, with `cluster_size` kept as a column so documents can be re-weighted la
 Deterministic: same input and seed → same kept ids.
 
 Documents are read and written by Ray Data; the steps in between run as Ray tasks over its blocks (`map_blocks`,
-`per_part` in partitions.py: why there). Every shuffle is keyed by a coarse `part` and done with vectorized
-pyarrow/polars inside."""
+`exchange` in partitions.py: why there). Every shuffle is a keyed exchange sized by the bytes it moves, done with
+vectorized pyarrow/polars inside."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,22 +19,14 @@ import ray
 from ray.data.expressions import col
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.data.components import connected_components
+from amalia_ray.data.components import LOCAL_EDGES, connected_components
 from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, exact_jaccard
-from amalia_ray.data.partitions import (
-    configure_data_context,
-    map_blocks,
-    partition_count,
-    per_part,
-    to_arrow,
-    with_part,
-    write_shards,
-)
+from amalia_ray.data.partitions import configure_data_context, exchange, map_blocks, to_arrow, write_shards
 
 CLUSTER_SCHEMA = pa.schema([("id", pa.string()), ("cluster_id", pa.string()), ("cluster_size", pa.int64())])
 EDGES = pa.schema([("src", pa.string()), ("dst", pa.string())])
 # rows of the verification shuffle: a document's shingles, or one side of a candidate pair (side 0 = src, 1 = dst)
-VERIFY = pa.schema([("part", pa.int32()), ("id", pa.string()), ("shingles", pa.large_list(pa.uint64())),
+VERIFY = pa.schema([("id", pa.string()), ("shingles", pa.large_list(pa.uint64())),
                     ("src", pa.string()), ("dst", pa.string()), ("side", pa.int8())])
 # lookup tables up to this many rows are sent to every task instead of being joined by a shuffle
 BROADCAST_ROWS = 5_000_000
@@ -70,37 +61,37 @@ def _as_string_id(batch: pa.Table) -> pa.Table:
 
 
 def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, threshold: float | None,
-                            partitions: int, broadcast_rows: int = BROADCAST_ROWS) -> tuple[ray.data.Dataset, dict]:
+                            broadcast_rows: int = BROADCAST_ROWS, local_edges: int = LOCAL_EDGES
+                            ) -> tuple[ray.data.Dataset, dict]:
     """`docs` (id, text, …) -> dataset of (id, cluster_id, cluster_size) for every document that has a near
-    duplicate, and stats. Candidate pairs are kept when their exact shingle Jaccard is >= threshold (None: all)."""
+    duplicate, and stats. Candidate pairs are kept when their exact shingle Jaccard is >= threshold (None: all).
+    Duplicate graphs of more than `local_edges` edges are split into components on many tasks."""
 
     band_keys = BandKeys(params)
 
     def band_rows(batch: pa.Table) -> pa.Table:
-        """A batch of documents -> one (key, id, part) row per document and band."""
+        """A batch of documents -> one (key, id) row per document and band."""
         keyed = band_keys(batch)
         keys = pa.concat_arrays([keyed[f"key_{b}"].combine_chunks() for b in range(params.bands)])
         ids = pa.concat_arrays([keyed["id"].combine_chunks()] * params.bands)
-        return pa.table({"key": keys, "id": ids, "part": pa.array((keys.to_numpy() % partitions).astype(np.int32))})
+        return pa.table({"key": keys, "id": ids})
 
-    star_edges = per_part(map_blocks(docs, band_rows, HASH_BATCH_ROWS), _bucket_edges, partitions)
+    star_edges = exchange(map_blocks(docs, band_rows, HASH_BATCH_ROWS), "key", _bucket_edges)
     if threshold is not None:
         # a pair found in several bands comes once per band here; verification keeps each pair once
         candidates = star_edges.materialize()
         stats = {"candidate_edges": candidates.count()}
-        edges = (_verified(candidates, docs, params, threshold, partitions, broadcast_rows).materialize()
+        edges = (_verified(candidates, docs, params, threshold, broadcast_rows).materialize()
                  if stats["candidate_edges"] else candidates)
     else:
         # one more keyed shuffle (by src) keeps each pair once
-        edges = per_part(map_blocks(star_edges, lambda b: with_part(b, "src", partitions)), _unique_edges,
-                         partitions).materialize()
+        edges = exchange(star_edges, "src", _unique_edges).materialize()
         stats = {"candidate_edges": edges.count()}
     stats["duplicate_pairs"] = edges.count()
     if not stats["duplicate_pairs"]:
         return ray.data.from_arrow(CLUSTER_SCHEMA.empty_table()), {**stats, "cc_rounds": 0}
-    labels, stats["cc_rounds"] = connected_components(edges, partitions)
-    by_label = map_blocks(labels, lambda b: with_part(b, "label", partitions))
-    return per_part(by_label, _cluster_sizes, partitions), stats
+    labels, stats["cc_rounds"] = connected_components(edges, local_edges)
+    return exchange(labels, "label", _cluster_sizes), stats
 
 
 def _collect(ds: ray.data.Dataset) -> pa.Table:
@@ -121,7 +112,7 @@ def _unique_edges(group: pa.Table) -> pa.Table:
 
 
 def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinHashParams, threshold: float,
-              partitions: int, broadcast_rows: int) -> ray.data.Dataset:
+              broadcast_rows: int) -> ray.data.Dataset:
     """Candidate pairs whose exact shingle-set Jaccard is >= threshold. Shuffle 1 brings each side of a pair to the
     part of its document and attaches that document's shingles; shuffle 2 brings both sides together by pair.
     When the candidates' ids are few enough to send to every task, only those documents are shingled and shuffled."""
@@ -140,19 +131,16 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
             batch = batch.filter(pc.is_in(batch["id"], value_set=wanted))
         batch = shingle_sets(batch)
         n = len(batch)
-        table = pa.table({"part": pa.nulls(n, pa.int32()), "id": batch["id"], "shingles": batch["shingles"],
-                          "src": pa.nulls(n, pa.string()), "dst": pa.nulls(n, pa.string()),
-                          "side": pa.nulls(n, pa.int8())}, schema=VERIFY)
-        return with_part(table, "id", partitions)
+        return pa.table({"id": batch["id"], "shingles": batch["shingles"], "src": pa.nulls(n, pa.string()),
+                         "dst": pa.nulls(n, pa.string()), "side": pa.nulls(n, pa.int8())}, schema=VERIFY)
 
     def side_rows(batch: pa.Table) -> pa.Table:
         n = len(batch)
         sides = []
         for side, key in ((0, "src"), (1, "dst")):
-            table = pa.table({"part": pa.nulls(n, pa.int32()), "id": batch[key], "shingles": pa.nulls(n, VERIFY.field(
-                "shingles").type), "src": batch["src"], "dst": batch["dst"], "side": pa.array([side] * n, pa.int8())},
-                schema=VERIFY)
-            sides.append(with_part(table, "id", partitions))
+            sides.append(pa.table({"id": batch[key], "shingles": pa.nulls(n, VERIFY.field("shingles").type),
+                                   "src": batch["src"], "dst": batch["dst"], "side": pa.array([side] * n, pa.int8())},
+                                  schema=VERIFY))
         return pa.concat_tables(sides)
 
     def attach_shingles(group: pa.Table) -> pa.Table:
@@ -160,11 +148,10 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
         docs, sides = group.filter(pc.invert(is_side)), group.filter(is_side)
         sides = pl.from_arrow(sides).unique(["src", "dst", "side"]).sort("src", "dst", "side").to_arrow().cast(VERIFY)
         found = pc.index_in(sides["id"], value_set=docs["id"])
-        sides = sides.set_column(sides.schema.get_field_index("shingles"), "shingles", docs["shingles"].take(found))
-        return with_part(sides, "src", partitions)
+        return sides.set_column(sides.schema.get_field_index("shingles"), "shingles", docs["shingles"].take(found))
 
-    attached = per_part([map_blocks(docs, doc_rows, HASH_BATCH_ROWS), map_blocks(candidates, side_rows)],
-                        attach_shingles, partitions)
+    attached = exchange([map_blocks(docs, doc_rows, HASH_BATCH_ROWS), map_blocks(candidates, side_rows)], "id",
+                        attach_shingles)
 
     def keep_similar(group: pa.Table) -> pa.Table:
         df = pl.from_arrow(group.select(["src", "dst", "side", "shingles"]))
@@ -175,7 +162,7 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
         similar = exact_jaccard(pairs["shingles"].to_arrow(), pairs["shingles_right"].to_arrow()) >= threshold
         return to_arrow(pairs.filter(pl.Series(similar)).select("src", "dst"), EDGES)
 
-    return per_part(attached, keep_similar, partitions)
+    return exchange(attached, "src", keep_similar)
 
 
 def _cluster_sizes(group: pa.Table) -> pa.Table:
@@ -185,8 +172,8 @@ def _cluster_sizes(group: pa.Table) -> pa.Table:
     return to_arrow(df, CLUSTER_SCHEMA)
 
 
-def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, partitions: int,
-                  broadcast_rows: int = BROADCAST_ROWS) -> ray.data.Dataset:
+def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, broadcast_rows: int = BROADCAST_ROWS
+                  ) -> ray.data.Dataset:
     """Every document with `cluster_id` and `cluster_size` (itself and 1 when it has no near duplicate), whatever
     its other columns. A small cluster table is sent to every task; a large one meets the documents in one keyed
     shuffle (documents and cluster rows share a schema)."""
@@ -195,30 +182,30 @@ def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, partitions
         return docs.map_batches(lambda b: _attach(b, table), batch_format="pyarrow")
     base = docs.schema().base_schema
     extra = [pa.field("cluster_id", pa.string()), pa.field("cluster_size", pa.int64()),
-             pa.field("is_link", pa.bool_()), pa.field("part", pa.int32())]
+             pa.field("is_link", pa.bool_())]
     schema = pa.schema(list(base) + extra)
 
     def doc_rows(batch: pa.Table) -> pa.Table:
         n = len(batch)
         cols = {f.name: batch[f.name] for f in base}
         cols.update(cluster_id=pa.nulls(n, pa.string()), cluster_size=pa.nulls(n, pa.int64()),
-                    is_link=pa.array([False] * n), part=pa.nulls(n, pa.int32()))
-        return with_part(pa.table(cols, schema=schema), "id", partitions)
+                    is_link=pa.array([False] * n))
+        return pa.table(cols, schema=schema)
 
     def link_rows(batch: pa.Table) -> pa.Table:
         n = len(batch)
         cols = {f.name: (batch["id"] if f.name == "id" else pa.nulls(n, f.type)) for f in base}
         cols.update(cluster_id=batch["cluster_id"], cluster_size=batch["cluster_size"],
-                    is_link=pa.array([True] * n), part=pa.nulls(n, pa.int32()))
-        return with_part(pa.table(cols, schema=schema), "id", partitions)
+                    is_link=pa.array([True] * n))
+        return pa.table(cols, schema=schema)
 
     def attach(group: pa.Table) -> pa.Table:
         is_link = group["is_link"]
-        rows = group.filter(pc.invert(is_link)).drop_columns(["cluster_id", "cluster_size", "is_link", "part"])
+        rows = group.filter(pc.invert(is_link)).drop_columns(["cluster_id", "cluster_size", "is_link"])
         return _attach(rows, group.filter(is_link).select(CLUSTER_SCHEMA.names))
 
-    return per_part(docs.map_batches(doc_rows, batch_format="pyarrow")
-                    .union(clusters.map_batches(link_rows, batch_format="pyarrow")), attach, partitions)
+    return exchange([docs.map_batches(doc_rows, batch_format="pyarrow"),
+                     clusters.map_batches(link_rows, batch_format="pyarrow")], "id", attach)
 
 
 def _attach(rows: pa.Table, clusters: pa.Table) -> pa.Table:
@@ -226,6 +213,22 @@ def _attach(rows: pa.Table, clusters: pa.Table) -> pa.Table:
     cluster_id = pc.coalesce(clusters["cluster_id"].take(found), rows["id"])
     size = pc.coalesce(clusters["cluster_size"].take(found), pa.scalar(1, pa.int64()))
     return rows.append_column("cluster_id", cluster_id).append_column("cluster_size", size)
+
+
+def check_unique_ids(docs: ray.data.Dataset, what: str) -> None:
+    """Stop at an id that appears more than once (the smallest such id is named): near-dedup joins documents to
+    their clusters by id, so a repeated id would silently merge or drop documents. Only the ids move (one keyed
+    exchange); the documents stay where they are."""
+    ids = map_blocks(docs, lambda b: b.select(["id"]))
+    repeated = [t for t in ray.get(exchange(ids, "id", _repeated_ids).to_arrow_refs()) if len(t)]
+    if repeated:
+        dup = pc.min(pa.concat_tables(repeated)["id"]).as_py()
+        raise AmaliaError(f"{what}: ids must be unique; '{dup}' appears more than once")
+
+
+def _repeated_ids(group: pa.Table) -> pa.Table:
+    counts = pc.value_counts(group["id"].combine_chunks())
+    return pa.table({"id": counts.field("values").filter(pc.greater(counts.field("counts"), 1))})
 
 
 def unique_ids(batches, what: str):
@@ -263,9 +266,8 @@ def dedup(input_path: Path, output: Path, params: MinHashParams, threshold: floa
     configure_data_context()
     docs = read_documents(input_path).map_batches(_as_string_id, batch_format="pyarrow").materialize()
     n_docs = docs.count()
-    partitions = partition_count(n_docs * params.bands)
-    clusters, stats = near_duplicate_clusters(docs, params, threshold, partitions, broadcast_rows)
-    joined = with_clusters(docs, clusters.materialize(), partitions, broadcast_rows).materialize()
+    clusters, stats = near_duplicate_clusters(docs, params, threshold, broadcast_rows)
+    joined = with_clusters(docs, clusters.materialize(), broadcast_rows).materialize()
     output.mkdir(parents=True, exist_ok=True)
     _write_sorted_clusters(joined, output / "clusters.parquet")
     kept = joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"])

@@ -1,15 +1,15 @@
-"""Keyed shuffles with few, large groups: rows get a `part` column (hash of a key modulo the partition count) and one
-call of a vectorized function (pyarrow/polars) sees every row of its part (`per_part`, a hash shuffle on Ray tasks).
-Ray Data's `map_groups` calls Python once per distinct key, which for millions of singleton keys (LSH buckets, graph
-nodes) costs more than the work itself. `map_blocks` maps a dataset's blocks with Ray tasks, for the hashing steps.
-
-Ray Data's own shuffles, where they are still used (sort), take the sort-based pull strategy: on small clusters the
-default hash shuffle's aggregator actors cost seconds per shuffle and hold CPUs that the next operator waits for.
+"""Keyed exchanges sized by bytes (`exchange`): one call of a vectorized function (pyarrow/polars) sees every row
+whose key hashes to its part, a hash shuffle on Ray tasks. Ray Data's `map_groups` calls Python once per distinct
+key, which for millions of singleton keys (LSH buckets, graph nodes) costs more than the work itself. `map_blocks`
+maps a dataset's blocks with Ray tasks, for the hashing steps; `count_by` counts rows per key with a group-by per
+block, summed here (no shuffle).
 
 Also here: the data context every data stage runs under (order preserved) and deterministic shard file names."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -89,6 +89,8 @@ def _write_file(path: str, schema, cuts: list[tuple[int, int]], rows_per_group: 
 def configure_data_context() -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
+    # Ray Data's own shuffles, where still used (the dedup command's cluster file sorted by id), sort-based: on a
+    # small cluster the hash shuffle's aggregator actors cost seconds per shuffle and hold CPUs
     ctx.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
     # Ray Data's default splits reads into >= 200 blocks; on a small cluster the per-task overhead then dominates.
     # Two blocks per CPU keeps every core busy; large files are still split by the 128 MiB block-size target.
@@ -101,13 +103,6 @@ def part_of(values: pa.Array | pa.ChunkedArray, partitions: int) -> pa.Array:
         return pa.array([], pa.int32())
     hashed = pl.Series(values).hash(seed=0).to_numpy()
     return pa.array((hashed % np.uint64(partitions)).astype(np.int32))
-
-
-def with_part(table: pa.Table, key: str, partitions: int) -> pa.Table:
-    part = part_of(table[key], partitions)
-    if "part" in table.column_names:
-        return table.set_column(table.schema.get_field_index("part"), "part", part)
-    return table.append_column("part", part)
 
 
 def map_blocks(ds: ray.data.Dataset, fn: Callable[[pa.Table], pa.Table], batch_rows: int | None = None
@@ -142,36 +137,101 @@ def _map_slice(fn: Callable[[pa.Table], pa.Table], block: pa.Table, start: int =
     return fn(block.slice(start, rows) if rows is not None else block)
 
 
-def per_part(ds: ray.data.Dataset | list[ray.data.Dataset], fn: Callable[[pa.Table], pa.Table],
-             partitions: int) -> ray.data.Dataset:
-    """fn(every row of one part) for each non-empty part of a dataset (or of several with one schema) that has a
-    `part` column, as a dataset whose blocks come in part order (executes `ds`).
+# An exchange's sizes. A part (the rows one reduce task holds) carries at least MIN_PART_BYTES while the cluster has
+# CPUs to spare, so small runs still spread over the cores, and at most about sqrt(total × PIECE_BYTES): the part
+# count and the map-task count then both grow as the square root of the bytes exchanged, and so does every piece
+# (a map task's rows of one part), which stays >= PIECE_BYTES from about 100 MB of input on. Objects created:
+# map tasks × (parts + 1), about total / PIECE_BYTES at scale (1 TB: ~1 M objects of 1 MB; a hash shuffle of one
+# task per block and two parts per CPU made 7,500 × 1,281 of ~100 KB, held by the driver). A piece under Ray's
+# inline limit (100 KB) is kept by the driver: only small exchanges make such pieces.
+PIECE_BYTES = 1 << 20
+MIN_PART_BYTES = 8 << 20
+BASE_PART_BYTES = 128 << 20
+MIN_MAP_BYTES = 64 << 20
+MAX_MAP_BYTES = 2 << 30
+# a part this large gets its memory reserved from Ray's scheduler (3x: its pieces, their concatenation, fn's output)
+RESERVE_OVER_BYTES = 256 << 20
 
-    A hash shuffle on Ray tasks: each block is cut into its parts by one task, one task per part concatenates its
-    pieces (in block order, so the result is deterministic) and applies `fn`. Ray Data's groupby + map_groups does
-    the same through a sort (sample, map, merge) that costs a few tenths of a second per shuffle on a small cluster,
-    and deduplication runs up to ten of them. The pieces live in the object store and spill like Ray Data's blocks;
-    a part is held in memory by one task, as with map_groups."""
-    blocks = [ref for one in (ds if isinstance(ds, list) else [ds]) for ref in one.to_arrow_refs()]
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """How an exchange cuts its input: `map_groups` lists, per map task, the input blocks it reads (consecutive,
+    in block order), and each map task cuts its rows into `parts` pieces."""
+
+    parts: int
+    map_groups: tuple[tuple[int, ...], ...]
+    total_bytes: int
+
+    @property
+    def objects(self) -> int:
+        """Ray objects the exchange creates: each map task's pieces and its row counts, then one result per part."""
+        return (len(self.map_groups) * (self.parts + 1) if self.parts > 1 else 0) + self.parts
+
+
+def plan_exchange(block_bytes: list[int], cpus: int) -> ExchangePlan:
+    """The parts and map tasks of an exchange of blocks of these sizes on a cluster of `cpus` CPUs."""
+    total = int(sum(block_bytes))
+    part_bytes = max(BASE_PART_BYTES, int(math.sqrt(total * PIECE_BYTES)))
+    parts = max(1, -(-total // part_bytes), min(int(cpus), total // MIN_PART_BYTES))
+    map_bytes = min(max(MIN_MAP_BYTES, parts * PIECE_BYTES), MAX_MAP_BYTES)
+    groups, group, size = [], [], 0
+    for i, n in enumerate(block_bytes):
+        group.append(i)
+        size += n
+        if size >= map_bytes:
+            groups.append(tuple(group))
+            group, size = [], 0
+    if group:
+        groups.append(tuple(group))
+    return ExchangePlan(parts, tuple(groups), total)
+
+
+def exchange(ds: ray.data.Dataset | list[ray.data.Dataset], key: str, fn: Callable[[pa.Table], pa.Table],
+             plan: ExchangePlan | None = None) -> ray.data.Dataset:
+    """fn(every row whose `key` hashes to one part) for each non-empty part of a dataset (or of several with one
+    schema), as a dataset whose blocks come in part order (executes `ds`).
+
+    The number of parts and of map tasks comes from the bytes exchanged (`plan_exchange`), not from the cluster's
+    CPUs: each map task reads a run of blocks and cuts its rows into one piece per part, each part's task
+    concatenates its pieces in block order (so the result is deterministic) and applies `fn`. The pieces live in
+    the object store and spill like Ray Data's blocks; a part is held in memory by one task, as with map_groups.
+    Rows with a null key form a part of their own hash, like any other value."""
+    blocks, sizes = [], []
+    for one in ds if isinstance(ds, list) else [ds]:
+        for bundle in one.iter_internal_ref_bundles():
+            for ref, meta in zip(bundle.block_refs, bundle.metadata):
+                blocks.append(ref)
+                sizes.append(meta.size_bytes or 0)
+    plan = plan or plan_exchange(sizes, int(ray.cluster_resources().get("CPU", 1)))
     if not blocks:
         return ds[0] if isinstance(ds, list) else ds
-    cuts = [_cut.options(num_returns=partitions + 1).remote(block, partitions) for block in blocks]
-    sizes = np.sum(ray.get([cut[-1] for cut in cuts]), axis=0)
-    fn_ref = ray.put(fn)
-    results = [_apply.remote(fn_ref, *[cut[part] for cut in cuts]) for part in range(partitions) if sizes[part]]
+    fn_ref = ray.put(fn)  # serialized once, not once per task
+    if plan.parts == 1:  # nothing to cut: one task sees every row
+        return ray.data.from_arrow_refs([_reserved(_apply, plan.total_bytes).remote(fn_ref, *blocks)])
+    cuts = [_cut.options(num_returns=plan.parts + 1).remote(key, plan.parts, *[blocks[i] for i in group])
+            for group in plan.map_groups]
+    counts = np.sum(ray.get([cut[-1] for cut in cuts]), axis=0)
+    part_bytes = plan.total_bytes // plan.parts
+    results = [_reserved(_apply, part_bytes).remote(fn_ref, *[cut[part] for cut in cuts])
+               for part in range(plan.parts) if counts[part]]
     if not results:  # no rows at all: fn's output schema still comes from fn
         results = [_apply.remote(fn_ref, *[cut[0] for cut in cuts])]
     return ray.data.from_arrow_refs(results)
 
 
+def _reserved(task, nbytes: int):
+    return task.options(memory=3 * nbytes) if nbytes > RESERVE_OVER_BYTES else task
+
+
 @ray.remote
-def _cut(table: pa.Table, partitions: int) -> tuple:
-    """A block -> its rows of part 0, 1, …, partitions-1 (in block order), then the row count of each part."""
+def _cut(key: str, partitions: int, *blocks) -> tuple:
+    """Blocks -> their rows of part 0, 1, …, partitions-1 (in block order), then the row count of each part."""
+    tables = [b if isinstance(b, pa.Table) else BlockAccessor.for_block(b).to_arrow() for b in blocks]
+    tables = [t for t in tables if len(t)] or tables[:1]
+    table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
     if not len(table):
         return (*[table] * partitions, np.zeros(partitions, np.int64))
-    part = table["part"].to_numpy(zero_copy_only=False)
-    if part.min() < 0 or part.max() >= partitions:
-        raise ValueError(f"part numbers must lie in [0, {partitions}); got {part.min()}..{part.max()}")
+    part = part_of(table[key], partitions).to_numpy()
     sizes = np.bincount(part, minlength=partitions)
     ordered = table.take(pa.array(np.argsort(part, kind="stable")))
     starts = np.concatenate([[0], np.cumsum(sizes)])
@@ -179,16 +239,32 @@ def _cut(table: pa.Table, partitions: int) -> tuple:
 
 
 @ray.remote
-def _apply(fn: Callable[[pa.Table], pa.Table], *pieces: pa.Table) -> pa.Table:
+def _apply(fn: Callable[[pa.Table], pa.Table], *pieces) -> pa.Table:
+    pieces = [p if isinstance(p, pa.Table) else BlockAccessor.for_block(p).to_arrow() for p in pieces]
     filled = [piece for piece in pieces if len(piece)] or list(pieces[:1])
     return fn(pa.concat_tables(filled, promote_options="permissive") if len(filled) > 1 else filled[0])
+
+
+def count_by(ds: ray.data.Dataset, columns: list[str]) -> list[dict]:
+    """Rows per distinct value of `columns` (nulls counted as a value), as dicts of those columns and `count`:
+    one pyarrow group-by per block, summed here. A report's counts have few distinct values: no shuffle (Ray Data's
+    groupby().count() sorts the whole dataset, every block's map output to every reducer)."""
+    refs = [ref for bundle in ds.iter_internal_ref_bundles() for ref in bundle.block_refs]
+    tables = [t for t in ray.get([_count.remote(columns, ref) for ref in refs]) if len(t)]
+    if not tables:
+        return []
+    total = pa.concat_tables(tables, promote_options="permissive").group_by(columns).aggregate([("count", "sum")])
+    return [{**{c: row[c] for c in columns}, "count": int(row["count_sum"])} for row in total.to_pylist()]
+
+
+@ray.remote(num_cpus=0.25)
+def _count(columns: list[str], block) -> pa.Table:
+    table = block if isinstance(block, pa.Table) else BlockAccessor.for_block(block).to_arrow()
+    if not len(table):  # an empty block may have no columns at all
+        return pa.table({})
+    return table.select(columns).group_by(columns).aggregate([([], "count_all")]).rename_columns([*columns, "count"])
 
 
 def to_arrow(df: pl.DataFrame, schema: pa.Schema) -> pa.Table:
     """polars -> Arrow with a fixed schema, so blocks from different tasks concatenate (polars emits large_string)."""
     return df.to_arrow().select(schema.names).cast(schema)
-
-
-def partition_count(rows: int) -> int:
-    """Two parts per CPU of the cluster, and more when a part would exceed ~2 million rows."""
-    return max(2, 2 * int(ray.cluster_resources().get("CPU", 1)), -(-rows // 2_000_000))

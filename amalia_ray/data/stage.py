@@ -15,22 +15,14 @@ from amalia_ray.core.shards import rows_per_group
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.core.ngrams import ItemIndex
 from amalia_ray.data.boilerplate import StripBoilerplate, boilerplate_lines
-from amalia_ray.data.captures import CaptureKeys, capture_parts, latest_capture
+from amalia_ray.data.captures import CaptureKeys, latest_capture
 from amalia_ray.data.cleaning import Clean
 from amalia_ray.data.decontaminate import Decontaminate, contamination_report
-from amalia_ray.data.dedup import near_duplicate_clusters, unique_ids, with_clusters
+from amalia_ray.data.dedup import check_unique_ids, near_duplicate_clusters, with_clusters
 from amalia_ray.data.language import LanguageID, VarietyTag
 from amalia_ray.data.minhash import MinHashParams
 from amalia_ray.data.pack import TokenizeAndPack, tokenizer_for_workers
-from amalia_ray.data.partitions import (
-    configure_data_context,
-    map_blocks,
-    partition_count,
-    per_part,
-    with_part,
-    write_ordered_shards,
-    write_shards,
-)
+from amalia_ray.data.partitions import configure_data_context, count_by, exchange, write_ordered_shards, write_shards
 from amalia_ray.data.quality import HeuristicScore, quality_steps
 from amalia_ray.data.quality_model import QualityModelScore
 from amalia_ray.data.readers import expand_paths, read_sources
@@ -85,8 +77,8 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         index = ItemIndex.build(benchmark_items or {}, d.ngram, d.min_item_words)
         docs = docs.map_batches(Decontaminate(index, d.min_overlap, d.action), batch_format="pyarrow")
     docs = docs.materialize()
-    per_filter = docs.groupby(["source", "drop_reason"], num_partitions=partition_count(0)).count().to_pandas()
-    n_in = int(per_filter["count()"].sum()) if len(per_filter) else 0
+    per_filter = count_by(docs, ["source", "drop_reason"])
+    n_in = sum(r["count"] for r in per_filter)
     contamination = None
     if index is not None:
         flagged = docs.filter(expr=col("contamination").is_not_null()).select_columns(["contamination"])
@@ -100,36 +92,35 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     if n_quarantined := quarantined.count():
         write_shards(quarantined.select_columns(["source", "path", "location", "drop_reason", "metadata", "text"]),
                      tmp / "quarantine")
-    check_quarantine(per_filter.to_dict("records"), n_in, cfg.max_quarantine_fraction, tmp / "quarantine")
+    check_quarantine(per_filter, n_in, cfg.max_quarantine_fraction, tmp / "quarantine")
     kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
     n_filtered = kept.count()
     if n_filtered == 0:
-        reasons = per_filter.groupby("drop_reason")["count()"].sum().sort_values(ascending=False).head(3)
+        reasons: dict[str, int] = {}
+        for r in per_filter:
+            reasons[r["drop_reason"]] = reasons.get(r["drop_reason"], 0) + r["count"]
         raise AmaliaError(
             f"corpus empty after filtering: 0 of {n_in} documents kept; dropped by "
-            + ", ".join(f"{r} ({n})" for r, n in reasons.items())
+            + ", ".join(f"{r} ({n})" for r, n in sorted(reasons.items(), key=lambda x: -x[1])[:3])
             + f"; relax those filters (data.min_chars={cfg.min_chars}) or check data.sources"
         )
-    parts = partition_count(n_filtered)
     if cfg.dedup == "exact":
-        kept = per_part(kept.map_batches(ContentHash(parts), batch_format="pyarrow"), keep_best_per_hash(cfg.dedup_keep),
-                        parts)
-    kept = kept.sort("id").materialize()
-    for _ in unique_ids(kept.select_columns(["id"]).iter_batches(batch_format="pyarrow", batch_size=65536),
-                        "data stage documents"):
-        pass  # ids are <source>/<file>#<location>: a repeat is a bug, and near-dedup would lose documents to it
+        kept = exchange(kept.map_batches(ContentHash(), batch_format="pyarrow"), "content_hash",
+                        keep_best_per_hash(cfg.dedup_keep))
+    kept = kept.materialize()
+    # ids are <source>/<file>#<location>: a repeat is a bug, and near-dedup would lose documents to it
+    check_unique_ids(kept, "data stage documents")
     n_exact = kept.count()
     if cfg.near_dedup:
-        kept = _near_dedup(kept, cfg.near_dedup, parts, tmp / "near_duplicates")
-    by_variety = (kept.groupby("pt_variety", num_partitions=partition_count(0)).count().to_pandas()
-                  if cfg.variety else None)
+        kept = _near_dedup(kept, cfg.near_dedup, tmp / "near_duplicates")
+    by_variety = count_by(kept, ["pt_variety"]) if cfg.variety else None
     n_kept = kept.count()  # materialized above: no re-execution
     write_ordered_shards(kept, tmp / "kept")
     commit_dir(tmp, out_dir)
     rows = [
         {"source": r["source"], "reason": r["drop_reason"] if isinstance(r["drop_reason"], str) else "kept",
-         "documents": int(r["count()"])}
-        for r in per_filter.to_dict("records")
+         "documents": r["count"]}
+        for r in per_filter
     ]
     return {
         "documents_in": n_in,
@@ -139,7 +130,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         "near_duplicates_removed": n_exact - n_kept,
         "documents_kept": n_kept,
         "per_filter": rows,
-        **({"kept_by_variety": {r["pt_variety"]: int(r["count()"]) for r in by_variety.to_dict("records")}}
+        **({"kept_by_variety": {r["pt_variety"]: r["count"] for r in by_variety}}
            if by_variety is not None else {}),
         **({"contamination": contamination} if contamination is not None else {}),
         **({"site_boilerplate_lines": boilerplate} if boilerplate else {}),
@@ -155,14 +146,13 @@ def _web_pages(docs: ray.data.Dataset, cfg: DataConfig) -> tuple[ray.data.Datase
     captured last does not hide the page's content), then each site's boilerplate lines removed. Only these
     documents take part in the shuffles. Returns the documents and the number of boilerplate lines found."""
     pages = docs.filter(expr=col("url_key").is_not_null()).materialize()
-    if not (n_pages := pages.count()) or (cfg.captures == "all" and not cfg.site_boilerplate):
+    if not pages.count() or (cfg.captures == "all" and not cfg.site_boilerplate):
         return docs, 0
-    parts = partition_count(n_pages)
     if cfg.captures != "all":
-        pages = per_part(map_blocks(pages, capture_parts(parts)), latest_capture(cfg.captures), parts).materialize()
+        pages = exchange(pages, "url_key", latest_capture(cfg.captures)).materialize()
     found = 0
     if cfg.site_boilerplate:
-        lines = boilerplate_lines(pages, cfg.site_boilerplate.min_pages, cfg.site_boilerplate.min_share, parts)
+        lines = boilerplate_lines(pages, cfg.site_boilerplate.min_pages, cfg.site_boilerplate.min_share)
         found = len(lines)
         pages = (pages.map_batches(StripBoilerplate(lines), batch_format="pyarrow")
                  .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow"))
@@ -173,26 +163,25 @@ def check_quarantine(per_filter: list[dict], n_in: int, limit: float, where: Pat
     """Fail when more than `limit` of the records read could not be read as documents, with the counts per reason
     and source: a run on mostly broken input would train on what little is left without anyone noticing."""
     bad = [r for r in per_filter if isinstance(r["drop_reason"], str) and r["drop_reason"].startswith("quarantine:")]
-    n_bad = sum(int(r["count()"]) for r in bad)
+    n_bad = sum(r["count"] for r in bad)
     if n_in and n_bad / n_in > limit:
-        reasons = sorted(bad, key=lambda r: -int(r["count()"]))
+        reasons = sorted(bad, key=lambda r: -r["count"])
         raise AmaliaError(
             f"{n_bad} of {n_in} records ({n_bad / n_in:.0%}) could not be read, over data.max_quarantine_fraction="
             f"{limit}: " + ", ".join(f"{r['drop_reason'].removeprefix('quarantine:')} in {r['source']} "
-                                     f"({int(r['count()'])})" for r in reasons[:5])
+                                     f"({r['count']})" for r in reasons[:5])
             + f"; the records are in {where}")
 
 
-def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, partitions: int, removed_dir: Path) -> ray.data.Dataset:
+def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, removed_dir: Path) -> ray.data.Dataset:
     """MinHash-LSH near-dedup of the kept documents: the member of each cluster that `cfg.keep` picks stays, with
     `cluster_size` for rehydration; the others are written to `removed_dir` with the id of the document kept for
     them (`cluster_id`)."""
     params = MinHashParams(ngram=cfg.ngram, num_perm=cfg.num_perm, bands=cfg.bands, seed=cfg.seed)
-    clusters, _ = near_duplicate_clusters(kept, params, cfg.threshold or None, partitions)
-    joined = with_clusters(kept, clusters.materialize(), partitions)
+    clusters, _ = near_duplicate_clusters(kept, params, cfg.threshold or None)
+    joined = with_clusters(kept, clusters.materialize())
     if cfg.keep != "smallest_id":  # clusters are labelled by their smallest id; another member may be the best
-        joined = per_part(map_blocks(joined, lambda b: with_part(b, "cluster_id", partitions)),
-                          best_of_cluster(cfg.keep), partitions).sort("id")
+        joined = exchange(joined, "cluster_id", best_of_cluster(cfg.keep))
     joined = joined.materialize()
     removed = joined.filter(expr=col("id") != col("cluster_id"))
     if removed.count():

@@ -14,8 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from amalia_ray.data.partitions import with_part
-
 _SPACES = re.compile(r"[ \t\u00a0]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
 
@@ -76,15 +74,11 @@ def already_dropped(batch: pa.Table) -> list[bool]:
 
 
 class ContentHash:
-    """Adds `content_hash` (sha1 of the normalized text, the key of exact deduplication) and the shuffle `part`."""
-
-    def __init__(self, partitions: int):
-        self.partitions = partitions
+    """Adds `content_hash` (sha1 of the normalized text, the key of exact deduplication)."""
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         hashes = [hashlib.sha1(t.encode("utf-8")).hexdigest() for t in batch["text"].to_pylist()]
-        return with_part(batch.append_column("content_hash", pa.array(hashes, pa.string())), "content_hash",
-                         self.partitions)
+        return batch.append_column("content_hash", pa.array(hashes, pa.string()))
 
 
 _RANK = {"smallest_id": [], "longest": [("_length", "descending")], "quality": [("quality_score", "descending")],
@@ -112,7 +106,7 @@ def keep_best_per_hash(keep: str = "smallest_id"):
     def pick(group: pa.Table) -> pa.Table:
         rows, first = best_first(group, "content_hash", keep)
         copies = np.diff(np.append(np.flatnonzero(first), len(rows)))
-        return (rows.filter(pa.array(first)).drop_columns(["part"])
+        return (rows.filter(pa.array(first))
                 .append_column("duplicates", pa.array(copies, pa.int64())))
     return pick
 
@@ -121,7 +115,7 @@ def best_of_cluster(keep: str):
     """Rows of one part, with `cluster_id` -> the same rows, `cluster_id` now the id of the member the keep rule
     picks (the one that stays)."""
     def pick(group: pa.Table) -> pa.Table:
-        rows, first = best_first(group.drop_columns(["part"]), "cluster_id", keep)
+        rows, first = best_first(group, "cluster_id", keep)
         starts = np.flatnonzero(first)
         best = rows["id"].take(pa.array(np.repeat(starts, np.diff(np.append(starts, len(rows))))))
         return rows.set_column(rows.schema.get_field_index("cluster_id"), "cluster_id", best)
