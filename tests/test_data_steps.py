@@ -1,6 +1,6 @@
 import pyarrow as pa
 
-from amalia_ray.data.steps import ContentHash, MinLength, Normalize, is_validation, keep_best_per_hash
+from amalia_ray.data.steps import ExactKeys, MinLength, Normalize, exact_copies, is_validation
 
 
 def test_normalize_nfc_and_whitespace():
@@ -16,10 +16,17 @@ def test_min_length_marks_instead_of_dropping():
 
 
 def test_exact_dedup_keeps_smallest_id_and_counts_copies():
-    group = pa.table({"id": ["src/b#2", "src/a#9", "src/c#1", "src/d#4", "src/e#0"], "text": ["t", "t", "u", "t", "u"]})
-    kept = keep_best_per_hash()(ContentHash()(group)).sort_by("id")
-    assert kept["id"].to_pylist() == ["src/a#9", "src/c#1"]
-    assert kept["duplicates"].to_pylist() == [3, 2]
+    """Decided on key rows (hash, id, where the document is): the text itself does not move."""
+    group = pa.table({"id": ["src/b#2", "src/a#9", "src/c#1", "src/d#4", "src/e#0", "src/f#1"],
+                      "text": ["t", "t", "u", "t", "u", "only once"], "_row": pa.array(range(6), pa.int64())})
+    keys = ExactKeys("smallest_id")(group)
+    assert "text" not in keys.column_names
+    decided = exact_copies()(keys)
+    ids = group["id"].to_pylist()
+    columns = (decided[c].to_pylist() for c in ("_row", "duplicates", "is_copy"))
+    by_id = {ids[r]: (n, copy) for r, n, copy in zip(*columns)}
+    assert by_id == {"src/a#9": (3, False), "src/b#2": (3, True), "src/d#4": (3, True),
+                     "src/c#1": (2, False), "src/e#0": (2, True)}, "a text found once gets no decision"
 
 
 def test_text_documents_are_split_as_the_file_streams(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from amalia_ray.data.decontaminate import Decontaminate
 from amalia_ray.data.quality import heuristic_score
 from amalia_ray.data.quality_model import QualityModel, QualityModelScore, train_quality_model
 from amalia_ray.data.readers import read_file
-from amalia_ray.data.steps import best_of_cluster, keep_best_per_hash
+from amalia_ray.data.steps import best_of_cluster, exact_copies
 from tests import web_archive
 
 REFERENCE_TXT = Path("/usr/share/debian-reference/debian-reference.pt.txt.gz")
@@ -96,10 +96,16 @@ def test_keep_rules_pick_the_known_best_member():
         out = best_of_cluster(keep)(rows)
         assert dict(zip(out["id"].to_pylist(), out["cluster_id"].to_pylist())) == {
             m: best[c] for m, c in zip("abcde", "aaadd")}, keep
-    exact = rows.drop_columns(["cluster_id"]).append_column("content_hash", pa.array(["h"] * 5))
-    assert keep_best_per_hash("quality")(exact)["id"].to_pylist() == ["c"]
-    assert keep_best_per_hash("latest")(exact)["id"].to_pylist() == ["d"]  # captured 5, d < e
-    assert keep_best_per_hash()(exact)["duplicates"].to_pylist() == [5]
+    exact = (rows.drop_columns(["cluster_id"]).append_column("content_hash", pa.array(["h"] * 5))
+             .append_column("_row", pa.array(range(5), pa.int64())))
+
+    def kept(keep):
+        decided = exact_copies(keep)(exact)
+        assert decided["duplicates"].to_pylist() == [5] * 5
+        return ["abcde"[r] for r, copy in zip(decided["_row"].to_pylist(), decided["is_copy"].to_pylist()) if not copy]
+
+    assert kept("quality") == ["c"] and kept("latest") == ["d"]  # captured 5, d < e
+    assert kept("longest") == ["b"] and kept("smallest_id") == ["a"]
 
 
 def test_site_boilerplate_lines_are_removed_from_that_site_only():

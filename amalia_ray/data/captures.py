@@ -15,6 +15,8 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from amalia_ray.data.decide import ROW
+
 # query parameters that say where a visitor came from, not which page it is
 TRACKING_PARAMS = frozenset({
     "gclid", "gclsrc", "dclid", "fbclid", "msclkid", "yclid", "igshid", "mc_cid", "mc_eid", "_ga", "_gl", "_hsenc",
@@ -145,6 +147,22 @@ class CaptureKeys:
             times.append(parse_capture_time(fields.get(date_field) or replay_time))
         return batch.append_column("url_key", pa.array(keys, pa.string())).append_column(
             "captured_at", pa.array(times, pa.int64()))
+
+
+def capture_keys(batch: pa.Table) -> pa.Table:
+    """Documents (with `_row`) -> the key rows of capture selection: the live documents that have a URL."""
+    live = pc.and_(pc.is_valid(batch["url_key"]), pc.is_null(batch["drop_reason"]))
+    return batch.filter(live).select(["url_key", "captured_at", "id", "drop_reason", ROW])
+
+
+def capture_decisions(order: str):
+    """Key rows of one part (`capture_keys`) -> `_row` and `drop_reason` of every capture that is not kept."""
+    select = latest_capture(order)
+
+    def decide(group: pa.Table) -> pa.Table:
+        marked = select(group)
+        return marked.filter(pc.is_valid(marked["drop_reason"])).select([ROW, "drop_reason"])
+    return decide
 
 
 def latest_capture(order: str):

@@ -20,6 +20,7 @@ from ray.data.expressions import col
 
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data.components import LOCAL_EDGES, connected_components
+from amalia_ray.data.decide import ROW, decide, set_columns
 from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, exact_jaccard
 from amalia_ray.data.partitions import configure_data_context, exchange, map_blocks, to_arrow, write_shards
 
@@ -175,37 +176,40 @@ def _cluster_sizes(group: pa.Table) -> pa.Table:
 def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, broadcast_rows: int = BROADCAST_ROWS
                   ) -> ray.data.Dataset:
     """Every document with `cluster_id` and `cluster_size` (itself and 1 when it has no near duplicate), whatever
-    its other columns. A small cluster table is sent to every task; a large one meets the documents in one keyed
-    shuffle (documents and cluster rows share a schema)."""
+    its other columns. A small cluster table is sent to every task; a large one meets the documents' ids (not the
+    documents) in one keyed exchange, and each block sets its rows' clusters (`decide`)."""
     if clusters.count() <= broadcast_rows:
         table = _collect(clusters)
         return docs.map_batches(lambda b: _attach(b, table), batch_format="pyarrow")
-    base = docs.schema().base_schema
-    extra = [pa.field("cluster_id", pa.string()), pa.field("cluster_size", pa.int64()),
-             pa.field("is_link", pa.bool_())]
-    schema = pa.schema(list(base) + extra)
+    schema = pa.schema([*CLUSTER_SCHEMA, pa.field(ROW, pa.int64())])
 
-    def doc_rows(batch: pa.Table) -> pa.Table:
+    def id_rows(batch: pa.Table) -> pa.Table:
         n = len(batch)
-        cols = {f.name: batch[f.name] for f in base}
-        cols.update(cluster_id=pa.nulls(n, pa.string()), cluster_size=pa.nulls(n, pa.int64()),
-                    is_link=pa.array([False] * n))
-        return pa.table(cols, schema=schema)
+        return pa.table({"id": batch["id"], "cluster_id": pa.nulls(n, pa.string()),
+                         "cluster_size": pa.nulls(n, pa.int64()), ROW: batch[ROW]}, schema=schema)
 
     def link_rows(batch: pa.Table) -> pa.Table:
-        n = len(batch)
-        cols = {f.name: (batch["id"] if f.name == "id" else pa.nulls(n, f.type)) for f in base}
-        cols.update(cluster_id=batch["cluster_id"], cluster_size=batch["cluster_size"],
-                    is_link=pa.array([True] * n))
-        return pa.table(cols, schema=schema)
+        return pa.table({**{c: batch[c] for c in CLUSTER_SCHEMA.names}, ROW: pa.nulls(len(batch), pa.int64())},
+                        schema=schema)
 
-    def attach(group: pa.Table) -> pa.Table:
-        is_link = group["is_link"]
-        rows = group.filter(pc.invert(is_link)).drop_columns(["cluster_id", "cluster_size", "is_link"])
-        return _attach(rows, group.filter(is_link).select(CLUSTER_SCHEMA.names))
+    def join(group: pa.Table) -> pa.Table:
+        is_doc = pc.is_valid(group[ROW])
+        rows, links = group.filter(is_doc), group.filter(pc.invert(is_doc))
+        found = pc.index_in(rows["id"], value_set=links["id"])
+        matched = pc.is_valid(found)
+        return pa.table({ROW: rows[ROW].filter(matched),
+                         "cluster_id": links["cluster_id"].take(found.filter(matched)),
+                         "cluster_size": links["cluster_size"].take(found.filter(matched))})
 
-    return exchange([docs.map_batches(doc_rows, batch_format="pyarrow"),
-                     clusters.map_batches(link_rows, batch_format="pyarrow")], "id", attach)
+    def attach(block: pa.Table, decisions: pa.Table | None) -> pa.Table:
+        block = set_columns(block, decisions, {"cluster_id": None, "cluster_size": None})
+        block = block.set_column(block.schema.get_field_index("cluster_id"), "cluster_id",
+                                 pc.coalesce(block["cluster_id"].cast(pa.string()), block["id"]))
+        return block.set_column(block.schema.get_field_index("cluster_size"), "cluster_size",
+                                pc.coalesce(block["cluster_size"].cast(pa.int64()), pa.scalar(1, pa.int64())))
+
+    links = clusters.map_batches(link_rows, batch_format="pyarrow")
+    return decide(docs.materialize(), id_rows, "id", join, attach, others=[links])
 
 
 def _attach(rows: pa.Table, clusters: pa.Table) -> pa.Table:

@@ -45,9 +45,9 @@ def write_shards(ds: ray.data.Dataset, path: Path | str) -> None:
 def write_ordered_shards(ds: ray.data.Dataset, path: Path | str, rows_per_file: int = ROWS_PER_SHARD,
                          rows_per_group: int | None = None) -> int:
     """The dataset's rows, in order, as `part-000000.parquet`, … of `rows_per_file` rows each (row groups of
-    `rows_per_group` rows, default one per file; the last file fewer): the same rows give the same files whatever blocks Ray Data cut them into — a sort's block
-    boundaries come from random samples, and the writer groups blocks into files as they come. Outputs that a
-    later stage reads in file order (the sorted corpus, the packed sequences) go through here, so their content
+    `rows_per_group` rows, default one per file; the last file fewer): the same rows give the same files whatever
+    blocks Ray Data cut them into (the writer groups blocks into files as they come). Outputs that a later stage
+    reads in file order (the curated corpus, the packed sequences) go through here, so their content
     hashes, and what training reads, repeat run after run. One Ray task per file. Returns the row count."""
     refs = ds.to_arrow_refs()
     shapes = ray.get([_shape.remote(r) for r in refs])

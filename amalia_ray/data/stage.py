@@ -15,25 +15,27 @@ from amalia_ray.core.shards import rows_per_group
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.core.ngrams import ItemIndex
 from amalia_ray.data.boilerplate import StripBoilerplate, boilerplate_lines
-from amalia_ray.data.captures import CaptureKeys, latest_capture
+from amalia_ray.data.captures import CaptureKeys, capture_decisions, capture_keys
 from amalia_ray.data.cleaning import Clean
 from amalia_ray.data.decontaminate import Decontaminate, contamination_report
 from amalia_ray.data.dedup import check_unique_ids, near_duplicate_clusters, with_clusters
 from amalia_ray.data.language import LanguageID, VarietyTag
 from amalia_ray.data.minhash import MinHashParams
 from amalia_ray.data.pack import TokenizeAndPack, tokenizer_for_workers
-from amalia_ray.data.partitions import configure_data_context, count_by, exchange, write_ordered_shards, write_shards
+from amalia_ray.data.decide import ROW, decide, set_columns
+from amalia_ray.data.partitions import configure_data_context, count_by, write_ordered_shards, write_shards
 from amalia_ray.data.quality import HeuristicScore, quality_steps
 from amalia_ray.data.quality_model import QualityModelScore
 from amalia_ray.data.readers import expand_paths, read_sources
 from amalia_ray.data.steps import (
-    ContentHash,
+    ExactKeys,
     MinLength,
     MixBySource,
     Normalize,
     best_of_cluster,
+    exact_copies,
     is_validation,
-    keep_best_per_hash,
+    rank_keys,
 )
 from amalia_ray.data.tokenizer import base_tokenizer, train_tokenizer
 
@@ -104,10 +106,10 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
             + ", ".join(f"{r} ({n})" for r, n in sorted(reasons.items(), key=lambda x: -x[1])[:3])
             + f"; relax those filters (data.min_chars={cfg.min_chars}) or check data.sources"
         )
-    if cfg.dedup == "exact":
-        kept = exchange(kept.map_batches(ContentHash(), batch_format="pyarrow"), "content_hash",
-                        keep_best_per_hash(cfg.dedup_keep))
     kept = kept.materialize()
+    if cfg.dedup == "exact":  # decided on content hashes; each block drops its copies
+        kept = decide(kept, ExactKeys(cfg.dedup_keep), "content_hash", exact_copies(cfg.dedup_keep),
+                      _drop_copies).materialize()
     # ids are <source>/<file>#<location>: a repeat is a bug, and near-dedup would lose documents to it
     check_unique_ids(kept, "data stage documents")
     n_exact = kept.count()
@@ -149,7 +151,7 @@ def _web_pages(docs: ray.data.Dataset, cfg: DataConfig) -> tuple[ray.data.Datase
     if not pages.count() or (cfg.captures == "all" and not cfg.site_boilerplate):
         return docs, 0
     if cfg.captures != "all":
-        pages = exchange(pages, "url_key", latest_capture(cfg.captures)).materialize()
+        pages = decide(pages, capture_keys, "url_key", capture_decisions(cfg.captures), set_columns).materialize()
     found = 0
     if cfg.site_boilerplate:
         lines = boilerplate_lines(pages, cfg.site_boilerplate.min_pages, cfg.site_boilerplate.min_share)
@@ -179,14 +181,31 @@ def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, removed_dir: Path)
     them (`cluster_id`)."""
     params = MinHashParams(ngram=cfg.ngram, num_perm=cfg.num_perm, bands=cfg.bands, seed=cfg.seed)
     clusters, _ = near_duplicate_clusters(kept, params, cfg.threshold or None)
-    joined = with_clusters(kept, clusters.materialize())
+    joined = with_clusters(kept, clusters.materialize()).materialize()
     if cfg.keep != "smallest_id":  # clusters are labelled by their smallest id; another member may be the best
-        joined = exchange(joined, "cluster_id", best_of_cluster(cfg.keep))
+        def cluster_keys(batch: pa.Table) -> pa.Table:
+            members = batch.filter(pc.greater(batch["cluster_size"], 1))
+            keys = members.select(["cluster_id", "id", ROW])
+            rank = rank_keys(members, cfg.keep)
+            for name in rank.column_names:
+                keys = keys.append_column(name, rank[name])
+            return keys
+
+        def best(group: pa.Table) -> pa.Table:
+            return best_of_cluster(cfg.keep)(group).select([ROW, "cluster_id"])
+
+        joined = decide(joined, cluster_keys, "cluster_id", best, set_columns)
     joined = joined.materialize()
     removed = joined.filter(expr=col("id") != col("cluster_id"))
     if removed.count():
         write_shards(removed.select_columns(["id", "source", "cluster_id", "cluster_size", "text"]), removed_dir)
     return joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"]).materialize()
+
+
+def _drop_copies(block: pa.Table, decisions: pa.Table | None) -> pa.Table:
+    """A block with `duplicates` (1 for a text found once), less every copy that another one stands for."""
+    block = set_columns(block, decisions, {"duplicates": pa.scalar(1, pa.int64()), "is_copy": pa.scalar(False)})
+    return block.filter(pc.invert(block["is_copy"])).drop_columns(["is_copy"])
 
 
 def build_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig, base_model_dir: Path | None = None,

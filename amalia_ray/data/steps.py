@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from amalia_ray.data.decide import ROW
+
 _SPACES = re.compile(r"[ \t\u00a0]+")
 _BLANK_LINES = re.compile(r"\n{3,}")
 
@@ -88,11 +90,12 @@ _RANK = {"smallest_id": [], "longest": [("_length", "descending")], "quality": [
 def best_first(rows: pa.Table, group: str, keep: str) -> tuple[pa.Table, np.ndarray]:
     """Rows sorted by `group`, the best of each group first by the keep rule (smallest_id, longest, quality,
     latest; a missing score or date ranks last, ties go to the smallest id: deterministic whatever the block
-    order), and the mask of each group's first row."""
-    if keep == "longest":
+    order), and the mask of each group's first row. `longest` reads `_length` (`rank_keys`) or else `text`."""
+    measured = keep == "longest" and "_length" not in rows.column_names
+    if measured:
         rows = rows.append_column("_length", pc.utf8_length(rows["text"]))
     rows = rows.sort_by([(group, "ascending"), *_RANK[keep], ("id", "ascending")], null_placement="at_end")
-    if keep == "longest":
+    if measured:
         rows = rows.drop_columns(["_length"])
     keys = rows[group].to_numpy(zero_copy_only=False)
     first = np.ones(len(rows), dtype=bool)
@@ -100,14 +103,43 @@ def best_first(rows: pa.Table, group: str, keep: str) -> tuple[pa.Table, np.ndar
     return rows, first
 
 
-def keep_best_per_hash(keep: str = "smallest_id"):
-    """Rows of one part -> per content_hash the copy the keep rule picks, with `duplicates` = how many copies
-    there were."""
+def rank_keys(batch: pa.Table, keep: str) -> pa.Table:
+    """The columns a keep rule compares (`best_first`), for key rows that leave the text behind: `_length` for
+    longest, `quality_score` for quality, `captured_at` for latest, none for smallest_id."""
+    if keep == "longest":
+        return pa.table({"_length": pc.utf8_length(batch["text"])})
+    column = {"quality": "quality_score", "latest": "captured_at"}.get(keep)
+    return pa.table({column: batch[column]}) if column else pa.table({})
+
+
+class ExactKeys:
+    """Documents -> their exact-dedup key rows: `content_hash`, `id`, the keep rule's `rank_keys` and `_row`."""
+
+    def __init__(self, keep: str):
+        self.keep = keep
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        keys = ContentHash()(batch.select(["text"])).select(["content_hash"])
+        for name, column in zip(["id", ROW], [batch["id"], batch[ROW]]):
+            keys = keys.append_column(name, column)
+        rank = rank_keys(batch, self.keep)
+        for name in rank.column_names:
+            keys = keys.append_column(name, rank[name])
+        return keys
+
+
+def exact_copies(keep: str = "smallest_id"):
+    """Key rows of one part (`ExactKeys`) -> for every text found more than once, a row per copy: `_row`,
+    `duplicates` (how many copies there are) and `is_copy` (false for the one the keep rule picks)."""
     def pick(group: pa.Table) -> pa.Table:
         rows, first = best_first(group, "content_hash", keep)
-        copies = np.diff(np.append(np.flatnonzero(first), len(rows)))
-        return (rows.filter(pa.array(first))
-                .append_column("duplicates", pa.array(copies, pa.int64())))
+        starts = np.flatnonzero(first)
+        copies = np.diff(np.append(starts, len(rows)))
+        per_row = np.repeat(copies, copies)
+        repeated = per_row > 1
+        return pa.table({ROW: rows[ROW].filter(pa.array(repeated)),
+                         "duplicates": pa.array(per_row[repeated], pa.int64()),
+                         "is_copy": pa.array(~first[repeated])})
     return pick
 
 
