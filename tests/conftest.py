@@ -50,10 +50,13 @@ def common_fields(stage: dict) -> dict:
 
 
 @pytest.fixture
-def whole_dataset_shuffles_refused(monkeypatch):
+def keys_only_shuffles(monkeypatch):
     """The data stage runs without Ray Data's sort and groupby, which shuffle every block's rows to every reducer
-    (B² objects at a terabyte's 7,500 blocks): keys move in exchanges sized by bytes, counts are summed per block."""
+    (B² objects at a terabyte's 7,500 blocks): keys move in exchanges sized by bytes (never a document's text),
+    counts are summed per block. Yields the list of columns each exchange moved."""
     import ray.data
+
+    from amalia_ray.data import boilerplate, components, decide, dedup, partitions
 
     def refuse(name):
         def refused(*args, **kwargs):
@@ -62,6 +65,17 @@ def whole_dataset_shuffles_refused(monkeypatch):
 
     for name in ("sort", "groupby", "random_shuffle", "repartition"):
         monkeypatch.setattr(ray.data.Dataset, name, refuse(name))
+    moved: list[list[str]] = []
+
+    def keys_only(ds, key, fn, plan=None):
+        for one in ds if isinstance(ds, list) else [ds]:
+            moved.append(one.schema().names)
+            assert "text" not in moved[-1], f"an exchange by {key} moves the documents' text: {moved[-1]}"
+        return partitions.exchange(ds, key, fn, plan)
+
+    for module in (boilerplate, components, decide, dedup):
+        monkeypatch.setattr(module, "exchange", keys_only)
+    yield moved
 
 
 @pytest.fixture(scope="session")

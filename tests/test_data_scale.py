@@ -101,7 +101,7 @@ def test_duplicate_chains_longer_than_any_round_cap_form_one_cluster(ray_cluster
     assert (rounds == 0) == bool(local_edges) and rounds < 30
 
 
-def test_a_repeated_id_is_found_without_sorting_the_documents(ray_cluster, whole_dataset_shuffles_refused):
+def test_a_repeated_id_is_found_without_sorting_the_documents(ray_cluster, keys_only_shuffles):
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.data.dedup import check_unique_ids
 
