@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import ray
 from ray.data.block import BlockAccessor
 
-from amalia_ray.data.partitions import MAX_MAP_BYTES, ExchangePlan, exchange
+from amalia_ray.data.partitions import LEDGER, MAX_MAP_BYTES, ExchangePlan, exchange
 
 ROW = "_row"
 _LOW = np.int64(0xFFFFFFFF)
@@ -72,6 +72,7 @@ def apply_to_blocks(blocks: list, decisions: ray.data.Dataset, apply_fn: Callabl
     if group:
         groups.append(group)
     plan = ExchangePlan(len(blocks), tuple(tuple(g) for g in groups), sum(sizes))
+    LEDGER.add(plan)
     cuts = [_route.options(num_returns=plan.parts + 1).remote(plan.parts, *[refs[i] for i in g])
             for g in plan.map_groups]
     if plan.parts == 1:  # a single block: the cut's one piece is its decisions

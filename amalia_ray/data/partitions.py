@@ -168,6 +168,29 @@ class ExchangePlan:
         return (len(self.map_groups) * (self.parts + 1) if self.parts > 1 else 0) + self.parts
 
 
+@dataclass
+class ExchangeLedger:
+    """What this process's exchanges moved: the data stage reports the difference over its run."""
+
+    exchanges: int = 0
+    bytes: int = 0
+    objects: int = 0
+    largest_part_bytes: int = 0
+
+    def add(self, plan: ExchangePlan) -> None:
+        self.exchanges += 1
+        self.bytes += plan.total_bytes
+        self.objects += plan.objects
+        self.largest_part_bytes = max(self.largest_part_bytes, plan.total_bytes // plan.parts)
+
+    def since(self, before: ExchangeLedger) -> dict:
+        return {"exchanges": self.exchanges - before.exchanges, "bytes": self.bytes - before.bytes,
+                "objects": self.objects - before.objects, "largest_part_bytes": self.largest_part_bytes}
+
+
+LEDGER = ExchangeLedger()
+
+
 def plan_exchange(block_bytes: list[int], cpus: int) -> ExchangePlan:
     """The parts and map tasks of an exchange of blocks of these sizes on a cluster of `cpus` CPUs."""
     total = int(sum(block_bytes))
@@ -203,6 +226,7 @@ def exchange(ds: ray.data.Dataset | list[ray.data.Dataset], key: str, fn: Callab
                 blocks.append(ref)
                 sizes.append(meta.size_bytes or 0)
     plan = plan or plan_exchange(sizes, int(ray.cluster_resources().get("CPU", 1)))
+    LEDGER.add(plan)
     if not blocks:
         return ds[0] if isinstance(ds, list) else ds
     fn_ref = ray.put(fn)  # serialized once, not once per task

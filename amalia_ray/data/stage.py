@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +24,7 @@ from amalia_ray.data.language import LanguageID, VarietyTag
 from amalia_ray.data.minhash import MinHashParams
 from amalia_ray.data.pack import TokenizeAndPack, tokenizer_for_workers
 from amalia_ray.data.decide import ROW, decide, set_columns
-from amalia_ray.data.partitions import configure_data_context, count_by, write_ordered_shards, write_shards
+from amalia_ray.data.partitions import LEDGER, configure_data_context, count_by, write_ordered_shards, write_shards
 from amalia_ray.data.quality import HeuristicScore, quality_steps
 from amalia_ray.data.quality_model import QualityModelScore
 from amalia_ray.data.readers import expand_paths, read_sources
@@ -51,6 +52,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     records also to `out_dir/quarantine` with their location, near duplicates to `out_dir/near_duplicates` with
     the id of the document kept for them. `benchmark_items`: task -> [(item id, item text)] for decontamination."""
     configure_data_context()
+    moved = dataclasses.replace(LEDGER)
     tmp = fresh_dir(out_dir)
     docs = (
         read_sources(cfg.sources, resolve)
@@ -136,6 +138,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
            if by_variety is not None else {}),
         **({"contamination": contamination} if contamination is not None else {}),
         **({"site_boilerplate_lines": boilerplate} if boilerplate else {}),
+        "shuffled": LEDGER.since(moved),
     }
 
 

@@ -294,6 +294,11 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
                   _table(["source", "outcome", "documents"],
                          [[r["source"], r["reason"], r["documents"]] for r in sorted(
                              m["per_filter"], key=lambda r: (r["source"], r["reason"]))]), ""]
+        if m.get("shuffled"):
+            moved = m["shuffled"]
+            parts += [f"Shuffles: {moved['exchanges']} keyed exchanges moved {moved['bytes'] / 1e6:,.1f} MB of keys "
+                      f"in {moved['objects']:,} Ray objects (the largest part {moved['largest_part_bytes'] / 1e6:,.1f} "
+                      "MB); the documents' text was not shuffled.", ""]
         if m.get("kept_by_variety"):
             parts += ["Kept documents by Portuguese variety: "
                       + ", ".join(f"{k} {v}" for k, v in sorted(m["kept_by_variety"].items())) + ".", ""]
