@@ -187,3 +187,23 @@ def post_training(demo_run, recipe_path) -> Path:
     post_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     Pipeline(load_recipe(post_recipe)).run(until="sft")
     return post_recipe
+
+
+S3_SECRET = "s3-secret-e2e-" + os.urandom(8).hex()
+
+
+@pytest.fixture
+def s3_server():
+    """A local S3 endpoint (moto's server) with an empty bucket; yields the storage options that reach it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"endpoint_override": f"http://127.0.0.1:{port}", "scheme": "http", "region": "us-east-1",
+               "access_key": "testing", "secret_key": S3_SECRET}
+    boto3.client("s3", endpoint_url=options["endpoint_override"], region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key=S3_SECRET).create_bucket(Bucket="amalia")
+    yield options
+    server.stop()

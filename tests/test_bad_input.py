@@ -231,10 +231,10 @@ def test_mostly_unreadable_input_fails_the_stage_with_the_counts_per_reason(tmp_
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.data.stage import check_quarantine
 
-    per_filter = [{"source": "web", "drop_reason": "quarantine:broken WARC record", "count()": 30},
-                  {"source": "json", "drop_reason": "quarantine:invalid JSON", "count()": 5},
-                  {"source": "json", "drop_reason": "min_chars", "count()": 40}, {"source": "json",
-                                                                                  "drop_reason": None, "count()": 25}]
+    per_filter = [{"source": "web", "drop_reason": "quarantine:broken WARC record", "count": 30},
+                  {"source": "json", "drop_reason": "quarantine:invalid JSON", "count": 5},
+                  {"source": "json", "drop_reason": "min_chars", "count": 40}, {"source": "json",
+                                                                                  "drop_reason": None, "count": 25}]
     check_quarantine(per_filter, 100, 0.35, tmp_path)  # 35 of 100: at the limit
     with pytest.raises(AmaliaError, match=r"35 of 100 records \(35%\) could not be read, over "
                                           r"data.max_quarantine_fraction=0.2: broken WARC record in web \(30\), "

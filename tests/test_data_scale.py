@@ -5,6 +5,7 @@ shuffle; duplicate graphs of any diameter; ids checked without sorting the docum
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -112,3 +113,87 @@ def test_a_repeated_id_is_found_without_sorting_the_documents(ray_cluster, keys_
     with pytest.raises(AmaliaError, match="'s/f#17' appears more than once"):
         check_unique_ids(ray_cluster.data.from_arrow(docs), "test documents")
 
+
+
+@pytest.mark.e2e
+def test_a_corpus_on_s3_is_listed_streamed_and_rerun_when_an_object_changes(ray_cluster, s3_server, tmp_path,
+                                                                             keys_only_shuffles):
+    """A recipe whose sources are globs on S3 (moto's server): jsonl.gz under two dated folders and Parquet beside
+    an unrelated file. The data stage lists them once, streams them in its read tasks, names each document by its
+    object; a second run skips the stage (fingerprints from the listing: URI, size, mtime) and a changed object
+    reruns it. A glob matching no object is an error naming the field."""
+    import gzip
+    import json
+
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+    import yaml
+
+    from amalia_ray.core.config import DataConfig, SourceConfig
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.data.stage import curate
+    from amalia_ray.pipeline.runner import Pipeline
+
+    text = gzip.open("/usr/share/debian-reference/debian-reference.pt.txt.gz", "rt", encoding="utf-8").read()
+    paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if len(p) > 300][:90]
+    s3 = pafs.S3FileSystem(**s3_server)
+
+    def put(path: str, data: bytes) -> None:
+        with s3.open_output_stream(f"amalia/corpus/{path}", compression=None) as f:  # bytes as given
+            f.write(data)
+        (tmp_path / "local" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "local" / path).write_bytes(data)
+
+    def jsonl(rows):
+        return gzip.compress("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in rows).encode())
+
+    put("2023/crawl-0.jsonl.gz", jsonl(paragraphs[:30]))
+    put("2024/crawl-0.jsonl.gz", jsonl(paragraphs[30:60]))
+    table = pa.table({"text": paragraphs[60:90]})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    put("tables/books.parquet", sink.getvalue().to_pybytes())
+    put("tables/README.txt", b"not a table")
+    sources = [{"name": "web", "paths": ["s3://amalia/corpus/**/*.jsonl.gz"], "format": "jsonl",
+                "storage_options": s3_server},
+               {"name": "books", "paths": ["s3://amalia/corpus/tables/*.parquet"], "format": "parquet",
+                "storage_options": s3_server}]
+    recipe = tmp_path / "s3.yaml"
+    recipe.write_text(yaml.safe_dump({"run": {"name": "s3", "output_dir": str(tmp_path / "runs")},
+                                      "data": {"sources": sources, "min_chars": 100}}))
+    first = Pipeline(load_recipe(recipe))
+    first.run()
+    metrics = first.manifest.stages["data"].metrics
+    assert metrics["documents_in"] == 90 and metrics["documents_kept"] == 90, metrics
+    kept = pq.read_table(first.run_dir / "data" / "kept").to_pylist()
+    assert {r["id"].split("#")[0] for r in kept} == {"web/2023/crawl-0.jsonl.gz", "web/2024/crawl-0.jsonl.gz",
+                                                     "books/books.parquet"}
+    local = curate(DataConfig(min_chars=100, sources=[
+        SourceConfig(name="web", paths=[str(tmp_path / "local" / "**" / "*.jsonl.gz")], format="jsonl"),
+        SourceConfig(name="books", paths=[str(tmp_path / "local" / "tables" / "*.parquet")], format="parquet")]),
+        Path, tmp_path / "local-out")
+    assert local["documents_kept"] == 90
+    local_kept = pq.read_table(tmp_path / "local-out" / "kept").to_pylist()
+    assert sorted((r["id"], r["text"]) for r in kept) == sorted((r["id"], r["text"]) for r in local_kept), \
+        "the same documents as from local copies of the objects"
+    assert {r["path"] for r in kept} >= {"s3://amalia/corpus/2024/crawl-0.jsonl.gz"}
+    secret = s3_server["secret_key"].encode()
+    assert not [f for f in first.run_dir.rglob("*") if f.is_file() and secret in f.read_bytes()], \
+        "the storage credentials are in no file of the run"
+
+    again = Pipeline(load_recipe(recipe))
+    again.run()
+    assert again.manifest.stages["data"].finished_at == first.manifest.stages["data"].finished_at, \
+        "unchanged objects: the stage is skipped"
+    put("2024/crawl-0.jsonl.gz", jsonl(paragraphs[30:59]))
+    changed = Pipeline(load_recipe(recipe))
+    changed.run()
+    assert changed.manifest.stages["data"].metrics["documents_in"] == 89, "a changed object reruns the stage"
+
+    sources[1]["paths"] = ["s3://amalia/corpus/tables/*.jsonl"]
+    recipe.write_text(yaml.safe_dump({"run": {"name": "s3b", "output_dir": str(tmp_path / "runs")},
+                                      "data": {"sources": sources, "min_chars": 100}}))
+    with pytest.raises(AmaliaError, match=r"data.sources\[1\].paths\[0\] = 's3://amalia/corpus/tables/\*.jsonl' "
+                                          "matches no object"):
+        Pipeline(load_recipe(recipe)).run()

@@ -18,7 +18,7 @@ import yaml
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import load_recipe
 from amalia_ray.pipeline.runner import Pipeline
-from tests.conftest import STEPS, free_port, read_jsonl, write_recipe
+from tests.conftest import S3_SECRET, STEPS, free_port, read_jsonl, write_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -403,26 +403,6 @@ def test_an_interrupted_data_mix_ablation_resumes_and_scores_per_source_and_on_a
     assert best["benchmark"]["task"] == "pt-mc" and best["benchmark"]["n"] == 6 and 0 <= best["benchmark"]["value"] <= 1
     assert [t for t in trials if "benchmark" in t] == [best], "only the top trial is served"
     assert "pt-mc acc" in (out / "report.md").read_text()
-
-
-S3_SECRET = "s3-secret-e2e-" + os.urandom(8).hex()
-
-
-@pytest.fixture
-def s3_server():
-    """A local S3 endpoint (moto's server) with an empty bucket; yields the storage options that reach it."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {"endpoint_override": f"http://127.0.0.1:{port}", "scheme": "http", "region": "us-east-1",
-               "access_key": "testing", "secret_key": S3_SECRET}
-    boto3.client("s3", endpoint_url=options["endpoint_override"], region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key=S3_SECRET).create_bucket(Bucket="amalia")
-    yield options
-    server.stop()
 
 
 @pytest.mark.reliability

@@ -65,6 +65,10 @@ class SourceConfig(Strict):
                            "archives: WARC-Target-URI); data.captures keeps one capture per URL")
     date_field: str = Field("date", description="jsonl/parquet: the field holding the capture's date, if any (ISO "
                             "8601, a 14-digit archive timestamp or epoch seconds; web archives: WARC-Date)")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="paths on object storage (s3://bucket/crawl/*.jsonl.gz, gs://…, any fsspec "
+        "scheme): keyword arguments of its filesystem, e.g. {endpoint_override: http://minio:9000}; credentials come "
+        "from the environment (AWS_ACCESS_KEY_ID…)")
 
     @field_validator("encoding")
     @classmethod

@@ -9,6 +9,9 @@ a truncated .gz/.zst file, broken WARC records (the reader finds the next record
 
 Formats: text (plain or .gz/.zst; split into files, paragraphs or separator blocks), jsonl (.gz/.zst), Parquet,
 HTML (main text by resiliparse) and WARC/ARC web archives (records framed here, parsed by fastwarc).
+
+Paths are local files or globs, or URIs of object storage and other filesystems (s3://, gs://, abfs://, hdfs://,
+any fsspec scheme: `core/filesystem.py`), listed once on the driver and streamed by the read tasks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import gzip
 import io
 import json
 import os
+import posixpath
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +32,7 @@ import ray
 
 from amalia_ray.core.config import SourceConfig
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.filesystem import open_filesystem
 
 DOC_SCHEMA = pa.schema([
     ("id", pa.string()), ("source", pa.string()), ("path", pa.string()), ("location", pa.string()),
@@ -51,6 +56,12 @@ def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
     nothing is an error naming it."""
     files: list[str] = []
     for i, pattern in enumerate(source.paths):
+        if is_uri(pattern):
+            matches = [uri for uri, _ in list_remote(pattern, source.storage_options, f"{field}.paths[{i}]")]
+            if not matches:
+                raise AmaliaError(f"corpus path not found: {field}.paths[{i}] = '{pattern}' matches no object")
+            files.extend(matches)
+            continue
         resolved = str(resolve(pattern))
         matches = sorted(p for p in glob.glob(resolved, recursive=True) if Path(p).is_file())
         if not matches:
@@ -62,22 +73,98 @@ def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
     return list(dict.fromkeys(files))
 
 
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """A glob as a regular expression over whole paths: `*` and `?` stay inside one folder, `**/` spans any."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 1:]:
+            end = pattern.index("]", i + 1)
+            out.append("[" + pattern[i + 1:end].replace("!", "^", 1) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def list_remote(pattern: str, options: dict, field: str) -> list[tuple[str, object]]:
+    """(URI, pyarrow FileInfo: size, mtime) of every object a URI or URI glob names, sorted: one listing of the
+    folder before the first wildcard (recursive only when the pattern crosses folders)."""
+    from pyarrow import fs as pafs
+
+    scheme = pattern.split("://", 1)[0]
+    try:
+        filesystem, path = open_filesystem(pattern, options)
+        wildcard = _GLOB.search(path)
+        if wildcard is None:
+            info = filesystem.get_file_info(path)
+            if info.type == pafs.FileType.File:
+                return [(f"{scheme}://{path}", info)]
+            if info.type != pafs.FileType.Directory:
+                return []
+            base, matcher = path, None
+        else:
+            base = posixpath.dirname(path[:wildcard.start()] + "x")
+            matcher = _glob_regex(path)
+        recursive = matcher is None or "/" in path[wildcard.start():] or "**" in path
+        infos = filesystem.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    except (OSError, ValueError) as e:
+        raise AmaliaError(f"{field} = '{pattern}': cannot list it: {type(e).__name__}: {e}") from None
+    found = [(f"{scheme}://{i.path}", i) for i in infos
+             if i.type == pafs.FileType.File and (matcher is None or matcher.match(i.path))]
+    return sorted(found, key=lambda item: item[0])
+
+
+def remote_fingerprint(patterns: list[str], options: dict, field: str) -> list[str]:
+    """What identifies a source's remote objects without reading them: URI, size and modification time of each
+    (from the one listing `expand_paths` also does); a stage over them reruns when one changes."""
+    return [f"{uri} {info.size} {info.mtime_ns}" for i, p in enumerate(patterns) if is_uri(p)
+            for uri, info in list_remote(p, options, f"{field}.paths[{i}]")]
+
+
 def relative_names(files: list[str]) -> dict[str, str]:
     """Each of a source's files by its path below the folder they all share (`part-0.jsonl`, `2024/a.warc.gz`):
     with the source's name it tells apart files of the same name in different sources or folders."""
     if not files:
         return {}
-    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
-    return {f: os.path.relpath(os.path.abspath(f), root) for f in files}
+    local = [f for f in files if not is_uri(f)]
+    names = {}
+    if local:
+        root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in local])
+        names.update({f: os.path.relpath(os.path.abspath(f), root) for f in local})
+    remote = [f for f in files if is_uri(f)]
+    if remote:
+        root = posixpath.commonpath([posixpath.dirname(f.split("://", 1)[1]) for f in remote])
+        names.update({f: posixpath.relpath(f.split("://", 1)[1], root) for f in remote})
+    return names
 
 
 class _ZstdStream(io.RawIOBase):
     """A .zst file decompressed across frames; unlike zstandard's stream_reader it notices a file cut short."""
 
-    def __init__(self, path: str):
+    def __init__(self, raw):
         import zstandard
 
-        self._zstd, self._raw, self._pending = zstandard, open(path, "rb"), b""
+        self._zstd, self._raw, self._pending = zstandard, raw, b""
         self._dobj, self._started = zstandard.ZstdDecompressor().decompressobj(), False
 
     def readable(self) -> bool:
@@ -105,23 +192,31 @@ class _ZstdStream(io.RawIOBase):
         super().close()
 
 
-def open_binary(path: str) -> io.BufferedIOBase:
+def open_raw(path: str, options: dict | None = None):
+    """A local file or a URI's object as a binary stream (the object is streamed, never fetched whole)."""
+    if not is_uri(path):
+        return open(path, "rb")
+    filesystem, inner = open_filesystem(path, options)
+    return io.BufferedReader(filesystem.open_input_stream(inner, compression=None), buffer_size=_CHUNK)
+
+
+def open_binary(path: str, options: dict | None = None) -> io.BufferedIOBase:
     """A file, transparently decompressed when it ends in .gz or .zst."""
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.GzipFile(fileobj=open_raw(path, options), mode="rb")
     if path.endswith(".zst"):
-        return io.BufferedReader(_ZstdStream(path), buffer_size=_CHUNK)
-    return open(path, "rb")
+        return io.BufferedReader(_ZstdStream(open_raw(path, options)), buffer_size=_CHUNK)
+    return open_raw(path, options)
 
 
-def read_at_most(path: str, limit: int) -> tuple[bytes, int, Exception | None]:
+def read_at_most(path: str, limit: int, options: dict | None = None) -> tuple[bytes, int, Exception | None]:
     """Up to `limit` (decompressed) bytes of a file, its whole (decompressed) size, and the error that cut it short
     if any (truncated .gz/.zst): what was read before the error is still returned. Past `limit` the rest is only
     counted, so a huge file never sits in memory."""
     chunks: list[bytes] = []
     kept = size = 0
     try:
-        with open_binary(path) as f:
+        with open_binary(path, options) as f:
             while chunk := f.read1(_CHUNK):  # read1: what was decompressed before an error is not lost with it
                 size += len(chunk)
                 if kept < limit:
@@ -132,12 +227,13 @@ def read_at_most(path: str, limit: int) -> tuple[bytes, int, Exception | None]:
     return b"".join(chunks), size, None
 
 
-def _decoded_blocks(path: str, encoding: str) -> Iterator[tuple[str, Exception | None]]:
+def _decoded_blocks(path: str, encoding: str, options: dict | None = None
+                    ) -> Iterator[tuple[str, Exception | None]]:
     """A file's text in blocks of about _CHUNK bytes, decoded incrementally (a character split across blocks stays
     whole; bytes that do not decode become lone surrogates); the error that cut the file short comes last."""
     decoder = codecs.getincrementaldecoder(encoding)(errors="surrogateescape")
     try:
-        with open_binary(path) as f:
+        with open_binary(path, options) as f:
             while chunk := f.read1(_CHUNK):
                 yield decoder.decode(chunk), None
     except (EOFError, OSError, ValueError) as e:
@@ -162,13 +258,13 @@ def _text_documents(path: str, src: SourceConfig) -> Iterator[tuple[str, bool, E
     """(document, cut over max_record_bytes, error) in file order, streamed: a document is split off as soon as the
     blank line or separator after it has been read, and one that grows past the cap keeps only its head."""
     if src.split == "file":
-        raw, size, error = read_at_most(path, src.max_record_bytes + 1)
+        raw, size, error = read_at_most(path, src.max_record_bytes + 1, src.storage_options)
         yield raw.decode(src.encoding, errors="surrogateescape"), size > src.max_record_bytes, error
         return
     boundary = (re.compile(rf"(?m)^{re.escape(src.separator)}[ \t\r]*\n") if src.split == "separator"
                 else re.compile(r"\n(?:[ \t]*\n)+"))
     pending, oversized = "", False
-    for block, error in _decoded_blocks(path, src.encoding):
+    for block, error in _decoded_blocks(path, src.encoding, src.storage_options):
         pending += block
         start = 0
         for match in boundary.finditer(pending):
@@ -219,7 +315,7 @@ def _lines(f, limit: int) -> Iterator[tuple[int, bytes, int]]:
 
 
 def read_jsonl(path: str, src: SourceConfig) -> Iterator[Record]:
-    with open_binary(path) as f:
+    with open_binary(path, src.storage_options) as f:
         for n, line, size in _lines(f, src.max_record_bytes):
             if not line.strip():
                 continue
@@ -242,7 +338,12 @@ def read_parquet(path: str, src: SourceConfig) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     offset = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+    if is_uri(path):  # Parquet reads its footer first: a random-access file, not a stream
+        filesystem, inner = open_filesystem(path, src.storage_options)
+        source = filesystem.open_input_file(inner)
+    else:
+        source = path
+    for batch in pq.ParquetFile(source).iter_batches(batch_size=4096):
         for n, row in enumerate(batch.to_pylist(), start=offset):
             yield from _from_mapping(row, src, f"row {n}")
         offset += batch.num_rows
@@ -282,7 +383,7 @@ def html_main_text(html: str) -> str:
 def read_html(path: str, src: SourceConfig) -> Iterator[Record]:
     from resiliparse.parse.encoding import bytes_to_str, detect_encoding
 
-    raw, size, error = read_at_most(path, src.max_record_bytes + 1)
+    raw, size, error = read_at_most(path, src.max_record_bytes + 1, src.storage_options)
     if error is not None:
         yield None, "file", _preview(raw), {}, truncated(error)
     elif size > src.max_record_bytes:
@@ -400,11 +501,11 @@ def read_warc(path: str, src: SourceConfig) -> Iterator[Record]:
     """Main text of the HTML responses of a WARC file; other record types are skipped, broken ones quarantined.
     ARC files (no WARC framing) go to fastwarc as they are."""
     if re.search(r"\.arc(\.gz)?$", path):
-        yield from _read_arc(path)
+        yield from _read_arc(path, src.storage_options)
         return
     from fastwarc.warc import ArchiveIterator, WarcRecordType
 
-    with open_binary(path) as f:
+    with open_binary(path, src.storage_options) as f:
         try:
             for at, header, record, problem in warc_records(f, src.max_record_bytes):
                 where = f"record at byte {at}"
@@ -446,10 +547,10 @@ def _warc_response(parsed, own_id, where, meta, record: bytes) -> Iterator[Recor
         yield own_id, where, _preview(body), meta, Quarantine("no main text in HTML")
 
 
-def _read_arc(path: str) -> Iterator[Record]:
+def _read_arc(path: str, options: dict) -> Iterator[Record]:
     from fastwarc.warc import ArchiveIterator, WarcRecordType
 
-    with open(path, "rb") as stream:
+    with open_raw(path, options) as stream:
         for record in ArchiveIterator(stream, record_types=WarcRecordType.response, parse_http=True):
             meta = {"url": record.headers.get("WARC-Target-URI"), "date": record.headers.get("WARC-Date")}
             yield from _warc_response(record, record.record_id, f"record at byte {record.stream_pos}", meta, b"")

@@ -27,7 +27,7 @@ from amalia_ray.data.decide import ROW, decide, set_columns
 from amalia_ray.data.partitions import LEDGER, configure_data_context, count_by, write_ordered_shards, write_shards
 from amalia_ray.data.quality import HeuristicScore, quality_steps
 from amalia_ray.data.quality_model import QualityModelScore
-from amalia_ray.data.readers import expand_paths, read_sources
+from amalia_ray.data.readers import expand_paths, is_uri, read_sources, remote_fingerprint
 from amalia_ray.data.steps import (
     ExactKeys,
     MinLength,
@@ -43,6 +43,15 @@ from amalia_ray.data.tokenizer import base_tokenizer, train_tokenizer
 
 def input_files(cfg: DataConfig, resolve) -> list[str]:
     return [f for i, s in enumerate(cfg.sources) for f in expand_paths(s, resolve, f"data.sources[{i}]")]
+
+
+def input_fingerprints(cfg: DataConfig, resolve) -> tuple[list[str], list[str]]:
+    """(the local corpus files, whose content the pipeline hashes; a line per object on remote storage: URI, size
+    and modification time from its listing, read by nobody before the stage runs)."""
+    local = [f for f in input_files(cfg, resolve) if not is_uri(f)]
+    remote = [line for i, s in enumerate(cfg.sources)
+              for line in remote_fingerprint(s.paths, s.storage_options, f"data.sources[{i}]")]
+    return local, remote
 
 
 def curate(cfg: DataConfig, resolve, out_dir: Path,

@@ -49,7 +49,8 @@ class Pipeline:
         self.run_dir = (Path(self.recipe.run.output_dir) / self.run_name).resolve()
         self.force, self.reuse_stale = force, reuse_stale
         run = self.recipe.run
-        secrets.remember_in(run.storage_options)  # so no log line or recorded error shows them
+        for options in [run.storage_options, *(s.storage_options for s in self.recipe.data.sources)]:
+            secrets.remember_in(options)  # so no log line or recorded error shows them
         secrets.remember(os.environ.get(self.recipe.serve.api_key_env))
         self.store = RunStore(run.storage, run.storage_options, self.run_name) if run.storage else None
         self.own: set[str] = set()  # the stages this process runs: their manifest records are its to write
