@@ -94,6 +94,8 @@ bench: install corpus
 	$(RUN_BENCH) train_throughput train_throughput.py
 	$(RUN_BENCH) dedup_vs_datatrove dedup_vs_datatrove.py
 	$(RUN_BENCH) curation_throughput curation_throughput.py
+	$(RUN_BENCH) data_scaling data_scaling.py --base-mb 50 --scales 1,2,4,8
+	$(RUN_BENCH) shuffle_plan shuffle_plan.py
 	$(RUN_BENCH) load_memory load_memory.py
 	$(RUN_BENCH) packed_stream_memory packed_stream_memory.py
 	$(RUN_BENCH) variety_accuracy variety_accuracy.py
