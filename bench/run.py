@@ -41,8 +41,11 @@ def main() -> None:
     name, script, *args = sys.argv[1:]
     command = ["python", f"bench/{script}", *args]
     started = time.perf_counter()
+    # as `make bench` runs it: without PYTHONDONTWRITEBYTECODE, which makes every process it starts (Ray workers,
+    # the peers' own) compile torch, transformers and Ray from source again
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True)
+                          text=True, env=env)
     if proc.returncode:
         sys.exit(f"{shlex.join(command)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     result = last_json(proc.stdout)

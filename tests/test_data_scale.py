@@ -197,3 +197,50 @@ def test_a_corpus_on_s3_is_listed_streamed_and_rerun_when_an_object_changes(ray_
     with pytest.raises(AmaliaError, match=r"data.sources\[1\].paths\[0\] = 's3://amalia/corpus/tables/\*.jsonl' "
                                           "matches no object"):
         Pipeline(load_recipe(recipe)).run()
+
+
+def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeypatch):
+    """A connection that drops half-way through an object is not a broken file: the read fails, naming the object,
+    instead of keeping what came before and quarantining the rest (which would lose documents silently)."""
+    import io
+
+    from amalia_ray.core.config import SourceConfig
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.data import readers
+
+    class Dropping(io.RawIOBase):
+        def __init__(self):
+            self.left = b"".join(b'{"text": "linha %d"}\n' % i for i in range(5000))
+
+        def readable(self):
+            return True
+
+        def readinto(self, buffer):
+            if len(self.left) < 50_000:
+                raise OSError("AWS Error NETWORK_CONNECTION: connection reset")
+            n = min(len(buffer), 4096)
+            buffer[:n], self.left = self.left[:n], self.left[n:]
+            return n
+
+    class Storage:
+        def open_input_stream(self, path, compression=None):
+            return Dropping()
+
+    monkeypatch.setattr(readers, "open_filesystem", lambda uri, options=None: (Storage(), uri.split("://")[1]))
+    src = SourceConfig(name="web", paths=["s3://b/x.jsonl"], format="jsonl")
+    with pytest.raises(AmaliaError, match=r"reading s3://b/x.jsonl failed after \d+ records, not because of its "
+                                          r"content: StorageReadError: s3://b/x.jsonl: AWS Error NETWORK_CONNECTION"):
+        list(readers.read_file_tables("s3://b/x.jsonl", src))
+
+
+def test_object_globs_match_as_shell_globs_do():
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.data.readers import _glob_regex, list_remote
+
+    rx = _glob_regex("bucket/crawl/**/part-[!x]?.jsonl.gz")
+    assert rx.match("bucket/crawl/part-a1.jsonl.gz") and rx.match("bucket/crawl/2024/05/part-b2.jsonl.gz")
+    assert not rx.match("bucket/crawl/part-x1.jsonl.gz") and not rx.match("bucket/crawl/part-a10.jsonl.gz")
+    one = _glob_regex("bucket/*.jsonl")
+    assert one.match("bucket/a.jsonl") and not one.match("bucket/sub/a.jsonl"), "* stays inside one folder"
+    with pytest.raises(AmaliaError, match="wildcard in the bucket"):
+        list_remote("s3://corpus-*/a.jsonl", {"region": "us-east-1"}, "data.sources[0].paths[0]")

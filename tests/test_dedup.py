@@ -86,6 +86,12 @@ def test_signatures_match_the_definition_and_estimate_jaccard():
     assert abs(estimated_jaccard(sigs[0], sigs[2]) - 196 / 404) < 0.08
     keys = band_keys(np.stack([sigs[0], sigs[0]]), p)
     assert (keys[0] == keys[1]).all() and len(set(keys[0].tolist())) == p.bands
+    from amalia_ray.data.minhash import SignatureSets, pair_jaccard
+
+    rows = SignatureSets(p)(pa.table({"id": ["x", "e", "y"], "text": [x, "", y]}))["values"].combine_chunks()
+    assert rows[0].as_py() == sigs[0].tolist() and rows[1].as_py() == sigs[1].tolist()
+    estimated = pair_jaccard(rows.take([0, 0, 1]), rows.take([2, 0, 1]), "estimated")
+    assert estimated.tolist() == [estimated_jaccard(sigs[0], sigs[2]), 1.0, 1.0]
 
 
 def test_exact_jaccard_takes_sets():

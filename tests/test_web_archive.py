@@ -121,18 +121,19 @@ def test_site_boilerplate_lines_are_removed_from_that_site_only():
 
 
 def _near_duplicates(a: str, b: str) -> bool:
-    """The two texts share an LSH band and their shingle Jaccard is over 0.8 (the stage's defaults): a planted
-    cluster the stage will find (LSH finds a pair at Jaccard 0.86 with probability 0.994, not 1)."""
+    """The two texts share an LSH band and their Jaccard, as the stage measures it by default (estimated from the
+    signatures), is over 0.8: a planted cluster the stage will find (LSH finds a pair at Jaccard 0.86 with
+    probability 0.994, not 1)."""
     from amalia_ray.core.config import NearDedupConfig
-    from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, exact_jaccard
+    from amalia_ray.data.minhash import BandKeys, MinHashParams, SignatureSets, pair_jaccard
 
     cfg = NearDedupConfig()
     params = MinHashParams(ngram=cfg.ngram, num_perm=cfg.num_perm, bands=cfg.bands, seed=cfg.seed)
     pair = pa.table({"id": ["a", "b"], "text": [a.replace(web_archive.COOKIES, ""), b.replace(web_archive.COOKIES, "")]})
     keys = BandKeys(params)(pair)
-    shingles = ShingleSets(params)(pair)["shingles"].combine_chunks()
+    values = SignatureSets(params)(pair)["values"].combine_chunks()
     return (any(keys[f"key_{i}"][0] == keys[f"key_{i}"][1] for i in range(cfg.bands))
-            and exact_jaccard(shingles[0:1], shingles[1:2])[0] >= cfg.threshold)
+            and pair_jaccard(values[0:1], values[1:2], cfg.similarity)[0] >= cfg.threshold)
 
 
 def _clearly_portuguese(texts: list[str]) -> list[bool]:

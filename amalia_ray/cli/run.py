@@ -70,7 +70,10 @@ def data_dedup(
     input: Annotated[Path, typer.Argument(help="jsonl (.gz) or Parquet file/folder with columns id and text")],
     output: Annotated[Path, typer.Argument(help="writes OUTPUT/kept/*.parquet and OUTPUT/clusters.parquet")],
     threshold: Annotated[float, typer.Option(
-        help="keep LSH candidate pairs whose exact shingle-set Jaccard >= T; 0 = keep every candidate")] = 0.8,
+        help="keep LSH candidate pairs whose Jaccard >= T; 0 = keep every candidate")] = 0.8,
+    similarity: Annotated[str, typer.Option(
+        help="estimated: Jaccard from the MinHash signatures (only they move); exact: over the shingle sets")
+    ] = "estimated",
     num_perm: Annotated[int, typer.Option("--num-perm", help="MinHash permutations")] = 112,
     bands: Annotated[int, typer.Option(help="LSH bands (rows = num_perm / bands)")] = 14,
     ngram: Annotated[int, typer.Option(help="words per shingle")] = 5,
@@ -84,6 +87,8 @@ def data_dedup(
 
     if not 0 <= threshold <= 1:
         raise AmaliaError(f"--threshold must be within [0, 1], got {threshold}")
+    if similarity not in ("estimated", "exact"):
+        raise AmaliaError(f"--similarity must be estimated or exact, got {similarity!r}")
     try:
         params = MinHashParams(ngram=ngram, num_perm=num_perm, bands=bands, seed=seed)
     except ValueError as e:
@@ -91,7 +96,7 @@ def data_dedup(
     if not input.exists():
         raise AmaliaError(f"dedup input not found: {input}")
     with ray_session():
-        stats = dedup(input, output, params, threshold or None)
+        stats = dedup(input, output, params, threshold or None, similarity=similarity)
     console.print_json(json.dumps(stats))
 
 

@@ -245,8 +245,12 @@ class DecontaminationConfig(Strict):
 class NearDedupConfig(Strict):
     """MinHash-LSH near-duplicate removal (see `amalia data dedup`)."""
 
-    threshold: float = Field(0.8, ge=0, le=1, description="exact shingle Jaccard a candidate pair needs; 0 = keep "
-                             "every LSH candidate")
+    threshold: float = Field(0.8, ge=0, le=1, description="Jaccard similarity a candidate pair needs (measured as "
+                             "`similarity` says); 0 = keep every LSH candidate")
+    similarity: Literal["estimated", "exact"] = Field(
+        "estimated", description="how a candidate pair's Jaccard is measured: estimated from the two MinHash "
+        "signatures (the share of equal values; only signatures move) or exact over the shingle sets (every "
+        "candidate's shingles move)")
     ngram: int = Field(5, ge=1, description="words per shingle")
     num_perm: int = Field(112, ge=1, description="MinHash permutations")
     bands: int = Field(14, ge=1, description="LSH bands; rows per band = num_perm / bands")

@@ -22,8 +22,9 @@ from amalia_ray.data.partitions import exchange, map_blocks, to_arrow
 
 log = logging.getLogger(__name__)
 
-LABELS = pa.schema([("node", pa.string()), ("label", pa.string())])
-ARCS = pa.schema([("u", pa.string()), ("v", pa.string())])
+# large_string: ids add up to more than 2 GiB (32-bit offsets) in a task that holds millions of edges
+LABELS = pa.schema([("node", pa.large_string()), ("label", pa.large_string())])
+ARCS = pa.schema([("u", pa.large_string()), ("v", pa.large_string())])
 # edges solved in one task: ~100 bytes each in strings, codes and the sparse matrix (1 GB at 10 M)
 LOCAL_EDGES = 10_000_000
 
@@ -45,7 +46,7 @@ def _local_components(*blocks: pa.Table) -> pa.Table:
     edges = pa.concat_tables([b.select(["src", "dst"]) for b in blocks]) if blocks else None
     if edges is None or not len(edges):
         return LABELS.empty_table()
-    ends = pa.concat_arrays([edges["src"].combine_chunks(), edges["dst"].combine_chunks()])
+    ends = pa.concat_arrays([edges[c].cast(pa.large_string()).combine_chunks() for c in ("src", "dst")])
     encoded = pc.dictionary_encode(ends)
     nodes, codes = encoded.dictionary, encoded.indices.to_numpy(zero_copy_only=False)
     n, m = len(nodes), len(edges)
@@ -80,7 +81,7 @@ def _both_directions(batch: pa.Table) -> pa.Table:
     """Edges (`src`, `dst`) or arcs (`u`, `v`) -> arcs both ways, so an exchange by `u` gives a node all its
     neighbours."""
     a, b = (batch["src"], batch["dst"]) if "src" in batch.column_names else (batch["u"], batch["v"])
-    a, b = a.combine_chunks(), b.combine_chunks()
+    a, b = a.cast(pa.large_string()).combine_chunks(), b.cast(pa.large_string()).combine_chunks()
     return pa.table({"u": pa.concat_arrays([a, b]), "v": pa.concat_arrays([b, a])}, schema=ARCS)
 
 

@@ -48,20 +48,30 @@ def decide(docs: ray.data.Dataset, keys: Callable[[pa.Table], pa.Table], key: st
 @ray.remote
 def _key_rows(keys: Callable[[pa.Table], pa.Table], index: int, block) -> pa.Table:
     table = _arrow(block)
+    if not table.num_columns:  # an empty block may have no columns: it has no keys either
+        return pa.table({})
     rows = pa.array((np.int64(index) << np.int64(32)) + np.arange(len(table), dtype=np.int64))
     return keys(table.append_column(ROW, rows))
 
 
+# a routing piece is at least this large (when there are enough decisions): over Ray's 100 KB inline limit, so the
+# pieces live in the object store, not in the driver's memory
+ROUTE_PIECE_BYTES = 256 << 10
+
+
 def apply_to_blocks(blocks: list, decisions: ray.data.Dataset, apply_fn: Callable[[pa.Table, pa.Table], pa.Table]
                     ) -> ray.data.Dataset:
-    """Each block with its decisions applied (`apply_fn(block, decisions)`, `_row` there the row's index)."""
+    """Each block with its decisions applied (`apply_fn(block, decisions)`, `_row` there the row's index).
+
+    The decisions are cut by runs of consecutive blocks, as many blocks to a run as keep a piece over
+    ROUTE_PIECE_BYTES; each block's task reads its run's pieces and keeps its own rows."""
     sizes, refs = [], []
     for bundle in decisions.iter_internal_ref_bundles():
         for ref, meta in zip(bundle.block_refs, bundle.metadata):
             refs.append(ref)
             sizes.append(meta.size_bytes or 0)
     apply_ref = ray.put(apply_fn)
-    # decisions are a few numbers per changed document: few map tasks, each cutting one piece per block
+    # decisions are a few numbers per changed document: few map tasks
     groups, group, size = [], [], 0
     for i, n in enumerate(sizes):
         group.append(i)
@@ -71,38 +81,44 @@ def apply_to_blocks(blocks: list, decisions: ray.data.Dataset, apply_fn: Callabl
             group, size = [], 0
     if group:
         groups.append(group)
-    plan = ExchangePlan(len(blocks), tuple(tuple(g) for g in groups), sum(sizes))
+    total = sum(sizes)
+    runs = max(1, min(len(blocks), total // (max(1, len(groups)) * ROUTE_PIECE_BYTES)))
+    per_run = -(-len(blocks) // runs)
+    plan = ExchangePlan(-(-len(blocks) // per_run), tuple(tuple(g) for g in groups), total)
     LEDGER.add(plan)
-    cuts = [_route.options(num_returns=plan.parts + 1).remote(plan.parts, *[refs[i] for i in g])
+    cuts = [_route.options(num_returns=plan.parts + 1).remote(plan.parts, per_run, *[refs[i] for i in g])
             for g in plan.map_groups]
-    if plan.parts == 1:  # a single block: the cut's one piece is its decisions
-        return ray.data.from_arrow_refs([_apply_block.remote(apply_ref, blocks[0], *[c[0] for c in cuts])])
-    return ray.data.from_arrow_refs([_apply_block.remote(apply_ref, block, *[cut[i] for cut in cuts])
+    return ray.data.from_arrow_refs([_apply_block.remote(apply_ref, i, block, *[cut[i // per_run] for cut in cuts])
                                      for i, block in enumerate(blocks)])
 
 
 @ray.remote
-def _route(blocks: int, *tables) -> tuple:
-    """Decision tables -> their rows for block 0, 1, …, blocks-1, then the count for each (as exchange's cut)."""
+def _route(runs: int, per_run: int, *tables) -> tuple:
+    """Decision tables -> their rows for the blocks of run 0, 1, …, runs-1 (`per_run` consecutive blocks each),
+    then the count for each (as exchange's cut)."""
     tables = [t for t in map(_arrow, tables) if len(t)]
     if not tables:
-        return (*[pa.table({ROW: pa.array([], pa.int64())})] * blocks, np.zeros(blocks, np.int64))
+        return (*[pa.table({ROW: pa.array([], pa.int64())})] * runs, np.zeros(runs, np.int64))
     table = pa.concat_tables(tables, promote_options="permissive")
-    rows = table[ROW].to_numpy()
-    block = (rows >> np.int64(32)).astype(np.int64)
-    sizes = np.bincount(block, minlength=blocks)
-    order = np.argsort(block, kind="stable")
-    table = table.take(pa.array(order)).set_column(table.schema.get_field_index(ROW), ROW,
-                                                    pa.array(rows[order] & _LOW))
+    run = (table[ROW].to_numpy() >> np.int64(32)) // per_run
+    sizes = np.bincount(run, minlength=runs)
+    table = table.take(pa.array(np.argsort(run, kind="stable")))
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    return (*[table.slice(starts[i], sizes[i]) for i in range(blocks)], sizes)
+    return (*[table.slice(starts[i], sizes[i]) for i in range(runs)], sizes)
 
 
 @ray.remote
-def _apply_block(apply_fn: Callable[[pa.Table, pa.Table], pa.Table], block, *pieces) -> pa.Table:
+def _apply_block(apply_fn: Callable[[pa.Table, pa.Table], pa.Table], index: int, block, *pieces) -> pa.Table:
     pieces = [p for p in map(_arrow, pieces) if len(p)]
-    decisions = (pa.concat_tables(pieces, promote_options="permissive") if len(pieces) > 1 else pieces[0]) \
-        if pieces else None
+    decisions = None
+    if pieces:
+        table = pa.concat_tables(pieces, promote_options="permissive") if len(pieces) > 1 else pieces[0]
+        rows = table[ROW].to_numpy()
+        mine = (rows >> np.int64(32)) == index
+        if mine.any():
+            decisions = table.filter(pa.array(mine))
+            decisions = decisions.set_column(decisions.schema.get_field_index(ROW), ROW,
+                                             pa.array(rows[mine] & _LOW))
     return apply_fn(_arrow(block), decisions)
 
 

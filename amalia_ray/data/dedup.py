@@ -21,13 +21,13 @@ from ray.data.expressions import col
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.data.components import LOCAL_EDGES, connected_components
 from amalia_ray.data.decide import ROW, decide, set_columns
-from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, exact_jaccard
+from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, SignatureSets, pair_jaccard
 from amalia_ray.data.partitions import configure_data_context, exchange, map_blocks, to_arrow, write_shards
 
 CLUSTER_SCHEMA = pa.schema([("id", pa.string()), ("cluster_id", pa.string()), ("cluster_size", pa.int64())])
 EDGES = pa.schema([("src", pa.string()), ("dst", pa.string())])
 # rows of the verification shuffle: a document's shingles, or one side of a candidate pair (side 0 = src, 1 = dst)
-VERIFY = pa.schema([("id", pa.string()), ("shingles", pa.large_list(pa.uint64())),
+VERIFY = pa.schema([("id", pa.string()), ("values", pa.large_list(pa.uint64())),
                     ("src", pa.string()), ("dst", pa.string()), ("side", pa.int8())])
 # lookup tables up to this many rows are sent to every task instead of being joined by a shuffle
 BROADCAST_ROWS = 5_000_000
@@ -62,11 +62,12 @@ def _as_string_id(batch: pa.Table) -> pa.Table:
 
 
 def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, threshold: float | None,
-                            broadcast_rows: int = BROADCAST_ROWS, local_edges: int = LOCAL_EDGES
-                            ) -> tuple[ray.data.Dataset, dict]:
+                            broadcast_rows: int = BROADCAST_ROWS, local_edges: int = LOCAL_EDGES,
+                            similarity: str = "estimated") -> tuple[ray.data.Dataset, dict]:
     """`docs` (id, text, …) -> dataset of (id, cluster_id, cluster_size) for every document that has a near
-    duplicate, and stats. Candidate pairs are kept when their exact shingle Jaccard is >= threshold (None: all).
-    Duplicate graphs of more than `local_edges` edges are split into components on many tasks."""
+    duplicate, and stats. Candidate pairs are kept when their Jaccard is >= threshold (None: all), estimated from
+    their signatures or exact over their shingle sets (`similarity`). Duplicate graphs of more than `local_edges`
+    edges are split into components on many tasks."""
 
     band_keys = BandKeys(params)
 
@@ -82,7 +83,7 @@ def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, thres
         # a pair found in several bands comes once per band here; verification keeps each pair once
         candidates = star_edges.materialize()
         stats = {"candidate_edges": candidates.count()}
-        edges = (_verified(candidates, docs, params, threshold, broadcast_rows).materialize()
+        edges = (_verified(candidates, docs, params, threshold, broadcast_rows, similarity).materialize()
                  if stats["candidate_edges"] else candidates)
     else:
         # one more keyed shuffle (by src) keeps each pair once
@@ -113,10 +114,11 @@ def _unique_edges(group: pa.Table) -> pa.Table:
 
 
 def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinHashParams, threshold: float,
-              broadcast_rows: int) -> ray.data.Dataset:
-    """Candidate pairs whose exact shingle-set Jaccard is >= threshold. Shuffle 1 brings each side of a pair to the
-    part of its document and attaches that document's shingles; shuffle 2 brings both sides together by pair.
-    When the candidates' ids are few enough to send to every task, only those documents are shingled and shuffled."""
+              broadcast_rows: int, similarity: str) -> ray.data.Dataset:
+    """Candidate pairs whose Jaccard is >= threshold. Shuffle 1 brings each side of a pair to the part of its
+    document and attaches that document's values (its signature, num_perm numbers, or its shingle hashes for
+    `exact`); shuffle 2 brings both sides together by pair. When the candidates' ids are few enough to send to every
+    task, only those documents are hashed and shuffled."""
     wanted = None
     if 2 * candidates.count() <= broadcast_rows:  # their ids (not the pairs) are few enough to go to every task
 
@@ -125,42 +127,42 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
             return pa.table({"id": pc.unique(ids)})
 
         wanted = pc.unique(_collect(map_blocks(candidates, endpoints))["id"].combine_chunks())
-    shingle_sets = ShingleSets(params)
+    values_of = ShingleSets(params) if similarity == "exact" else SignatureSets(params)
 
     def doc_rows(batch: pa.Table) -> pa.Table:
         if wanted is not None:
             batch = batch.filter(pc.is_in(batch["id"], value_set=wanted))
-        batch = shingle_sets(batch)
+        batch = values_of(batch)
         n = len(batch)
-        return pa.table({"id": batch["id"], "shingles": batch["shingles"], "src": pa.nulls(n, pa.string()),
+        return pa.table({"id": batch["id"], "values": batch["values"], "src": pa.nulls(n, pa.string()),
                          "dst": pa.nulls(n, pa.string()), "side": pa.nulls(n, pa.int8())}, schema=VERIFY)
 
     def side_rows(batch: pa.Table) -> pa.Table:
         n = len(batch)
         sides = []
         for side, key in ((0, "src"), (1, "dst")):
-            sides.append(pa.table({"id": batch[key], "shingles": pa.nulls(n, VERIFY.field("shingles").type),
+            sides.append(pa.table({"id": batch[key], "values": pa.nulls(n, VERIFY.field("values").type),
                                    "src": batch["src"], "dst": batch["dst"], "side": pa.array([side] * n, pa.int8())},
                                   schema=VERIFY))
         return pa.concat_tables(sides)
 
-    def attach_shingles(group: pa.Table) -> pa.Table:
+    def attach_values(group: pa.Table) -> pa.Table:
         is_side = pc.is_valid(group["side"])
         docs, sides = group.filter(pc.invert(is_side)), group.filter(is_side)
         sides = pl.from_arrow(sides).unique(["src", "dst", "side"]).sort("src", "dst", "side").to_arrow().cast(VERIFY)
         found = pc.index_in(sides["id"], value_set=docs["id"])
-        return sides.set_column(sides.schema.get_field_index("shingles"), "shingles", docs["shingles"].take(found))
+        return sides.set_column(sides.schema.get_field_index("values"), "values", docs["values"].take(found))
 
     attached = exchange([map_blocks(docs, doc_rows, HASH_BATCH_ROWS), map_blocks(candidates, side_rows)], "id",
-                        attach_shingles)
+                        attach_values)
 
     def keep_similar(group: pa.Table) -> pa.Table:
-        df = pl.from_arrow(group.select(["src", "dst", "side", "shingles"]))
+        df = pl.from_arrow(group.select(["src", "dst", "side", "values"]))
         pairs = (df.filter(pl.col("side") == 0).join(df.filter(pl.col("side") == 1), on=["src", "dst"])
                  .sort("src", "dst"))
         if not len(pairs):
             return EDGES.empty_table()
-        similar = exact_jaccard(pairs["shingles"].to_arrow(), pairs["shingles_right"].to_arrow()) >= threshold
+        similar = pair_jaccard(pairs["values"].to_arrow(), pairs["values_right"].to_arrow(), similarity) >= threshold
         return to_arrow(pairs.filter(pl.Series(similar)).select("src", "dst"), EDGES)
 
     return exchange(attached, "src", keep_similar)
@@ -264,13 +266,13 @@ def _write_sorted_clusters(joined: ray.data.Dataset, path: Path) -> None:
 
 
 def dedup(input_path: Path, output: Path, params: MinHashParams, threshold: float | None,
-          broadcast_rows: int = BROADCAST_ROWS) -> dict:
+          broadcast_rows: int = BROADCAST_ROWS, similarity: str = "estimated") -> dict:
     """The `amalia data dedup` contract: OUTPUT/kept/*.parquet (kept documents, all columns + cluster_size) and
     OUTPUT/clusters.parquet (id, cluster_id, cluster_size for every input document)."""
     configure_data_context()
     docs = read_documents(input_path).map_batches(_as_string_id, batch_format="pyarrow").materialize()
     n_docs = docs.count()
-    clusters, stats = near_duplicate_clusters(docs, params, threshold, broadcast_rows)
+    clusters, stats = near_duplicate_clusters(docs, params, threshold, broadcast_rows, similarity=similarity)
     joined = with_clusters(docs, clusters.materialize(), broadcast_rows).materialize()
     output.mkdir(parents=True, exist_ok=True)
     _write_sorted_clusters(joined, output / "clusters.parquet")
@@ -278,4 +280,5 @@ def dedup(input_path: Path, output: Path, params: MinHashParams, threshold: floa
     write_shards(kept, output / "kept")
     n_kept = sum(pq.ParquetFile(p).metadata.num_rows for p in (output / "kept").rglob("*.parquet"))
     return {"documents": n_docs, **stats, "kept": n_kept, "removed": n_docs - n_kept, "num_perm": params.num_perm,
-            "bands": params.bands, "rows": params.rows, "ngram": params.ngram, "threshold": threshold}
+            "bands": params.bands, "rows": params.rows, "ngram": params.ngram, "threshold": threshold,
+            **({"similarity": similarity} if threshold else {})}

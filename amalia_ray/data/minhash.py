@@ -177,18 +177,44 @@ def band_keys(sigs: np.ndarray, params: MinHashParams) -> np.ndarray:
 
 
 class ShingleSets:
-    """Arrow batch with `id`, `text` -> `id`, `shingles` (large_list<uint64>, for exact Jaccard)."""
+    """Arrow batch with `id`, `text` -> `id`, `values` (the shingle hashes as large_list<uint64>, for exact
+    Jaccard)."""
 
     def __init__(self, params: MinHashParams):
         self.params = params
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         texts = batch["text"].combine_chunks() if len(batch) else pa.array([], pa.string())
-        return pa.table({"id": batch["id"], "shingles": shingles(texts, self.params).to_arrow()})
+        return pa.table({"id": batch["id"], "values": shingles(texts, self.params).to_arrow()})
 
 
 def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> float:
     return float(np.mean(sig_a == sig_b))
+
+
+class SignatureSets:
+    """Arrow batch with `id`, `text` -> `id`, `values` (the MinHash signature as large_list<uint64>): what an
+    estimated-Jaccard check needs of a document, `num_perm` numbers whatever its length."""
+
+    def __init__(self, params: MinHashParams):
+        self.params = params
+        self.a, self.b = params.coefficients()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        sh = shingles(batch["text"].combine_chunks() if len(batch) else pa.array([], pa.string()), self.params)
+        sigs = signatures(sh, self.a, self.b).astype(np.uint64)
+        offsets = pa.array(np.arange(0, sigs.size + 1, max(1, sigs.shape[1]), dtype=np.int64)[:len(sigs) + 1])
+        return pa.table({"id": batch["id"], "values": pa.LargeListArray.from_arrays(offsets, pa.array(sigs.ravel()))})
+
+
+def pair_jaccard(a: pa.Array, b: pa.Array, similarity: str) -> np.ndarray:
+    """Row-wise Jaccard of two list<uint64> columns: `exact` over the shingle sets, `estimated` as the share of equal
+    positions of two signatures."""
+    if similarity == "exact":
+        return exact_jaccard(a, b)
+    left = np.asarray(pa.array(a).flatten().to_numpy(zero_copy_only=False)).reshape(len(a), -1)
+    right = np.asarray(pa.array(b).flatten().to_numpy(zero_copy_only=False)).reshape(len(b), -1)
+    return (left == right).mean(axis=1) if left.size else np.ones(len(a))
 
 
 def exact_jaccard(a: pa.Array, b: pa.Array) -> np.ndarray:

@@ -149,7 +149,8 @@ MIN_PART_BYTES = 8 << 20
 BASE_PART_BYTES = 128 << 20
 MIN_MAP_BYTES = 64 << 20
 MAX_MAP_BYTES = 2 << 30
-# a part this large gets its memory reserved from Ray's scheduler (3x: its pieces, their concatenation, fn's output)
+# a part (or a map task's input) this large gets its memory reserved from Ray's scheduler (3x: its pieces or
+# blocks, their concatenation, the output)
 RESERVE_OVER_BYTES = 256 << 20
 
 
@@ -168,24 +169,22 @@ class ExchangePlan:
         return (len(self.map_groups) * (self.parts + 1) if self.parts > 1 else 0) + self.parts
 
 
-@dataclass
 class ExchangeLedger:
-    """What this process's exchanges moved: the data stage reports the difference over its run."""
+    """What this process's exchanges moved, one entry per exchange: the data stage reports those of its run."""
 
-    exchanges: int = 0
-    bytes: int = 0
-    objects: int = 0
-    largest_part_bytes: int = 0
+    def __init__(self):
+        self.entries: list[tuple[int, int, int]] = []  # bytes, objects, bytes of the largest part
 
     def add(self, plan: ExchangePlan) -> None:
-        self.exchanges += 1
-        self.bytes += plan.total_bytes
-        self.objects += plan.objects
-        self.largest_part_bytes = max(self.largest_part_bytes, plan.total_bytes // plan.parts)
+        self.entries.append((plan.total_bytes, plan.objects, plan.total_bytes // max(1, plan.parts)))
 
-    def since(self, before: ExchangeLedger) -> dict:
-        return {"exchanges": self.exchanges - before.exchanges, "bytes": self.bytes - before.bytes,
-                "objects": self.objects - before.objects, "largest_part_bytes": self.largest_part_bytes}
+    def mark(self) -> int:
+        return len(self.entries)
+
+    def since(self, mark: int) -> dict:
+        entries = self.entries[mark:]
+        return {"exchanges": len(entries), "bytes": sum(e[0] for e in entries),
+                "objects": sum(e[1] for e in entries), "largest_part_bytes": max((e[2] for e in entries), default=0)}
 
 
 LEDGER = ExchangeLedger()
@@ -232,8 +231,8 @@ def exchange(ds: ray.data.Dataset | list[ray.data.Dataset], key: str, fn: Callab
     fn_ref = ray.put(fn)  # serialized once, not once per task
     if plan.parts == 1:  # nothing to cut: one task sees every row
         return ray.data.from_arrow_refs([_reserved(_apply, plan.total_bytes).remote(fn_ref, *blocks)])
-    cuts = [_cut.options(num_returns=plan.parts + 1).remote(key, plan.parts, *[blocks[i] for i in group])
-            for group in plan.map_groups]
+    cuts = [_reserved(_cut, sum(sizes[i] for i in group), num_returns=plan.parts + 1).remote(
+        key, plan.parts, *[blocks[i] for i in group]) for group in plan.map_groups]
     counts = np.sum(ray.get([cut[-1] for cut in cuts]), axis=0)
     part_bytes = plan.total_bytes // plan.parts
     results = [_reserved(_apply, part_bytes).remote(fn_ref, *[cut[part] for cut in cuts])
@@ -243,8 +242,10 @@ def exchange(ds: ray.data.Dataset | list[ray.data.Dataset], key: str, fn: Callab
     return ray.data.from_arrow_refs(results)
 
 
-def _reserved(task, nbytes: int):
-    return task.options(memory=3 * nbytes) if nbytes > RESERVE_OVER_BYTES else task
+def _reserved(task, nbytes: int, **options):
+    if nbytes > RESERVE_OVER_BYTES:
+        options["memory"] = 3 * nbytes
+    return task.options(**options) if options else task
 
 
 @ray.remote
@@ -266,7 +267,8 @@ def _cut(key: str, partitions: int, *blocks) -> tuple:
 def _apply(fn: Callable[[pa.Table], pa.Table], *pieces) -> pa.Table:
     pieces = [p if isinstance(p, pa.Table) else BlockAccessor.for_block(p).to_arrow() for p in pieces]
     filled = [piece for piece in pieces if len(piece)] or list(pieces[:1])
-    return fn(pa.concat_tables(filled, promote_options="permissive") if len(filled) > 1 else filled[0])
+    table = pa.concat_tables(filled, promote_options="permissive") if len(filled) > 1 else filled[0]
+    return fn(table) if table.num_columns else table  # no columns: empty blocks only, nothing for fn to see
 
 
 def count_by(ds: ray.data.Dataset, columns: list[str]) -> list[dict]:

@@ -51,12 +51,14 @@ class Quarantine(Exception):
         self.reason, self.detail = reason, detail
 
 
-def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
+def expand_paths(source: SourceConfig, resolve, field: str, remote: bool = True) -> list[str]:
     """Every file a source names, in sorted order, each once (patterns may overlap); a path or glob that matches
-    nothing is an error naming it."""
+    nothing is an error naming it. `remote=False`: the local paths only."""
     files: list[str] = []
     for i, pattern in enumerate(source.paths):
         if is_uri(pattern):
+            if not remote:
+                continue
             matches = [uri for uri, _ in list_remote(pattern, source.storage_options, f"{field}.paths[{i}]")]
             if not matches:
                 raise AmaliaError(f"corpus path not found: {field}.paths[{i}] = '{pattern}' matches no object")
@@ -98,7 +100,8 @@ def _glob_regex(pattern: str) -> re.Pattern:
             i += 1
         elif pattern[i] == "[" and "]" in pattern[i + 1:]:
             end = pattern.index("]", i + 1)
-            out.append("[" + pattern[i + 1:end].replace("!", "^", 1) + "]")
+            inner = pattern[i + 1:end]
+            out.append("[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]")
             i = end + 1
         else:
             out.append(re.escape(pattern[i]))
@@ -111,32 +114,38 @@ def list_remote(pattern: str, options: dict, field: str) -> list[tuple[str, obje
     folder before the first wildcard (recursive only when the pattern crosses folders)."""
     from pyarrow import fs as pafs
 
-    scheme = pattern.split("://", 1)[0]
     try:
         filesystem, path = open_filesystem(pattern, options)
+        # what comes before the path inside the filesystem (s3://, hdfs://namenode:8020, abfs://container@account…)
+        at = pattern.rfind(path.rstrip("/"))
+        prefix = pattern[:at] if at > 0 else pattern.split("://", 1)[0] + "://"
         wildcard = _GLOB.search(path)
         if wildcard is None:
             info = filesystem.get_file_info(path)
             if info.type == pafs.FileType.File:
-                return [(f"{scheme}://{path}", info)]
+                return [(prefix + path, info)]
             if info.type != pafs.FileType.Directory:
                 return []
-            base, matcher = path, None
+            base, matcher = path, None  # a folder: every object below it
         else:
             base = posixpath.dirname(path[:wildcard.start()] + "x")
+            if not base.strip("/") or "/" not in path.lstrip("/"):
+                raise AmaliaError(f"{field} = '{pattern}': a wildcard in the bucket or container name would list "
+                                  "the whole account; name the bucket")
             matcher = _glob_regex(path)
         recursive = matcher is None or "/" in path[wildcard.start():] or "**" in path
         infos = filesystem.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # re.error is a ValueError too: a malformed [...] class
         raise AmaliaError(f"{field} = '{pattern}': cannot list it: {type(e).__name__}: {e}") from None
-    found = [(f"{scheme}://{i.path}", i) for i in infos
+    found = [(prefix + i.path, i) for i in infos
              if i.type == pafs.FileType.File and (matcher is None or matcher.match(i.path))]
     return sorted(found, key=lambda item: item[0])
 
 
 def remote_fingerprint(patterns: list[str], options: dict, field: str) -> list[str]:
     """What identifies a source's remote objects without reading them: URI, size and modification time of each
-    (from the one listing `expand_paths` also does); a stage over them reruns when one changes."""
+    (from a listing like `expand_paths`'s); a stage over them reruns when one changes. A filesystem that gives no
+    modification time leaves the size alone to tell a change."""
     return [f"{uri} {info.size} {info.mtime_ns}" for i, p in enumerate(patterns) if is_uri(p)
             for uri, info in list_remote(p, options, f"{field}.paths[{i}]")]
 
@@ -192,18 +201,60 @@ class _ZstdStream(io.RawIOBase):
         super().close()
 
 
+class StorageReadError(Exception):
+    """Reading an object from storage failed (the network, permissions, an object gone since it was listed): not
+    the input's fault, so the read task fails with it instead of quarantining the rest of the file (deliberately
+    not an OSError, which the readers take for a broken file)."""
+
+
+class _RemoteStream(io.RawIOBase):
+    """An object's bytes from its filesystem, storage errors raised as StorageReadError."""
+
+    def __init__(self, uri: str, options: dict | None):
+        self._uri = uri
+        try:
+            filesystem, inner = open_filesystem(uri, options)
+            self._native = filesystem.open_input_stream(inner, compression=None)
+        except OSError as e:
+            raise StorageReadError(f"{uri}: {e}") from e
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            return self._native.readinto(buffer)
+        except OSError as e:
+            raise StorageReadError(f"{self._uri}: {e}") from e
+
+    def close(self) -> None:
+        self._native.close()
+        super().close()
+
+
+class _ClosingGzip(gzip.GzipFile):
+    """A GzipFile over a stream it opened: closing it closes the stream too (GzipFile leaves a given one open)."""
+
+    def close(self) -> None:
+        stream = self.fileobj
+        try:
+            super().close()
+        finally:
+            if stream is not None:
+                stream.close()
+
+
 def open_raw(path: str, options: dict | None = None):
     """A local file or a URI's object as a binary stream (the object is streamed, never fetched whole)."""
     if not is_uri(path):
         return open(path, "rb")
-    filesystem, inner = open_filesystem(path, options)
-    return io.BufferedReader(filesystem.open_input_stream(inner, compression=None), buffer_size=_CHUNK)
+    return io.BufferedReader(_RemoteStream(path, options), buffer_size=_CHUNK)
 
 
 def open_binary(path: str, options: dict | None = None) -> io.BufferedIOBase:
     """A file, transparently decompressed when it ends in .gz or .zst."""
     if path.endswith(".gz"):
-        return gzip.GzipFile(fileobj=open_raw(path, options), mode="rb")
+        return _ClosingGzip(fileobj=open_raw(path, options), mode="rb")
     if path.endswith(".zst"):
         return io.BufferedReader(_ZstdStream(open_raw(path, options)), buffer_size=_CHUNK)
     return open_raw(path, options)
@@ -338,15 +389,21 @@ def read_parquet(path: str, src: SourceConfig) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     offset = 0
-    if is_uri(path):  # Parquet reads its footer first: a random-access file, not a stream
-        filesystem, inner = open_filesystem(path, src.storage_options)
-        source = filesystem.open_input_file(inner)
-    else:
-        source = path
-    for batch in pq.ParquetFile(source).iter_batches(batch_size=4096):
-        for n, row in enumerate(batch.to_pylist(), start=offset):
-            yield from _from_mapping(row, src, f"row {n}")
-        offset += batch.num_rows
+    if not is_uri(path):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+            for n, row in enumerate(batch.to_pylist(), start=offset):
+                yield from _from_mapping(row, src, f"row {n}")
+            offset += batch.num_rows
+        return
+    filesystem, inner = open_filesystem(path, src.storage_options)
+    try:  # Parquet reads its footer first: a random-access file, not a stream
+        with filesystem.open_input_file(inner) as source:
+            for batch in pq.ParquetFile(source).iter_batches(batch_size=4096):
+                for n, row in enumerate(batch.to_pylist(), start=offset):
+                    yield from _from_mapping(row, src, f"row {n}")
+                offset += batch.num_rows
+    except OSError as e:  # a broken file raises ArrowInvalid (a ValueError); an OSError here is the storage's
+        raise StorageReadError(f"{path}: {e}") from e
 
 
 def _from_mapping(row, src: SourceConfig, where: str) -> Iterator[Record]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,7 +26,7 @@ from amalia_ray.data.decide import ROW, decide, set_columns
 from amalia_ray.data.partitions import LEDGER, configure_data_context, count_by, write_ordered_shards, write_shards
 from amalia_ray.data.quality import HeuristicScore, quality_steps
 from amalia_ray.data.quality_model import QualityModelScore
-from amalia_ray.data.readers import expand_paths, is_uri, read_sources, remote_fingerprint
+from amalia_ray.data.readers import expand_paths, read_sources, remote_fingerprint
 from amalia_ray.data.steps import (
     ExactKeys,
     MinLength,
@@ -48,7 +47,7 @@ def input_files(cfg: DataConfig, resolve) -> list[str]:
 def input_fingerprints(cfg: DataConfig, resolve) -> tuple[list[str], list[str]]:
     """(the local corpus files, whose content the pipeline hashes; a line per object on remote storage: URI, size
     and modification time from its listing, read by nobody before the stage runs)."""
-    local = [f for f in input_files(cfg, resolve) if not is_uri(f)]
+    local = [f for i, s in enumerate(cfg.sources) for f in expand_paths(s, resolve, f"data.sources[{i}]", remote=False)]
     remote = [line for i, s in enumerate(cfg.sources)
               for line in remote_fingerprint(s.paths, s.storage_options, f"data.sources[{i}]")]
     return local, remote
@@ -61,7 +60,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     records also to `out_dir/quarantine` with their location, near duplicates to `out_dir/near_duplicates` with
     the id of the document kept for them. `benchmark_items`: task -> [(item id, item text)] for decontamination."""
     configure_data_context()
-    moved = dataclasses.replace(LEDGER)
+    moved = LEDGER.mark()
     tmp = fresh_dir(out_dir)
     docs = (
         read_sources(cfg.sources, resolve)
@@ -192,7 +191,7 @@ def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, removed_dir: Path)
     `cluster_size` for rehydration; the others are written to `removed_dir` with the id of the document kept for
     them (`cluster_id`)."""
     params = MinHashParams(ngram=cfg.ngram, num_perm=cfg.num_perm, bands=cfg.bands, seed=cfg.seed)
-    clusters, _ = near_duplicate_clusters(kept, params, cfg.threshold or None)
+    clusters, _ = near_duplicate_clusters(kept, params, cfg.threshold or None, similarity=cfg.similarity)
     joined = with_clusters(kept, clusters.materialize()).materialize()
     if cfg.keep != "smallest_id":  # clusters are labelled by their smallest id; another member may be the best
         def cluster_keys(batch: pa.Table) -> pa.Table:

@@ -142,9 +142,9 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
     r, d = p.recipe, p.stage_dir
     cpus = {"CPU": p.cluster_info["resources"].get("CPU", 0)}
     cluster_cpus = {"CPU": p.cluster_info["billable_cpus"]}  # Ray Data spreads over the whole cluster
-    local_files, remote_objects = data_stage.input_fingerprints(r.data, p.loaded.resolve)
-    files = {f"corpus:{f}": Path(f) for f in local_files}
     if "data" in names:
+        local_files, remote_objects = data_stage.input_fingerprints(r.data, p.loaded.resolve)
+        files = {f"corpus:{f}": Path(f) for f in local_files}
         benchmarks = decontamination_tasks(r)
         yield StageSpec("data", [r.data, *([[t.model_dump() for t in benchmarks]] if benchmarks else []),
                                  *([remote_objects] if remote_objects else [])],
