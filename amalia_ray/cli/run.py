@@ -95,7 +95,7 @@ def data_dedup(
         raise AmaliaError(str(e)) from None
     if not input.exists():
         raise AmaliaError(f"dedup input not found: {input}")
-    with ray_session():
+    with ray_session(dashboard=False):
         stats = dedup(input, output, params, threshold or None, similarity=similarity)
     console.print_json(json.dumps(stats))
 

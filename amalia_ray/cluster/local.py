@@ -22,9 +22,11 @@ def embedded_num_cpus(requested: int | None, needed: int = 0) -> int:
 
 @contextmanager
 def ray_session(address: str | None = None, num_cpus: int | None = None, needed_cpus: int = 0,
-                logs_link: Path | None = None):
+                logs_link: Path | None = None, dashboard: bool = True):
     """Yields a description of the cluster. Reuses a Ray already initialized in this process (tests, jobs). An
-    embedded Ray's own log folder (raylet, GCS, every worker's and vLLM replica's output) is linked at `logs_link`."""
+    embedded Ray's own log folder (raylet, GCS, every worker's and vLLM replica's output) is linked at `logs_link`.
+    `dashboard=False`: an embedded Ray without the dashboard and its job API (a second less to start), for a
+    command that submits no jobs."""
     import ray
 
     if ray.is_initialized():
@@ -38,7 +40,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
         # Ray 2.60 turns token auth on when ~/.ray/auth_token exists; a private local cluster needs none.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # the dashboard (and its job API) answers on loopback only: it runs whatever is submitted to it
-        ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=True,
+        ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=dashboard,
                  dashboard_host="127.0.0.1", log_to_driver=True)
         mode = "embedded local Ray"
         if logs_link:
