@@ -35,13 +35,13 @@ def test_pieces_stay_over_a_megabyte_and_objects_grow_with_bytes_not_blocks(tota
 
 
 def test_exchange_gives_each_part_all_rows_of_its_keys(ray_cluster):
-    from amalia_ray.data.partitions import exchange, plan_exchange
+    from amalia_ray.data.partitions import ExchangePlan, exchange
 
     rows = [pa.table({"k": [f"key{(i * 7919) % 50}" for i in range(j * 40, j * 40 + 40)],
                       "v": list(range(j * 40, j * 40 + 40))}) for j in range(12)]
     ds = ray_cluster.data.from_arrow(rows)
     # three map tasks of four blocks, five parts
-    plan = plan_exchange([1] * 12, cpus=1).__class__(5, ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)), 12)
+    plan = ExchangePlan(5, ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)), 12)
     groups = exchange(ds, "k", lambda g: pa.table({"keys": [sorted(set(g["k"].to_pylist()))],
                                                     "v": [g["v"].to_pylist()]}), plan=plan).take_all()
     assert 1 < len(groups) <= 5
@@ -50,6 +50,38 @@ def test_exchange_gives_each_part_all_rows_of_its_keys(ray_cluster):
     assert sorted(v for g in groups for v in g["v"]) == list(range(480))
     for g in groups:
         assert list(g["v"]) == sorted(g["v"]), "rows of a part come in block order"
+
+
+@pytest.mark.parametrize("piece_bytes", [256 << 10, 1, 1500], ids=["one-run", "a-run-per-block", "runs-of-blocks"])
+def test_decisions_reach_the_rows_they_were_taken_for(ray_cluster, monkeypatch, piece_bytes):
+    """Decisions taken on key rows in parts come back to their own block and row, whether the routing cuts them by
+    one run of all blocks, a run per block or runs of a few blocks; rows without a decision keep their value."""
+    from amalia_ray.data import decide
+
+    monkeypatch.setattr(decide, "ROUTE_PIECE_BYTES", piece_bytes)
+    blocks = [pa.table({"id": [f"d{j}-{i}" for i in range(30)], "group": [f"g{(j * 30 + i) % 7}" for i in range(30)],
+                        "label": pa.nulls(30, pa.string())}) for j in range(9)]
+
+    def keys(batch):
+        return batch.select(["id", "group", decide.ROW])
+
+    def smallest_of_group(group):  # every member but the group's smallest id is labelled with that id
+        rows = group.sort_by([("group", "ascending"), ("id", "ascending")])
+        ids, groups = rows["id"].to_pylist(), rows["group"].to_pylist()
+        first = {}
+        for i, g in zip(ids, groups):
+            first.setdefault(g, i)
+        keep = [i != first[g] for i, g in zip(ids, groups)]
+        return pa.table({decide.ROW: rows[decide.ROW].filter(pa.array(keep)),
+                         "label": pa.array([first[g] for g, k in zip(groups, keep) if k], pa.string())})
+
+    out = decide.decide(ray_cluster.data.from_arrow(blocks).materialize(), keys, "group", smallest_of_group,
+                        decide.set_columns).take_all()
+    assert [r["id"] for r in out] == [f"d{j}-{i}" for j in range(9) for i in range(30)], "rows stay in block order"
+    smallest = {}
+    for r in out:
+        smallest[r["group"]] = min(smallest.get(r["group"], r["id"]), r["id"])
+    assert all(r["label"] == (None if r["id"] == smallest[r["group"]] else smallest[r["group"]]) for r in out)
 
 
 def test_report_counts_sum_per_block_group_bys(ray_cluster):

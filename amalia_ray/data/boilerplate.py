@@ -51,7 +51,7 @@ def boilerplate_lines(pages: ray.data.Dataset, min_pages: int, min_share: float)
 
     site_pages = count_by(pages.filter(expr=col("drop_reason").is_null()).map_batches(
         lambda b: pa.table({"site": pa.array([site_of(u) for u in b["url_key"].to_pylist()], pa.string())}),
-        batch_format="pyarrow").materialize(), ["site"])
+        batch_format="pyarrow"), ["site"])
     if not site_pages:
         return np.empty(0, np.uint64)
     totals = {row["site"]: row["count"] for row in site_pages}

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from amalia_ray.data.partitions import exchange, map_blocks, to_arrow
+from amalia_ray.data.partitions import as_table, block_refs, exchange, map_blocks, to_arrow
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,7 @@ def connected_components(edges: ray.data.Dataset, local_edges: int = LOCAL_EDGES
     """Edges (`src`, `dst`) -> (dataset of `node`, `label` for every node on an edge, rounds of the distributed
     contraction; 0 when solved in one task)."""
     if edges.count() <= local_edges:
-        refs = [ref for bundle in edges.iter_internal_ref_bundles() for ref in bundle.block_refs]
-        return ray.data.from_arrow_refs([_local_components.remote(*refs)]), 0
+        return ray.data.from_arrow_refs([_local_components.remote(*[ref for ref, _ in block_refs(edges)])]), 0
     return _star_contraction(edges)
 
 
@@ -43,9 +42,10 @@ def _local_components(*blocks: pa.Table) -> pa.Table:
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components as scipy_components
 
-    edges = pa.concat_tables([b.select(["src", "dst"]) for b in blocks]) if blocks else None
-    if edges is None or not len(edges):
+    tables = [t.select(["src", "dst"]) for t in map(as_table, blocks) if len(t)]
+    if not tables:
         return LABELS.empty_table()
+    edges = pa.concat_tables(tables)
     ends = pa.concat_arrays([edges[c].cast(pa.large_string()).combine_chunks() for c in ("src", "dst")])
     encoded = pc.dictionary_encode(ends)
     nodes, codes = encoded.dictionary, encoded.indices.to_numpy(zero_copy_only=False)
@@ -63,8 +63,8 @@ def _star_contraction(edges: ray.data.Dataset) -> tuple[ray.data.Dataset, int]:
         rounds += 1
         arcs = map_blocks(exchange(arcs, "u", _large_star), _both_directions)
         arcs = exchange(arcs, "u", _small_star)
-        fingerprint = tuple(np.sum(ray.get([_fingerprint.remote(ref) for bundle in arcs.iter_internal_ref_bundles()
-                                             for ref in bundle.block_refs]), axis=0, dtype=np.uint64))
+        fingerprint = tuple(np.sum(ray.get([_fingerprint.remote(ref) for ref, _ in block_refs(arcs)]), axis=0,
+                                   dtype=np.uint64))
         log.info("connected components: round %d, %d edges", rounds, fingerprint[0])
         if fingerprint == before:
             break

@@ -17,16 +17,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
-from ray.data.block import BlockAccessor
 
-from amalia_ray.data.partitions import LEDGER, MAX_MAP_BYTES, ExchangePlan, exchange
+from amalia_ray.data.partitions import (
+    LEDGER,
+    MAX_MAP_BYTES,
+    ExchangePlan,
+    as_table,
+    block_refs,
+    concat_filled,
+    consecutive_runs,
+    exchange,
+    split_by,
+)
 
 ROW = "_row"
 _LOW = np.int64(0xFFFFFFFF)
-
-
-def block_refs(ds: ray.data.Dataset) -> list:
-    return [ref for bundle in ds.iter_internal_ref_bundles() for ref in bundle.block_refs]
 
 
 def decide(docs: ray.data.Dataset, keys: Callable[[pa.Table], pa.Table], key: str,
@@ -36,7 +41,7 @@ def decide(docs: ray.data.Dataset, keys: Callable[[pa.Table], pa.Table], key: st
     decision rows (`_row` and the columns to set); `apply_fn(block, its decisions with _row = the row's index)` ->
     the new block. `others`: more key rows (same schema, `_row` null) for the exchange, e.g. a lookup table to join.
     Returns the documents in their block order."""
-    blocks = block_refs(docs)
+    blocks = [ref for ref, _ in block_refs(docs)]
     if not blocks:
         return docs
     keys_ref = ray.put(keys)
@@ -47,7 +52,7 @@ def decide(docs: ray.data.Dataset, keys: Callable[[pa.Table], pa.Table], key: st
 
 @ray.remote
 def _key_rows(keys: Callable[[pa.Table], pa.Table], index: int, block) -> pa.Table:
-    table = _arrow(block)
+    table = as_table(block)
     if not table.num_columns:  # an empty block may have no columns: it has no keys either
         return pa.table({})
     rows = pa.array((np.int64(index) << np.int64(32)) + np.arange(len(table), dtype=np.int64))
@@ -65,26 +70,14 @@ def apply_to_blocks(blocks: list, decisions: ray.data.Dataset, apply_fn: Callabl
 
     The decisions are cut by runs of consecutive blocks, as many blocks to a run as keep a piece over
     ROUTE_PIECE_BYTES; each block's task reads its run's pieces and keeps its own rows."""
-    sizes, refs = [], []
-    for bundle in decisions.iter_internal_ref_bundles():
-        for ref, meta in zip(bundle.block_refs, bundle.metadata):
-            refs.append(ref)
-            sizes.append(meta.size_bytes or 0)
+    listed = block_refs(decisions)
+    refs, sizes = [ref for ref, _ in listed], [size for _, size in listed]
     apply_ref = ray.put(apply_fn)
-    # decisions are a few numbers per changed document: few map tasks
-    groups, group, size = [], [], 0
-    for i, n in enumerate(sizes):
-        group.append(i)
-        size += n
-        if size >= MAX_MAP_BYTES:
-            groups.append(group)
-            group, size = [], 0
-    if group:
-        groups.append(group)
+    groups = consecutive_runs(sizes, MAX_MAP_BYTES)  # decisions are a few numbers per changed document: few tasks
     total = sum(sizes)
     runs = max(1, min(len(blocks), total // (max(1, len(groups)) * ROUTE_PIECE_BYTES)))
     per_run = -(-len(blocks) // runs)
-    plan = ExchangePlan(-(-len(blocks) // per_run), tuple(tuple(g) for g in groups), total)
+    plan = ExchangePlan(-(-len(blocks) // per_run), groups, total)
     LEDGER.add(plan)
     cuts = [_route.options(num_returns=plan.parts + 1).remote(plan.parts, per_run, *[refs[i] for i in g])
             for g in plan.map_groups]
@@ -96,30 +89,24 @@ def apply_to_blocks(blocks: list, decisions: ray.data.Dataset, apply_fn: Callabl
 def _route(runs: int, per_run: int, *tables) -> tuple:
     """Decision tables -> their rows for the blocks of run 0, 1, …, runs-1 (`per_run` consecutive blocks each),
     then the count for each (as exchange's cut)."""
-    tables = [t for t in map(_arrow, tables) if len(t)]
-    if not tables:
+    table = concat_filled(list(tables))
+    if not len(table):
         return (*[pa.table({ROW: pa.array([], pa.int64())})] * runs, np.zeros(runs, np.int64))
-    table = pa.concat_tables(tables, promote_options="permissive")
-    run = (table[ROW].to_numpy() >> np.int64(32)) // per_run
-    sizes = np.bincount(run, minlength=runs)
-    table = table.take(pa.array(np.argsort(run, kind="stable")))
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    return (*[table.slice(starts[i], sizes[i]) for i in range(runs)], sizes)
+    return split_by(table, (table[ROW].to_numpy() >> np.int64(32)) // per_run, runs)
 
 
 @ray.remote
 def _apply_block(apply_fn: Callable[[pa.Table, pa.Table], pa.Table], index: int, block, *pieces) -> pa.Table:
-    pieces = [p for p in map(_arrow, pieces) if len(p)]
+    table = concat_filled(list(pieces))
     decisions = None
-    if pieces:
-        table = pa.concat_tables(pieces, promote_options="permissive") if len(pieces) > 1 else pieces[0]
+    if len(table):
         rows = table[ROW].to_numpy()
         mine = (rows >> np.int64(32)) == index
         if mine.any():
             decisions = table.filter(pa.array(mine))
             decisions = decisions.set_column(decisions.schema.get_field_index(ROW), ROW,
                                              pa.array(rows[mine] & _LOW))
-    return apply_fn(_arrow(block), decisions)
+    return apply_fn(as_table(block), decisions)
 
 
 def set_columns(block: pa.Table, decisions: pa.Table | None, defaults: dict[str, pa.Scalar] | None = None
@@ -149,6 +136,3 @@ def set_columns(block: pa.Table, decisions: pa.Table | None, defaults: dict[str,
             block = block.append_column(name, pc.if_else(decided, new, base))
     return block
 
-
-def _arrow(block) -> pa.Table:
-    return block if isinstance(block, pa.Table) else BlockAccessor.for_block(block).to_arrow()

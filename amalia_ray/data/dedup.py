@@ -256,15 +256,17 @@ def check_unique_ids(docs: ray.data.Dataset, what: str) -> None:
     their clusters by id, so a repeated id would silently merge or drop documents. Only the ids move (one keyed
     exchange); the documents stay where they are."""
     ids = map_blocks(docs, lambda b: b.select(["id"]))
-    repeated = [t for t in ray.get(exchange(ids, "id", _repeated_ids).to_arrow_refs()) if len(t)]
+    repeated = [t for t in ray.get(exchange(ids, "id", _smallest_repeated_id).to_arrow_refs()) if len(t)]
     if repeated:
         dup = pc.min(pa.concat_tables(repeated)["id"]).as_py()
         raise AmaliaError(f"{what}: ids must be unique; '{dup}' appears more than once")
 
 
-def _repeated_ids(group: pa.Table) -> pa.Table:
+def _smallest_repeated_id(group: pa.Table) -> pa.Table:
+    """The part's smallest repeated id, if any: the driver gathers one row per part, however many ids repeat."""
     counts = pc.value_counts(group["id"].combine_chunks())
-    return pa.table({"id": counts.field("values").filter(pc.greater(counts.field("counts"), 1))})
+    repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+    return pa.table({"id": pa.array([pc.min(repeated).as_py()] if len(repeated) else [], pa.string())})
 
 
 def unique_ids(batches, what: str):

@@ -132,8 +132,7 @@ def map_blocks(ds: ray.data.Dataset, fn: Callable[[pa.Table], pa.Table], batch_r
 @ray.remote
 def _map_slice(fn: Callable[[pa.Table], pa.Table], block: pa.Table, start: int = 0, rows: int | None = None
                ) -> pa.Table:
-    if not isinstance(block, pa.Table):  # a block of another format (pandas)
-        block = BlockAccessor.for_block(block).to_arrow()
+    block = as_table(block)
     return fn(block.slice(start, rows) if rows is not None else block)
 
 
@@ -196,16 +195,49 @@ def plan_exchange(block_bytes: list[int], cpus: int) -> ExchangePlan:
     part_bytes = max(BASE_PART_BYTES, int(math.sqrt(total * PIECE_BYTES)))
     parts = max(1, -(-total // part_bytes), min(int(cpus), total // MIN_PART_BYTES))
     map_bytes = min(max(MIN_MAP_BYTES, parts * PIECE_BYTES), MAX_MAP_BYTES)
-    groups, group, size = [], [], 0
+    return ExchangePlan(parts, consecutive_runs(block_bytes, map_bytes), total)
+
+
+def consecutive_runs(block_bytes: list[int], target: int) -> tuple[tuple[int, ...], ...]:
+    """Block indices in runs of consecutive blocks of at least `target` bytes each (the last one less)."""
+    runs, run, size = [], [], 0
     for i, n in enumerate(block_bytes):
-        group.append(i)
+        run.append(i)
         size += n
-        if size >= map_bytes:
-            groups.append(tuple(group))
-            group, size = [], 0
-    if group:
-        groups.append(tuple(group))
-    return ExchangePlan(parts, tuple(groups), total)
+        if size >= target:
+            runs.append(tuple(run))
+            run, size = [], 0
+    if run:
+        runs.append(tuple(run))
+    return tuple(runs)
+
+
+def block_refs(ds: ray.data.Dataset) -> list[tuple[ray.ObjectRef, int]]:
+    """(block reference, bytes) of each block of a dataset, in order (executes it)."""
+    return [(ref, meta.size_bytes or 0) for bundle in ds.iter_internal_ref_bundles()
+            for ref, meta in zip(bundle.block_refs, bundle.metadata)]
+
+
+def as_table(block) -> pa.Table:
+    """A block as an Arrow table (Ray Data may hand a pandas block)."""
+    return block if isinstance(block, pa.Table) else BlockAccessor.for_block(block).to_arrow()
+
+
+def split_by(table: pa.Table, part: np.ndarray, parts: int) -> tuple:
+    """A table's rows of part 0, 1, …, parts-1 (each in table order), then the row count of each part: what a map
+    task returns (num_returns = parts + 1)."""
+    sizes = np.bincount(part, minlength=parts)
+    ordered = table.take(pa.array(np.argsort(part, kind="stable")))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    return (*[ordered.slice(starts[i], sizes[i]) for i in range(parts)], sizes)
+
+
+def concat_filled(tables: list) -> pa.Table:
+    """The non-empty tables of a list concatenated (the first, empty one when all are empty; no columns at all when
+    the list is empty)."""
+    tables = [as_table(t) for t in tables]
+    filled = [t for t in tables if len(t)] or tables[:1] or [pa.table({})]
+    return pa.concat_tables(filled, promote_options="permissive") if len(filled) > 1 else filled[0]
 
 
 def exchange(ds: ray.data.Dataset | list[ray.data.Dataset], key: str, fn: Callable[[pa.Table], pa.Table],
@@ -218,16 +250,12 @@ def exchange(ds: ray.data.Dataset | list[ray.data.Dataset], key: str, fn: Callab
     concatenates its pieces in block order (so the result is deterministic) and applies `fn`. The pieces live in
     the object store and spill like Ray Data's blocks; a part is held in memory by one task, as with map_groups.
     Rows with a null key form a part of their own hash, like any other value."""
-    blocks, sizes = [], []
-    for one in ds if isinstance(ds, list) else [ds]:
-        for bundle in one.iter_internal_ref_bundles():
-            for ref, meta in zip(bundle.block_refs, bundle.metadata):
-                blocks.append(ref)
-                sizes.append(meta.size_bytes or 0)
+    listed = [b for one in (ds if isinstance(ds, list) else [ds]) for b in block_refs(one)]
+    if not listed:
+        return ds[0] if isinstance(ds, list) else ds
+    blocks, sizes = [ref for ref, _ in listed], [size for _, size in listed]
     plan = plan or plan_exchange(sizes, int(ray.cluster_resources().get("CPU", 1)))
     LEDGER.add(plan)
-    if not blocks:
-        return ds[0] if isinstance(ds, list) else ds
     fn_ref = ray.put(fn)  # serialized once, not once per task
     if plan.parts == 1:  # nothing to cut: one task sees every row
         return ray.data.from_arrow_refs([_reserved(_apply, plan.total_bytes).remote(fn_ref, *blocks)])
@@ -251,23 +279,15 @@ def _reserved(task, nbytes: int, **options):
 @ray.remote
 def _cut(key: str, partitions: int, *blocks) -> tuple:
     """Blocks -> their rows of part 0, 1, …, partitions-1 (in block order), then the row count of each part."""
-    tables = [b if isinstance(b, pa.Table) else BlockAccessor.for_block(b).to_arrow() for b in blocks]
-    tables = [t for t in tables if len(t)] or tables[:1]
-    table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+    table = concat_filled(list(blocks))
     if not len(table):
         return (*[table] * partitions, np.zeros(partitions, np.int64))
-    part = part_of(table[key], partitions).to_numpy()
-    sizes = np.bincount(part, minlength=partitions)
-    ordered = table.take(pa.array(np.argsort(part, kind="stable")))
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    return (*[ordered.slice(starts[i], sizes[i]) for i in range(partitions)], sizes)
+    return split_by(table, part_of(table[key], partitions).to_numpy(), partitions)
 
 
 @ray.remote
 def _apply(fn: Callable[[pa.Table], pa.Table], *pieces) -> pa.Table:
-    pieces = [p if isinstance(p, pa.Table) else BlockAccessor.for_block(p).to_arrow() for p in pieces]
-    filled = [piece for piece in pieces if len(piece)] or list(pieces[:1])
-    table = pa.concat_tables(filled, promote_options="permissive") if len(filled) > 1 else filled[0]
+    table = concat_filled(list(pieces))
     return fn(table) if table.num_columns else table  # no columns: empty blocks only, nothing for fn to see
 
 
@@ -275,8 +295,7 @@ def count_by(ds: ray.data.Dataset, columns: list[str]) -> list[dict]:
     """Rows per distinct value of `columns` (nulls counted as a value), as dicts of those columns and `count`:
     one pyarrow group-by per block, summed here. A report's counts have few distinct values: no shuffle (Ray Data's
     groupby().count() sorts the whole dataset, every block's map output to every reducer)."""
-    refs = [ref for bundle in ds.iter_internal_ref_bundles() for ref in bundle.block_refs]
-    tables = [t for t in ray.get([_count.remote(columns, ref) for ref in refs]) if len(t)]
+    tables = [t for t in ray.get([_count.remote(columns, ref) for ref, _ in block_refs(ds)]) if len(t)]
     if not tables:
         return []
     total = pa.concat_tables(tables, promote_options="permissive").group_by(columns).aggregate([("count", "sum")])
@@ -285,7 +304,7 @@ def count_by(ds: ray.data.Dataset, columns: list[str]) -> list[dict]:
 
 @ray.remote(num_cpus=0.25)
 def _count(columns: list[str], block) -> pa.Table:
-    table = block if isinstance(block, pa.Table) else BlockAccessor.for_block(block).to_arrow()
+    table = as_table(block)
     if not len(table):  # an empty block may have no columns at all
         return pa.table({})
     return table.select(columns).group_by(columns).aggregate([([], "count_all")]).rename_columns([*columns, "count"])

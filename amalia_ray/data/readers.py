@@ -17,6 +17,7 @@ any fsspec scheme: `core/filesystem.py`), listed once on the driver and streamed
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import gzip
 import io
@@ -389,20 +390,20 @@ def read_parquet(path: str, src: SourceConfig) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     offset = 0
-    if not is_uri(path):
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-            for n, row in enumerate(batch.to_pylist(), start=offset):
-                yield from _from_mapping(row, src, f"row {n}")
-            offset += batch.num_rows
-        return
-    filesystem, inner = open_filesystem(path, src.storage_options)
-    try:  # Parquet reads its footer first: a random-access file, not a stream
-        with filesystem.open_input_file(inner) as source:
+    try:
+        if is_uri(path):  # Parquet reads its footer first: a random-access file, not a stream
+            filesystem, inner = open_filesystem(path, src.storage_options)
+            opened = filesystem.open_input_file(inner)
+        else:
+            opened = contextlib.nullcontext(path)
+        with opened as source:
             for batch in pq.ParquetFile(source).iter_batches(batch_size=4096):
                 for n, row in enumerate(batch.to_pylist(), start=offset):
                     yield from _from_mapping(row, src, f"row {n}")
                 offset += batch.num_rows
-    except OSError as e:  # a broken file raises ArrowInvalid (a ValueError); an OSError here is the storage's
+    except OSError as e:  # a broken file raises ArrowInvalid (a ValueError); an OSError from storage is the storage's
+        if not is_uri(path):
+            raise
         raise StorageReadError(f"{path}: {e}") from e
 
 

@@ -35,7 +35,7 @@ from amalia_ray.data.steps import (
     best_of_cluster,
     exact_copies,
     is_validation,
-    rank_keys,
+    keep_keys,
 )
 from amalia_ray.data.tokenizer import base_tokenizer, train_tokenizer
 
@@ -195,12 +195,7 @@ def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, removed_dir: Path)
     joined = with_clusters(kept, clusters.materialize()).materialize()
     if cfg.keep != "smallest_id":  # clusters are labelled by their smallest id; another member may be the best
         def cluster_keys(batch: pa.Table) -> pa.Table:
-            members = batch.filter(pc.greater(batch["cluster_size"], 1))
-            keys = members.select(["cluster_id", "id", ROW])
-            rank = rank_keys(members, cfg.keep)
-            for name in rank.column_names:
-                keys = keys.append_column(name, rank[name])
-            return keys
+            return keep_keys(batch.filter(pc.greater(batch["cluster_size"], 1)), ["cluster_id", "id", ROW], cfg.keep)
 
         def best(group: pa.Table) -> pa.Table:
             return best_of_cluster(cfg.keep)(group).select([ROW, "cluster_id"])

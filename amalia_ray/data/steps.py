@@ -75,14 +75,6 @@ def already_dropped(batch: pa.Table) -> list[bool]:
     return [r is not None for r in batch["drop_reason"].to_pylist()]
 
 
-class ContentHash:
-    """Adds `content_hash` (sha1 of the normalized text, the key of exact deduplication)."""
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        hashes = [hashlib.sha1(t.encode("utf-8")).hexdigest() for t in batch["text"].to_pylist()]
-        return batch.append_column("content_hash", pa.array(hashes, pa.string()))
-
-
 _RANK = {"smallest_id": [], "longest": [("_length", "descending")], "quality": [("quality_score", "descending")],
          "latest": [("captured_at", "descending")]}
 
@@ -90,7 +82,7 @@ _RANK = {"smallest_id": [], "longest": [("_length", "descending")], "quality": [
 def best_first(rows: pa.Table, group: str, keep: str) -> tuple[pa.Table, np.ndarray]:
     """Rows sorted by `group`, the best of each group first by the keep rule (smallest_id, longest, quality,
     latest; a missing score or date ranks last, ties go to the smallest id: deterministic whatever the block
-    order), and the mask of each group's first row. `longest` reads `_length` (`rank_keys`) or else `text`."""
+    order), and the mask of each group's first row. `longest` reads `_length` (`keep_keys`) or else `text`."""
     measured = keep == "longest" and "_length" not in rows.column_names
     if measured:
         rows = rows.append_column("_length", pc.utf8_length(rows["text"]))
@@ -103,29 +95,27 @@ def best_first(rows: pa.Table, group: str, keep: str) -> tuple[pa.Table, np.ndar
     return rows, first
 
 
-def rank_keys(batch: pa.Table, keep: str) -> pa.Table:
-    """The columns a keep rule compares (`best_first`), for key rows that leave the text behind: `_length` for
-    longest, `quality_score` for quality, `captured_at` for latest, none for smallest_id."""
+def keep_keys(batch: pa.Table, columns: list[str], keep: str) -> pa.Table:
+    """Key rows that leave the text behind: `columns` of the batch and what the keep rule compares (`best_first`):
+    `_length` for longest, `quality_score` for quality, `captured_at` for latest, nothing more for smallest_id."""
+    keys = batch.select(columns)
     if keep == "longest":
-        return pa.table({"_length": pc.utf8_length(batch["text"])})
+        return keys.append_column("_length", pc.utf8_length(batch["text"]))
     column = {"quality": "quality_score", "latest": "captured_at"}.get(keep)
-    return pa.table({column: batch[column]}) if column else pa.table({})
+    return keys.append_column(column, batch[column]) if column else keys
 
 
 class ExactKeys:
-    """Documents -> their exact-dedup key rows: `content_hash`, `id`, the keep rule's `rank_keys` and `_row`."""
+    """Documents -> their exact-dedup key rows: `content_hash` (sha1 of the normalized text), `id`, `_row` and the
+    keep rule's score."""
 
     def __init__(self, keep: str):
         self.keep = keep
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        keys = ContentHash()(batch.select(["text"])).select(["content_hash"])
-        for name, column in zip(["id", ROW], [batch["id"], batch[ROW]]):
-            keys = keys.append_column(name, column)
-        rank = rank_keys(batch, self.keep)
-        for name in rank.column_names:
-            keys = keys.append_column(name, rank[name])
-        return keys
+        hashes = [hashlib.sha1(t.encode("utf-8")).hexdigest() for t in batch["text"].to_pylist()]
+        return keep_keys(batch.append_column("content_hash", pa.array(hashes, pa.string())),
+                         ["content_hash", "id", ROW], self.keep)
 
 
 def exact_copies(keep: str = "smallest_id"):
