@@ -40,7 +40,7 @@ def main() -> None:
         old = -(-args.documents // 8192) if lsh else text_blocks
         old_bytes = total if lsh else args.corpus_gb * 1e9  # the other two moved whole documents
         out["exchanges"][name] = {
-            "gib": round(total / 2**30, 1), "parts": plan.parts, "map_tasks": maps, "objects": plan.objects,
+            "bytes_per_document": per_doc, "gib": round(total / 2**30, 1), "parts": plan.parts, "map_tasks": maps, "objects": plan.objects,
             "piece_mb": round(total / (maps * plan.parts) / 2**20, 2), "part_mb": round(total / plan.parts / 2**20),
             "block_per_task_two_parts_per_cpu": {"input_blocks": old, "objects": old * (2 * args.cpus + 1),
                                                  "piece_kb": round(old_bytes / (old * 2 * args.cpus) / 1024, 1)}}
