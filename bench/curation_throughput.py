@@ -79,7 +79,7 @@ def main() -> None:
     import ray
 
     from amalia_ray.core.recipe import load_recipe
-    from amalia_ray.data.readers import expand_paths
+    from amalia_ray.data.inputs import expand_paths
     from amalia_ray.data.stage import curate
 
     loaded = load_recipe(args.recipe)

@@ -1,14 +1,15 @@
 """How long a no-change rerun takes to decide that the data stage is done, on a large corpus: the stage's inputs are
-the corpus files, so deciding means fingerprinting them. Prints JSON.
+the corpus files, fingerprinted by their listing (path, size, modification time; the read tasks hash the content
+while the stage runs). Prints JSON.
 
     .venv/bin/python bench/skip_decision.py [--gb 1] [--files 8]
 
 A corpus of `--gb` GB of jsonl in `--files` files is written to a temporary folder; then, each in a fresh process:
-1. cold: the data stage's fingerprint with an empty digest cache (every byte read and hashed), recorded in the run's
-   manifest as a completed stage (its output folder stands in for a curated one);
+1. cold: the data stage's first fingerprint with an empty digest cache, recorded in the run's manifest as a
+   completed stage (its output folder stands in for a curated one);
 2. warm: `Pipeline.execute` of the same stage, as a rerun of `amalia run` does it: it finds the stage completed with
    an unchanged fingerprint and skips (timed from the call to its return, and the whole process from its start);
-3. after one file is appended to: the rerun reads that file again and runs the stage (here: its body only counts).
+3. after one file is appended to: its size changes, and the rerun runs the stage (here: its body only counts).
 The bound the docs quote: a no-change decision under 2 s on 1 GB.
 """
 

@@ -150,10 +150,11 @@ def test_a_repeated_id_is_found_without_sorting_the_documents(ray_cluster, keys_
 @pytest.mark.e2e
 def test_a_corpus_on_s3_is_listed_streamed_and_rerun_when_an_object_changes(ray_cluster, s3_server, tmp_path,
                                                                              keys_only_shuffles):
-    """A recipe whose sources are globs on S3 (moto's server): jsonl.gz under two dated folders and Parquet beside
-    an unrelated file. The data stage lists them once, streams them in its read tasks, names each document by its
-    object; a second run skips the stage (fingerprints from the listing: URI, size, mtime) and a changed object
-    reruns it. A glob matching no object is an error naming the field."""
+    """A recipe whose sources are globs on S3 (moto's server): jsonl.gz under two dated folders, Parquet beside
+    an unrelated file, and an uncompressed jsonl read in byte ranges (ranged requests). The data stage lists them
+    once, streams them in its read tasks, names each document by its object; a second run skips the stage
+    (fingerprints from the listing: URI, size, mtime) and a changed object reruns it. A glob matching no object is
+    an error naming the field."""
     import gzip
     import json
 
@@ -168,7 +169,7 @@ def test_a_corpus_on_s3_is_listed_streamed_and_rerun_when_an_object_changes(ray_
     from amalia_ray.pipeline.runner import Pipeline
 
     text = gzip.open("/usr/share/debian-reference/debian-reference.pt.txt.gz", "rt", encoding="utf-8").read()
-    paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if len(p) > 300][:90]
+    paragraphs = [" ".join(p.split()) for p in text.split("\n\n") if len(p) > 300][:120]
     s3 = pafs.S3FileSystem(**s3_server)
 
     def put(path: str, data: bytes) -> None:
@@ -187,25 +188,33 @@ def test_a_corpus_on_s3_is_listed_streamed_and_rerun_when_an_object_changes(ray_
     pq.write_table(table, sink)
     put("tables/books.parquet", sink.getvalue().to_pybytes())
     put("tables/README.txt", b"not a table")
+    dump = gzip.decompress(jsonl(paragraphs[90:120]))
+    put("dump/all.jsonl", dump)
     sources = [{"name": "web", "paths": ["s3://amalia/corpus/**/*.jsonl.gz"], "format": "jsonl",
                 "storage_options": s3_server},
                {"name": "books", "paths": ["s3://amalia/corpus/tables/*.parquet"], "format": "parquet",
-                "storage_options": s3_server}]
+                "storage_options": s3_server},
+               {"name": "dump", "paths": ["s3://amalia/corpus/dump/*.jsonl"], "format": "jsonl",
+                "range_bytes": 2048, "storage_options": s3_server}]
     recipe = tmp_path / "s3.yaml"
     recipe.write_text(yaml.safe_dump({"run": {"name": "s3", "output_dir": str(tmp_path / "runs")},
                                       "data": {"sources": sources, "min_chars": 100}}))
     first = Pipeline(load_recipe(recipe))
     first.run()
     metrics = first.manifest.stages["data"].metrics
-    assert metrics["documents_in"] == 90 and metrics["documents_kept"] == 90, metrics
+    assert metrics["documents_in"] == 120 and metrics["documents_kept"] == 120, metrics
+    read = pq.read_table(first.run_dir / "data" / "inputs.parquet").to_pylist()
+    assert len([r for r in read if r["path"].endswith("all.jsonl")]) == -(-len(dump) // 2048) > 3, "read in ranges"
+    assert metrics["input_files"] == 4 and metrics["input_bytes"] == sum(r["bytes"] for r in read)
     kept = pq.read_table(first.run_dir / "data" / "kept").to_pylist()
     assert {r["id"].split("#")[0] for r in kept} == {"web/2023/crawl-0.jsonl.gz", "web/2024/crawl-0.jsonl.gz",
-                                                     "books/books.parquet"}
+                                                     "books/books.parquet", "dump/all.jsonl"}
     local = curate(DataConfig(min_chars=100, sources=[
         SourceConfig(name="web", paths=[str(tmp_path / "local" / "**" / "*.jsonl.gz")], format="jsonl"),
-        SourceConfig(name="books", paths=[str(tmp_path / "local" / "tables" / "*.parquet")], format="parquet")]),
+        SourceConfig(name="books", paths=[str(tmp_path / "local" / "tables" / "*.parquet")], format="parquet"),
+        SourceConfig(name="dump", paths=[str(tmp_path / "local" / "dump" / "*.jsonl")], format="jsonl")]),
         Path, tmp_path / "local-out")
-    assert local["documents_kept"] == 90
+    assert local["documents_kept"] == 120
     local_kept = pq.read_table(tmp_path / "local-out" / "kept").to_pylist()
     assert sorted((r["id"], r["text"]) for r in kept) == sorted((r["id"], r["text"]) for r in local_kept), \
         "the same documents as from local copies of the objects"
@@ -221,7 +230,7 @@ def test_a_corpus_on_s3_is_listed_streamed_and_rerun_when_an_object_changes(ray_
     put("2024/crawl-0.jsonl.gz", jsonl(paragraphs[30:59]))
     changed = Pipeline(load_recipe(recipe))
     changed.run()
-    assert changed.manifest.stages["data"].metrics["documents_in"] == 89, "a changed object reruns the stage"
+    assert changed.manifest.stages["data"].metrics["documents_in"] == 119, "a changed object reruns the stage"
 
     sources[1]["paths"] = ["s3://amalia/corpus/tables/*.jsonl"]
     recipe.write_text(yaml.safe_dump({"run": {"name": "s3b", "output_dir": str(tmp_path / "runs")},
@@ -231,6 +240,53 @@ def test_a_corpus_on_s3_is_listed_streamed_and_rerun_when_an_object_changes(ray_
         Pipeline(load_recipe(recipe)).run()
 
 
+def test_a_large_jsonl_is_read_in_byte_ranges_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
+    """An uncompressed jsonl file over `range_bytes` is read by a task per range: every record exactly once, with
+    the location (and so the id) a whole-file read gives it, whatever the ranges cut: a line ending right at a
+    range's end, a line longer than a range, one over max_record_bytes, broken JSON, blank lines, no newline at
+    the end. Each range's bytes and sha256 are recorded by its task (the ranges tile the file)."""
+    import hashlib
+    import json
+
+    from amalia_ray.core.config import SourceConfig
+    from amalia_ray.data.inputs import collect_ledger, read_plan, read_sources
+    from amalia_ray.data.readers import read_file
+
+    rng = random.Random(7)
+    words = "o rio corre para o mar e a cidade acorda devagar sobre as colinas".split()
+    first = json.dumps({"text": "x" * 1000})
+    lines = [first + " " * (1023 - len(first))]  # with its newline exactly the first range
+    for i in range(400):
+        lines.append(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(3, 60))), "n": i}))
+    lines[50] = json.dumps({"text": "longa " * 900})  # 5 KB: spans several ranges
+    lines[90] = json.dumps({"text": "enorme " * 2000})  # over max_record_bytes: quarantined, once
+    lines[120] = '{"text": "sem fim'
+    lines[121:123] = ["", "   "]
+    data = "\n".join(lines).encode()  # the last line has no newline
+    path = tmp_path / "dump.jsonl"
+    path.write_bytes(data)
+    src = SourceConfig(name="d", paths=[str(path)], format="jsonl", range_bytes=1024, max_record_bytes=8192)
+
+    plan = read_plan([src], Path)
+    assert [(i["start"], i["end"]) for i in plan] == [(a, min(a + 1024, len(data))) for a in range(0, len(data), 1024)]
+    assert all(i["lines_before"] == data[:i["start"]].count(b"\n") for i in plan)
+    ranged = pa.concat_tables(ray_cluster.get(read_sources([src], Path, tmp_path / "read").to_arrow_refs()))
+    whole = read_file(str(path), src.model_copy(update={"range_bytes": 1 << 30}))
+    rows = sorted(zip(*(ranged[c].to_pylist() for c in ("id", "location", "text", "drop_reason"))))
+    assert rows == sorted(zip(*(whole[c].to_pylist() for c in ("id", "location", "text", "drop_reason"))))
+    assert len(rows) == 399 and ranged["id"].to_pylist().count("d/dump.jsonl#line 91") == 1
+    assert {r[3] for r in rows} == {None, "quarantine:record too large", "quarantine:invalid JSON"}
+
+    stats = collect_ledger(tmp_path / "read", tmp_path / "inputs.parquet")
+    import pyarrow.parquet as pq
+
+    ledger = sorted(pq.read_table(tmp_path / "inputs.parquet").to_pylist(), key=lambda e: e["start"])
+    assert stats == {"input_files": 1, "input_bytes": len(data)}
+    assert [(e["start"], e["end"]) for e in ledger] == [(i["start"], i["end"]) for i in plan]
+    assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in ledger)
+    assert sum(e["records"] for e in ledger) == 399
+
+
 def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeypatch):
     """A connection that drops half-way through an object is not a broken file: the read fails, naming the object,
     instead of keeping what came before and quarantining the rest (which would lose documents silently)."""
@@ -238,7 +294,7 @@ def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeyp
 
     from amalia_ray.core.config import SourceConfig
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data import readers
+    from amalia_ray.data import readers, streams
 
     class Dropping(io.RawIOBase):
         def __init__(self):
@@ -258,7 +314,7 @@ def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeyp
         def open_input_stream(self, path, compression=None):
             return Dropping()
 
-    monkeypatch.setattr(readers, "open_filesystem", lambda uri, options=None: (Storage(), uri.split("://")[1]))
+    monkeypatch.setattr(streams, "open_filesystem", lambda uri, options=None: (Storage(), uri.split("://")[1]))
     src = SourceConfig(name="web", paths=["s3://b/x.jsonl"], format="jsonl")
     with pytest.raises(AmaliaError, match=r"reading s3://b/x.jsonl failed after \d+ records, not because of its "
                                           r"content: StorageReadError: s3://b/x.jsonl: AWS Error NETWORK_CONNECTION"):
@@ -267,7 +323,7 @@ def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeyp
 
 def test_object_globs_match_as_shell_globs_do():
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.readers import _glob_regex, list_remote
+    from amalia_ray.data.inputs import _glob_regex, list_remote
 
     rx = _glob_regex("bucket/crawl/**/part-[!x]?.jsonl.gz")
     assert rx.match("bucket/crawl/part-a1.jsonl.gz") and rx.match("bucket/crawl/2024/05/part-b2.jsonl.gz")

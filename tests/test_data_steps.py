@@ -42,7 +42,8 @@ def test_text_documents_are_split_as_the_file_streams(tmp_path, monkeypatch):
 
     def docs(name, split):
         src = SourceConfig(name="s", paths=["x"], format="text", split=split)
-        return [(where, doc) for _, where, doc, _, problem in readers.read_text(str(tmp_path / name), src)]
+        file = readers.InputFile(str(tmp_path / name))
+        return [(where, doc) for _, where, doc, _, problem in readers.read_text(file, src)]
 
     assert docs("t.txt", "paragraph") == [("paragraph 0", "primeiro parágrafo\ncontinua"),
                                           ("paragraph 1", "segundo ção"), ("paragraph 2", "terceiro\n")]

@@ -115,17 +115,13 @@ def map_blocks(ds: ray.data.Dataset, fn: Callable[[pa.Table], pa.Table], batch_r
     execution starts believing it has none and runs one task alone until the answer comes: on 2 CPUs, four
     one-second map tasks take 3.2 s instead of 2 (bench/dedup_vs_datatrove.py runs about twenty executions)."""
     fn_ref = ray.put(fn)  # serialized once, not once per task (fn may carry a large lookup table)
-    if not batch_rows:
-        return ray.data.from_arrow_refs([_map_slice.remote(fn_ref, block) for block in ds.to_arrow_refs()])
-    # a task a slice, not a block: a few large blocks on two workers leave one idle at the end
     tasks = []
-    for bundle in ds.iter_internal_ref_bundles():
-        for ref, meta in zip(bundle.block_refs, bundle.metadata):
-            if meta.num_rows is None:  # not known without reading the block: one task for all of it
-                tasks.append(_map_slice.remote(fn_ref, ref))
-            else:
-                tasks.extend(_map_slice.remote(fn_ref, ref, lo, batch_rows)
-                             for lo in range(0, max(meta.num_rows, 1), batch_rows))
+    for ref, meta in _row_blocks(ds):
+        if not batch_rows or meta.num_rows is None:  # one task for the block
+            tasks.append(_map_slice.remote(fn_ref, ref))
+        else:  # a task a slice, not a block: a few large blocks on two workers leave one idle at the end
+            tasks.extend(_map_slice.remote(fn_ref, ref, lo, batch_rows)
+                         for lo in range(0, max(meta.num_rows, 1), batch_rows))
     return ray.data.from_arrow_refs(tasks)
 
 
@@ -212,10 +208,18 @@ def consecutive_runs(block_bytes: list[int], target: int) -> tuple[tuple[int, ..
     return tuple(runs)
 
 
+def _row_blocks(ds: ray.data.Dataset) -> list:
+    """(block reference, metadata) of each block of a dataset that has rows, in order (executes it), or of its
+    first block when none has. Ray Data's map_batches turns a block with no rows into one with no columns either
+    (a read task over a byte range that holds no record's start makes one): such blocks are left out."""
+    listed = [(ref, meta) for bundle in ds.iter_internal_ref_bundles()
+              for ref, meta in zip(bundle.block_refs, bundle.metadata)]
+    return [(ref, meta) for ref, meta in listed if meta.num_rows != 0] or listed[:1]
+
+
 def block_refs(ds: ray.data.Dataset) -> list[tuple[ray.ObjectRef, int]]:
-    """(block reference, bytes) of each block of a dataset, in order (executes it)."""
-    return [(ref, meta.size_bytes or 0) for bundle in ds.iter_internal_ref_bundles()
-            for ref, meta in zip(bundle.block_refs, bundle.metadata)]
+    """(block reference, bytes) of each block of a dataset that has rows, in order (executes it)."""
+    return [(ref, meta.size_bytes or 0) for ref, meta in _row_blocks(ds)]
 
 
 def as_table(block) -> pa.Table:

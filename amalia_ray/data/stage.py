@@ -26,7 +26,7 @@ from amalia_ray.data.decide import ROW, decide, set_columns
 from amalia_ray.data.partitions import LEDGER, configure_data_context, count_by, write_ordered_shards, write_shards
 from amalia_ray.data.quality import HeuristicScore, quality_steps
 from amalia_ray.data.quality_model import QualityModelScore
-from amalia_ray.data.readers import expand_paths, read_sources, remote_fingerprint
+from amalia_ray.data.inputs import collect_ledger, expand_paths, fingerprint_lines, read_sources
 from amalia_ray.data.steps import (
     ExactKeys,
     MinLength,
@@ -44,13 +44,10 @@ def input_files(cfg: DataConfig, resolve) -> list[str]:
     return [f for i, s in enumerate(cfg.sources) for f in expand_paths(s, resolve, f"data.sources[{i}]")]
 
 
-def input_fingerprints(cfg: DataConfig, resolve) -> tuple[list[str], list[str]]:
-    """(the local corpus files, whose content the pipeline hashes; a line per object on remote storage: URI, size
-    and modification time from its listing, read by nobody before the stage runs)."""
-    local = [f for i, s in enumerate(cfg.sources) for f in expand_paths(s, resolve, f"data.sources[{i}]", remote=False)]
-    remote = [line for i, s in enumerate(cfg.sources)
-              for line in remote_fingerprint(s.paths, s.storage_options, f"data.sources[{i}]")]
-    return local, remote
+def input_fingerprints(cfg: DataConfig, resolve) -> list[str]:
+    """A line per corpus file or object: path, size and modification time from its listing (nothing is read before
+    the stage runs; the read tasks hash what they read into the stage's input ledger, `inputs.parquet`)."""
+    return [line for i, s in enumerate(cfg.sources) for line in fingerprint_lines(s, resolve, f"data.sources[{i}]")]
 
 
 def curate(cfg: DataConfig, resolve, out_dir: Path,
@@ -58,12 +55,13 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     """Read, clean, filter, keep one capture per page, score, decontaminate, exact- and (optionally) near-dedup the
     corpus into `out_dir/kept`; every dropped document goes to `out_dir/dropped` with its reason, unreadable
     records also to `out_dir/quarantine` with their location, near duplicates to `out_dir/near_duplicates` with
-    the id of the document kept for them. `benchmark_items`: task -> [(item id, item text)] for decontamination."""
+    the id of the document kept for them; `out_dir/inputs.parquet` lists each file or byte range read with its size
+    and sha256. `benchmark_items`: task -> [(item id, item text)] for decontamination."""
     configure_data_context()
     moved = LEDGER.mark()
     tmp = fresh_dir(out_dir)
     docs = (
-        read_sources(cfg.sources, resolve)
+        read_sources(cfg.sources, resolve, tmp / "read")
         .map_batches(Clean(cfg.cleaning), batch_format="pyarrow")
         .map_batches(Normalize(cfg.normalization), batch_format="pyarrow")
         .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")
@@ -89,6 +87,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         index = ItemIndex.build(benchmark_items or {}, d.ngram, d.min_item_words)
         docs = docs.map_batches(Decontaminate(index, d.min_overlap, d.action), batch_format="pyarrow")
     docs = docs.materialize()
+    read = collect_ledger(tmp / "read", tmp / "inputs.parquet")
     per_filter = count_by(docs, ["source", "drop_reason"])
     n_in = sum(r["count"] for r in per_filter)
     contamination = None
@@ -135,6 +134,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         for r in per_filter
     ]
     return {
+        **read,
         "documents_in": n_in,
         "quarantined": n_quarantined,
         "documents_after_filters": n_filtered,

@@ -143,12 +143,10 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
     cpus = {"CPU": p.cluster_info["resources"].get("CPU", 0)}
     cluster_cpus = {"CPU": p.cluster_info["billable_cpus"]}  # Ray Data spreads over the whole cluster
     if "data" in names:
-        local_files, remote_objects = data_stage.input_fingerprints(r.data, p.loaded.resolve)
-        files = {f"corpus:{f}": Path(f) for f in local_files}
+        corpus = data_stage.input_fingerprints(r.data, p.loaded.resolve)  # listed, not read
         benchmarks = decontamination_tasks(r)
-        yield StageSpec("data", [r.data, *([[t.model_dump() for t in benchmarks]] if benchmarks else []),
-                                 *([remote_objects] if remote_objects else [])],
-                        {**files, **{f"benchmark:{t.name}": p.loaded.resolve(t.path) for t in benchmarks},
+        yield StageSpec("data", [r.data, *([[t.model_dump() for t in benchmarks]] if benchmarks else []), corpus],
+                        {**{f"benchmark:{t.name}": p.loaded.resolve(t.path) for t in benchmarks},
                          **({"quality_model": p.loaded.resolve(r.data.quality_model)} if r.data.quality_model else {})},
                         {"corpus": d("data")},
                         lambda: data_stage.curate(r.data, p.loaded.resolve, d("data"), benchmark_items(p, benchmarks)),

@@ -1,0 +1,238 @@
+"""The corpus's inputs: which files the sources name, what identifies them before they are read, and how they are
+cut into read tasks.
+
+Paths are local files or globs, or URIs of object storage and other filesystems (s3://, gs://, abfs://, hdfs://,
+any fsspec scheme: `core/filesystem.py`), listed on the driver (one listing per pattern: names, sizes and
+modification times, never content) and streamed by the read tasks. A file is one read task, except an uncompressed
+jsonl file over its source's `range_bytes`: it is cut into byte ranges read by separate tasks, each reading the
+records whose first byte lies in its range; a first parallel pass counts the newlines of each range, so a record's
+location (`line N`), and with it the document's id, is the same however the file is cut. Each read task records the
+bytes and sha256 of what it read (`streams.InputFile`) in the stage's input ledger.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import posixpath
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import ray
+
+from amalia_ray.core.config import SourceConfig
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.filesystem import open_filesystem
+from amalia_ray.data.readers import read_file_tables
+from amalia_ray.data.streams import _CHUNK, InputFile, is_uri
+
+Listed = tuple[str, int, int]  # path or URI, size in bytes, modification time (ns; 0 where storage gives none)
+
+
+def listed_files(source: SourceConfig, resolve, field: str) -> list[Listed]:
+    """Every file a source names with its size and modification time, in sorted order, each once (patterns may
+    overlap); a path or glob that matches nothing is an error naming it."""
+    files: dict[str, Listed] = {}
+    for i, pattern in enumerate(source.paths):
+        if is_uri(pattern):
+            matches = [(uri, info.size, info.mtime_ns or 0)
+                       for uri, info in list_remote(pattern, source.storage_options, f"{field}.paths[{i}]")]
+            if not matches:
+                raise AmaliaError(f"corpus path not found: {field}.paths[{i}] = '{pattern}' matches no object")
+        else:
+            resolved = str(resolve(pattern))
+            matches = [(p, s.st_size, s.st_mtime_ns) for p in sorted(glob.glob(resolved, recursive=True))
+                       if Path(p).is_file() and (s := os.stat(p))]
+            if not matches:
+                raise AmaliaError(
+                    f"corpus path not found: {field}.paths[{i}] = '{pattern}' matches no file"
+                    + (" (install the demo corpus with `make corpus`)" if pattern.startswith("/usr/share") else ""))
+        files.update((m[0], m) for m in matches if m[0] not in files)
+    return list(files.values())
+
+
+def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
+    """Every file a source names (see listed_files)."""
+    return [path for path, _, _ in listed_files(source, resolve, field)]
+
+
+def fingerprint_lines(source: SourceConfig, resolve, field: str) -> list[str]:
+    """What identifies a source's files without reading them: path, size and modification time of each; a stage
+    over them reruns when one changes. (The content digests of what was read are in the stage's input ledger.)"""
+    return [f"{path} {size} {mtime}" for path, size, mtime in listed_files(source, resolve, field)]
+
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """A glob as a regular expression over whole paths: `*` and `?` stay inside one folder, `**/` spans any."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 1:]:
+            end = pattern.index("]", i + 1)
+            inner = pattern[i + 1:end]
+            out.append("[" + ("^" + inner[1:] if inner.startswith("!") else inner) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def list_remote(pattern: str, options: dict, field: str) -> list[tuple[str, object]]:
+    """(URI, pyarrow FileInfo: size, mtime) of every object a URI or URI glob names, sorted: one listing of the
+    folder before the first wildcard (recursive only when the pattern crosses folders)."""
+    from pyarrow import fs as pafs
+
+    try:
+        filesystem, path = open_filesystem(pattern, options)
+        # what comes before the path inside the filesystem (s3://, hdfs://namenode:8020, abfs://container@account…)
+        at = pattern.rfind(path.rstrip("/"))
+        prefix = pattern[:at] if at > 0 else pattern.split("://", 1)[0] + "://"
+        wildcard = _GLOB.search(path)
+        if wildcard is None:
+            info = filesystem.get_file_info(path)
+            if info.type == pafs.FileType.File:
+                return [(prefix + path, info)]
+            if info.type != pafs.FileType.Directory:
+                return []
+            base, matcher = path, None  # a folder: every object below it
+        else:
+            base = posixpath.dirname(path[:wildcard.start()] + "x")
+            if not base.strip("/") or "/" not in path.lstrip("/"):
+                raise AmaliaError(f"{field} = '{pattern}': a wildcard in the bucket or container name would list "
+                                  "the whole account; name the bucket")
+            matcher = _glob_regex(path)
+        recursive = matcher is None or "/" in path[wildcard.start():] or "**" in path
+        infos = filesystem.get_file_info(pafs.FileSelector(base, recursive=recursive, allow_not_found=True))
+    except (OSError, ValueError) as e:  # re.error is a ValueError too: a malformed [...] class
+        raise AmaliaError(f"{field} = '{pattern}': cannot list it: {type(e).__name__}: {e}") from None
+    found = [(prefix + i.path, i) for i in infos
+             if i.type == pafs.FileType.File and (matcher is None or matcher.match(i.path))]
+    return sorted(found, key=lambda item: item[0])
+
+
+def relative_names(files: list[str]) -> dict[str, str]:
+    """Each of a source's files by its path below the folder they all share (`part-0.jsonl`, `2024/a.warc.gz`):
+    with the source's name it tells apart files of the same name in different sources or folders."""
+    if not files:
+        return {}
+    local = [f for f in files if not is_uri(f)]
+    names = {}
+    if local:
+        root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in local])
+        names.update({f: os.path.relpath(os.path.abspath(f), root) for f in local})
+    remote = [f for f in files if is_uri(f)]
+    if remote:
+        root = posixpath.commonpath([posixpath.dirname(f.split("://", 1)[1]) for f in remote])
+        names.update({f: posixpath.relpath(f.split("://", 1)[1], root) for f in remote})
+    return names
+
+
+def splits_into_ranges(path: str, size: int, source: SourceConfig) -> bool:
+    """Only an uncompressed jsonl file can be cut anywhere and resumed at the next line."""
+    return source.format == "jsonl" and not path.endswith((".gz", ".zst")) and size > source.range_bytes
+
+
+@ray.remote(num_cpus=1)
+def _newlines(path: str, options: dict, start: int, end: int) -> int:
+    """The newlines in bytes [start, end) of a file."""
+    count, left = 0, end - start
+    with InputFile(path, options, start, end).open_raw() as f:
+        while left > 0 and (chunk := f.read(min(_CHUNK, left))):
+            count += chunk.count(b"\n")
+            left -= len(chunk)
+    return count
+
+
+def read_plan(sources: list[SourceConfig], resolve) -> list[dict]:
+    """One item per read task: source index, path, name, byte range (end -1: the whole file) and the newlines
+    before it. The newlines of every range but each file's last are counted in parallel tasks."""
+    items, ranges, counts = [], [], []
+    for i, s in enumerate(sources):
+        listed = listed_files(s, resolve, f"data.sources[{i}]")
+        names = relative_names([path for path, _, _ in listed])
+        for path, size, _ in listed:
+            item = {"source": i, "path": path, "name": names[path], "start": 0, "end": -1, "lines_before": 0}
+            if not splits_into_ranges(path, size, s):
+                items.append(item)
+                continue
+            cuts = list(range(0, size, s.range_bytes)) + [size]
+            for start, end in zip(cuts, cuts[1:]):
+                items.append({**item, "start": start, "end": end})
+                if end < size:  # the last range's newlines precede nothing
+                    ranges.append(len(items) - 1)
+                    counts.append(_newlines.remote(path, s.storage_options, start, end))
+    before = 0
+    for index, count in zip(ranges, ray.get(counts)):
+        before = 0 if items[index]["start"] == 0 else before  # a file's first range
+        before += count
+        items[index + 1]["lines_before"] = before
+    return items
+
+
+LEDGER_SCHEMA = pa.schema([("source", pa.string()), ("path", pa.string()), ("start", pa.int64()),
+                           ("end", pa.int64()), ("bytes", pa.int64()), ("sha256", pa.string()),
+                           ("records", pa.int64())])
+
+
+def read_sources(sources: list[SourceConfig], resolve, ledger_dir: Path | None = None) -> ray.data.Dataset:
+    """The documents of every source, one read task per file or byte range. With `ledger_dir`, each task writes
+    what it read there (path, range, bytes, sha256, records: `collect_ledger` gathers them)."""
+    items = read_plan(sources, resolve)
+    for index, item in enumerate(items):
+        item["index"] = index
+
+    def read_batch(batch: pa.Table) -> Iterator[pa.Table]:
+        for item in batch.to_pylist():
+            src = sources[item["source"]]
+            end = None if item["end"] < 0 else item["end"]
+            file = InputFile(item["path"], src.storage_options, item["start"], end, item["lines_before"])
+            records = 0
+            try:
+                for table in read_file_tables(file, src, item["name"]):
+                    records += table.num_rows
+                    yield table
+                if ledger_dir is None:
+                    continue
+                size, sha = file.digest()
+            finally:
+                file.close()
+            entry = {"source": src.name, "path": item["path"], "start": item["start"],
+                     "end": item["start"] + size, "bytes": size, "sha256": sha, "records": records}
+            out = ledger_dir / f"{item['index']:09d}.json"
+            ledger_dir.mkdir(parents=True, exist_ok=True)
+            out.with_suffix(".tmp").write_text(json.dumps(entry))
+            out.with_suffix(".tmp").replace(out)  # a task run twice writes the same entry whole
+
+    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        read_batch, batch_size=1, batch_format="pyarrow")
+
+
+def collect_ledger(ledger_dir: Path, out: Path) -> dict:
+    """The read tasks' entries as one Parquet table at `out` (the folder removed); returns the files and bytes
+    read."""
+    entries = [json.loads(p.read_text()) for p in sorted(ledger_dir.glob("*.json"))]
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(entries, schema=LEDGER_SCHEMA), out)
+    for p in ledger_dir.iterdir():
+        p.unlink()
+    ledger_dir.rmdir()
+    return {"input_files": len({e["path"] for e in entries}), "input_bytes": sum(e["bytes"] for e in entries)}

@@ -1,0 +1,189 @@
+"""The bytes of one input: a local file or an object on storage, whole or one byte range of it, decompressed when it
+ends in .gz or .zst, streamed (never fetched whole), and counted and hashed (sha256) as it is read, so the data stage
+records what it read without a second pass or one thread hashing the corpus before the work starts."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+from dataclasses import dataclass, field
+
+from amalia_ray.core.filesystem import open_filesystem
+
+_CHUNK = 1 << 20
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+class StorageReadError(Exception):
+    """Reading an object from storage failed (the network, permissions, an object gone since it was listed): not
+    the input's fault, so the read task fails with it instead of quarantining the rest of the file (deliberately
+    not an OSError, which the readers take for a broken file)."""
+
+
+class _RemoteStream(io.RawIOBase):
+    """An object's bytes from its filesystem from byte `start` on, storage errors raised as StorageReadError."""
+
+    def __init__(self, uri: str, options: dict | None, start: int = 0):
+        self._uri = uri
+        try:
+            filesystem, inner = open_filesystem(uri, options)
+            if start:  # a random-access file: reads from `start` are ranged requests
+                self._native = filesystem.open_input_file(inner)
+                self._native.seek(start)
+            else:
+                self._native = filesystem.open_input_stream(inner, compression=None)
+        except OSError as e:
+            raise StorageReadError(f"{uri}: {e}") from e
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            return self._native.readinto(buffer)
+        except OSError as e:
+            raise StorageReadError(f"{self._uri}: {e}") from e
+
+    def close(self) -> None:
+        self._native.close()
+        super().close()
+
+
+def _open_at(path: str, options: dict | None, start: int = 0) -> io.RawIOBase:
+    if is_uri(path):
+        return _RemoteStream(path, options, start)
+    f = open(path, "rb", buffering=0)
+    if start:
+        f.seek(start)
+    return f
+
+
+class _ZstdStream(io.RawIOBase):
+    """A .zst file decompressed across frames; unlike zstandard's stream_reader it notices a file cut short."""
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._zstd, self._raw, self._pending = zstandard, raw, b""
+        self._dobj, self._started = zstandard.ZstdDecompressor().decompressobj(), False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            chunk = self._raw.read(_CHUNK)
+            if not chunk:
+                if self._started and not self._dobj.eof:
+                    raise EOFError("zstd stream ended before the end of its frame")
+                return 0
+            while chunk:
+                if self._dobj.eof:  # the next frame
+                    self._dobj = self._zstd.ZstdDecompressor().decompressobj()
+                self._started = True
+                self._pending += self._dobj.decompress(chunk)
+                chunk = self._dobj.unused_data if self._dobj.eof else b""
+        n = min(len(buffer), len(self._pending))
+        buffer[:n], self._pending = self._pending[:n], self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _ClosingGzip(gzip.GzipFile):
+    """A GzipFile over a stream it opened: closing it closes the stream too (GzipFile leaves a given one open)."""
+
+    def close(self) -> None:
+        stream = self.fileobj
+        try:
+            super().close()
+        finally:
+            if stream is not None:
+                stream.close()
+
+
+class _Tap(io.RawIOBase):
+    """The raw bytes of an input as a reader pulls them, counted and hashed; only the first `limit` bytes are
+    hashed (a byte range's own bytes: the last record may run past its end). Closing it keeps the underlying stream
+    open, so what the reader left unread can still be hashed."""
+
+    def __init__(self, raw, limit: int | None):
+        self.raw, self.limit, self.seen, self.sha = raw, limit, 0, hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.raw.readinto(buffer)
+        if n:
+            take = n if self.limit is None else max(0, min(n, self.limit - self.seen))
+            if take:
+                self.sha.update(memoryview(buffer)[:take])
+            self.seen += n
+        return n or 0
+
+    def drain(self) -> None:
+        """Reads on to the end of the range or file, so the digest covers all of it."""
+        buffer = bytearray(_CHUNK)
+        while (self.limit is None or self.seen < self.limit) and self.readinto(buffer):
+            pass
+
+
+@dataclass
+class InputFile:
+    """One read task's input: a file or object, or bytes [start, end) of it (an uncompressed jsonl split across
+    tasks: it reads the records whose first byte lies in the range; `lines_before`: the newlines before `start`, so
+    every record keeps the location a whole-file read gives it)."""
+
+    path: str
+    options: dict = field(default_factory=dict)
+    start: int = 0
+    end: int | None = None
+    lines_before: int = 0
+    _tap: _Tap | None = field(default=None, repr=False)
+
+    @property
+    def is_range(self) -> bool:
+        return self.end is not None
+
+    def open_raw(self) -> io.BufferedReader:
+        """The file's bytes from `start` as a stream (the first opening is the one counted and hashed)."""
+        raw = _open_at(self.path, self.options, self.start)
+        if self._tap is not None:
+            return io.BufferedReader(raw, buffer_size=_CHUNK)
+        self._tap = _Tap(raw, None if self.end is None else self.end - self.start)
+        return io.BufferedReader(self._tap, buffer_size=_CHUNK)
+
+    def open_binary(self) -> io.BufferedIOBase:
+        """The file, transparently decompressed when it ends in .gz or .zst."""
+        if self.path.endswith(".gz"):
+            return _ClosingGzip(fileobj=self.open_raw(), mode="rb")
+        if self.path.endswith(".zst"):
+            return io.BufferedReader(_ZstdStream(self.open_raw()), buffer_size=_CHUNK)
+        return self.open_raw()
+
+    def starts_inside_a_line(self) -> bool:
+        """Whether the byte before `start` is not a newline: the line under way belongs to the range before."""
+        if not self.start:
+            return False
+        with _open_at(self.path, self.options, self.start - 1) as f:
+            return f.read(1) != b"\n"
+
+    def digest(self) -> tuple[int, str]:
+        """(bytes, sha256) of the file or range, hashing what the reader left unread; a file no reader opened as a
+        stream (Parquet reads its footer first) is read through once here."""
+        if self._tap is None:
+            with self.open_raw():
+                pass
+        self._tap.drain()
+        return min(self._tap.seen, self._tap.limit or self._tap.seen), "sha256:" + self._tap.sha.hexdigest()
+
+    def close(self) -> None:
+        if self._tap is not None:
+            self._tap.raw.close()
