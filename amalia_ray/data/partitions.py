@@ -168,10 +168,10 @@ class ExchangeLedger:
     """What this process's exchanges moved, one entry per exchange: the data stage reports those of its run."""
 
     def __init__(self):
-        self.entries: list[tuple[int, int, int]] = []  # bytes, objects, bytes of the largest part
+        self.entries: list[tuple[int, int, int, int]] = []  # bytes, objects, bytes of the largest part, parts
 
     def add(self, plan: ExchangePlan) -> None:
-        self.entries.append((plan.total_bytes, plan.objects, plan.total_bytes // max(1, plan.parts)))
+        self.entries.append((plan.total_bytes, plan.objects, plan.total_bytes // max(1, plan.parts), plan.parts))
 
     def mark(self) -> int:
         return len(self.entries)
@@ -179,7 +179,8 @@ class ExchangeLedger:
     def since(self, mark: int) -> dict:
         entries = self.entries[mark:]
         return {"exchanges": len(entries), "bytes": sum(e[0] for e in entries),
-                "objects": sum(e[1] for e in entries), "largest_part_bytes": max((e[2] for e in entries), default=0)}
+                "objects": sum(e[1] for e in entries), "largest_part_bytes": max((e[2] for e in entries), default=0),
+                "parts": sum(e[3] for e in entries)}
 
 
 LEDGER = ExchangeLedger()
