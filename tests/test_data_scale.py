@@ -249,7 +249,7 @@ def test_a_large_jsonl_is_read_in_byte_ranges_with_the_ids_of_a_whole_read(ray_c
     import json
 
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data.inputs import collect_ledger, read_plan, read_sources
+    from amalia_ray.data.inputs import collect_ledger, list_sources, read_plan, read_sources
     from amalia_ray.data.readers import read_file
 
     rng = random.Random(7)
@@ -267,10 +267,11 @@ def test_a_large_jsonl_is_read_in_byte_ranges_with_the_ids_of_a_whole_read(ray_c
     path.write_bytes(data)
     src = SourceConfig(name="d", paths=[str(path)], format="jsonl", range_bytes=1024, max_record_bytes=8192)
 
-    plan = read_plan([src], Path)
+    plan = read_plan([src], list_sources([src], Path))
     assert [(i["start"], i["end"]) for i in plan] == [(a, min(a + 1024, len(data))) for a in range(0, len(data), 1024)]
-    assert all(i["lines_before"] == data[:i["start"]].count(b"\n") for i in plan)
-    ranged = pa.concat_tables(ray_cluster.get(read_sources([src], Path, tmp_path / "read").to_arrow_refs()))
+    assert all(i["before"] == data[:i["start"]].count(b"\n") for i in plan)
+    ranged = read_sources([src], list_sources([src], Path), tmp_path / "read")
+    ranged = pa.concat_tables(ray_cluster.get(ranged.to_arrow_refs()))
     whole = read_file(str(path), src.model_copy(update={"range_bytes": 1 << 30}))
     rows = sorted(zip(*(ranged[c].to_pylist() for c in ("id", "location", "text", "drop_reason"))))
     assert rows == sorted(zip(*(whole[c].to_pylist() for c in ("id", "location", "text", "drop_reason"))))
@@ -285,6 +286,59 @@ def test_a_large_jsonl_is_read_in_byte_ranges_with_the_ids_of_a_whole_read(ray_c
     assert [(e["start"], e["end"]) for e in ledger] == [(i["start"], i["end"]) for i in plan]
     assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in ledger)
     assert sum(e["records"] for e in ledger) == 399
+
+
+def test_a_large_warc_gz_is_read_in_ranges_of_whole_members_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
+    """A .warc.gz written a gzip member per record, over `range_bytes`: each cut moves to the next member that begins
+    a record (gzip magic bytes inside compressed data, or a member that does not start a record, are passed over),
+    every record is read once, located at its offset in the decompressed stream as a whole-file read locates it;
+    broken and non-HTML records behave as in a whole read. The same records compressed as one member cannot be
+    entered in the middle: one range."""
+    import gzip
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    from amalia_ray.core.config import SourceConfig
+    from amalia_ray.data.inputs import collect_ledger, list_sources, read_plan, read_sources
+    from amalia_ray.data.readers import read_file
+    from tests.test_readers import warc_record
+
+    rng = random.Random(3)
+    words = "o arquivo guarda páginas da web portuguesa desde mil novecentos e noventa e seis".split()
+    records = [warc_record(f"https://arquivo.pt/p{i}", "<html><body><p>"
+                           + " ".join(rng.choices(words, k=rng.randint(20, 200))) + f" número {i}.</p></body></html>")
+               for i in range(120)]
+    records[30] = records[30].replace(b"Content-Length: ", b"Content-Length: x", 1)  # broken: quarantined once
+    records[31] = warc_record("https://arquivo.pt/img.png", "PNG", content_type="image/png")  # skipped
+    members = [gzip.compress(r) for r in records]
+    members[60] = gzip.compress(records[60][:50]) + gzip.compress(records[60][50:])  # a member inside a record
+    (tmp_path / "crawl.warc.gz").write_bytes(b"".join(members))
+    (tmp_path / "whole.warc.gz").write_bytes(gzip.compress(b"".join(records)))
+    src = SourceConfig(name="w", paths=[str(tmp_path / "*.warc.gz")], format="warc", range_bytes=2048)
+
+    plan = read_plan([src], list_sources([src], Path))
+    ranged = [i for i in plan if i["name"] == "crawl.warc.gz"]
+    assert [i["end"] for i in plan if i["name"] == "whole.warc.gz"] == [-1], "one member: read whole"
+    data = (tmp_path / "crawl.warc.gz").read_bytes()
+    member_starts = {sum(len(m) for m in members[:k]) for k in range(len(members))}
+    assert len(ranged) > 5 and {i["start"] for i in ranged} <= member_starts
+    assert all(i["before"] == len(gzip.decompress(data[:i["start"]])) for i in ranged[1:])
+    inner = sum(len(m) for m in members[:60]) + len(gzip.compress(records[60][:50]))
+    assert inner not in {i["start"] for i in ranged}, "a member that does not begin a record is no cut"
+
+    docs = pa.concat_tables(ray_cluster.get(read_sources([src], list_sources([src], Path), tmp_path / "read")
+                                            .to_arrow_refs()))
+    for name in ("crawl.warc.gz", "whole.warc.gz"):
+        whole = read_file(str(tmp_path / name), src.model_copy(update={"range_bytes": 1 << 30}), name)
+        mine = docs.filter(pa.compute.equal(docs["path"], str(tmp_path / name)))
+        cols = ("id", "text", "drop_reason")
+        assert sorted(zip(*(mine[c].to_pylist() for c in cols))) == sorted(zip(*(whole[c].to_pylist() for c in cols)))
+        assert len(mine) == 119 and mine["drop_reason"].to_pylist().count("quarantine:broken WARC record") == 1
+    collect_ledger(tmp_path / "read", tmp_path / "inputs.parquet")
+    ledger = [e for e in pq.read_table(tmp_path / "inputs.parquet").to_pylist() if e["path"].endswith("crawl.warc.gz")]
+    assert sorted((e["start"], e["end"]) for e in ledger) == [(i["start"], i["end"]) for i in ranged]
+    assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in ledger)
 
 
 def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeypatch):

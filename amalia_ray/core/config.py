@@ -61,9 +61,10 @@ class SourceConfig(Strict):
                           "decode is quarantined")
     max_record_bytes: int = Field(16 << 20, ge=1024, description="a line, row, page or WARC record over this many bytes "
                                   "is quarantined instead of read (one huge record never fills a worker's memory)")
-    range_bytes: int = Field(256 << 20, ge=1024, description="jsonl: an uncompressed file over this many bytes is "
-                             "read by several tasks, one per range of about this many bytes (records cut at line "
-                             "boundaries; ids are those of a whole-file read); compressed files are one task each")
+    range_bytes: int = Field(256 << 20, ge=1024, description="an uncompressed jsonl or a .warc.gz (a gzip member per "
+                             "record) over this many bytes is read by several tasks, one per range of about this "
+                             "many bytes, cut at lines or members (ids are those of a whole-file read); other "
+                             "files are one task each")
     url_field: str = Field("url", description="jsonl/parquet: the field holding the page's URL, if any (web "
                            "archives: WARC-Target-URI); data.captures keeps one capture per URL")
     date_field: str = Field("date", description="jsonl/parquet: the field holding the capture's date, if any (ISO "

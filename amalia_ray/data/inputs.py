@@ -4,10 +4,9 @@ cut into read tasks.
 Paths are local files or globs, or URIs of object storage and other filesystems (s3://, gs://, abfs://, hdfs://,
 any fsspec scheme: `core/filesystem.py`), listed on the driver (one listing per pattern: names, sizes and
 modification times, never content) and streamed by the read tasks. A file is one read task, except an uncompressed
-jsonl file over its source's `range_bytes`: it is cut into byte ranges read by separate tasks, each reading the
-records whose first byte lies in its range; a first parallel pass counts the newlines of each range, so a record's
-location (`line N`), and with it the document's id, is the same however the file is cut. Each read task records the
-bytes and sha256 of what it read (`streams.InputFile`) in the stage's input ledger.
+jsonl or a .warc.gz file over its source's `range_bytes`: it is cut into byte ranges read by separate tasks, a
+record's location (and with it the document's id) the same however the file is cut (`ranges.py`). Each read task
+records the bytes and sha256 of what it read (`streams.InputFile`) in the stage's input ledger.
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ import ray
 from amalia_ray.core.config import SourceConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import open_filesystem
+from amalia_ray.data.ranges import is_member_ranged, plan_ranges
 from amalia_ray.data.readers import read_file_tables
-from amalia_ray.data.streams import _CHUNK, InputFile, is_uri
+from amalia_ray.data.streams import InputFile, is_uri
 
 Listed = tuple[str, int, int]  # path or URI, size in bytes, modification time (ns; 0 where storage gives none)
 
@@ -59,10 +59,15 @@ def expand_paths(source: SourceConfig, resolve, field: str) -> list[str]:
     return [path for path, _, _ in listed_files(source, resolve, field)]
 
 
-def fingerprint_lines(source: SourceConfig, resolve, field: str) -> list[str]:
-    """What identifies a source's files without reading them: path, size and modification time of each; a stage
+def list_sources(sources: list[SourceConfig], resolve) -> list[list[Listed]]:
+    """Each source's files (listed_files): the one listing a run makes of its corpus."""
+    return [listed_files(s, resolve, f"data.sources[{i}]") for i, s in enumerate(sources)]
+
+
+def fingerprint_lines(listing: list[list[Listed]]) -> list[str]:
+    """What identifies the corpus's files without reading them: path, size and modification time of each; a stage
     over them reruns when one changes. (The content digests of what was read are in the stage's input ledger.)"""
-    return [f"{path} {size} {mtime}" for path, size, mtime in listed_files(source, resolve, field)]
+    return [f"{path} {size} {mtime}" for listed in listing for path, size, mtime in listed]
 
 
 _GLOB = re.compile(r"[*?\[]")
@@ -145,45 +150,19 @@ def relative_names(files: list[str]) -> dict[str, str]:
     return names
 
 
-def splits_into_ranges(path: str, size: int, source: SourceConfig) -> bool:
-    """Only an uncompressed jsonl file can be cut anywhere and resumed at the next line."""
-    return source.format == "jsonl" and not path.endswith((".gz", ".zst")) and size > source.range_bytes
-
-
-@ray.remote(num_cpus=1)
-def _newlines(path: str, options: dict, start: int, end: int) -> int:
-    """The newlines in bytes [start, end) of a file."""
-    count, left = 0, end - start
-    with InputFile(path, options, start, end).open_raw() as f:
-        while left > 0 and (chunk := f.read(min(_CHUNK, left))):
-            count += chunk.count(b"\n")
-            left -= len(chunk)
-    return count
-
-
-def read_plan(sources: list[SourceConfig], resolve) -> list[dict]:
-    """One item per read task: source index, path, name, byte range (end -1: the whole file) and the newlines
-    before it. The newlines of every range but each file's last are counted in parallel tasks."""
-    items, ranges, counts = [], [], []
-    for i, s in enumerate(sources):
-        listed = listed_files(s, resolve, f"data.sources[{i}]")
+def read_plan(sources: list[SourceConfig], listing: list[list[Listed]]) -> list[dict]:
+    """One item per read task over the listed files: source index, path, name, byte range (end -1: the whole file)
+    and what precedes the range (`ranges.plan_ranges`)."""
+    files = []
+    for i, listed in enumerate(listing):
         names = relative_names([path for path, _, _ in listed])
-        for path, size, _ in listed:
-            item = {"source": i, "path": path, "name": names[path], "start": 0, "end": -1, "lines_before": 0}
-            if not splits_into_ranges(path, size, s):
-                items.append(item)
-                continue
-            cuts = list(range(0, size, s.range_bytes)) + [size]
-            for start, end in zip(cuts, cuts[1:]):
-                items.append({**item, "start": start, "end": end})
-                if end < size:  # the last range's newlines precede nothing
-                    ranges.append(len(items) - 1)
-                    counts.append(_newlines.remote(path, s.storage_options, start, end))
-    before = 0
-    for index, count in zip(ranges, ray.get(counts)):
-        before = 0 if items[index]["start"] == 0 else before  # a file's first range
-        before += count
-        items[index + 1]["lines_before"] = before
+        files.extend((i, path, size, names[path]) for path, size, _ in listed)
+    plans = plan_ranges([(path, size, sources[i]) for i, path, size, _ in files])
+    items = []
+    for (i, path, _, name), plan in zip(files, plans):
+        whole = len(plan) == 1
+        items.extend({"source": i, "path": path, "name": name, "start": start, "end": -1 if whole else end,
+                      "before": before} for start, end, before in plan)
     return items
 
 
@@ -192,10 +171,11 @@ LEDGER_SCHEMA = pa.schema([("source", pa.string()), ("path", pa.string()), ("sta
                            ("records", pa.int64())])
 
 
-def read_sources(sources: list[SourceConfig], resolve, ledger_dir: Path | None = None) -> ray.data.Dataset:
-    """The documents of every source, one read task per file or byte range. With `ledger_dir`, each task writes
-    what it read there (path, range, bytes, sha256, records: `collect_ledger` gathers them)."""
-    items = read_plan(sources, resolve)
+def read_sources(sources: list[SourceConfig], listing: list[list[Listed]], ledger_dir: Path | None = None
+                 ) -> ray.data.Dataset:
+    """The documents of every source's listed files, one read task per file or byte range. With `ledger_dir`, each
+    task writes what it read there (path, range, bytes, sha256, records: `collect_ledger` gathers them)."""
+    items = read_plan(sources, listing)
     for index, item in enumerate(items):
         item["index"] = index
 
@@ -203,7 +183,8 @@ def read_sources(sources: list[SourceConfig], resolve, ledger_dir: Path | None =
         for item in batch.to_pylist():
             src = sources[item["source"]]
             end = None if item["end"] < 0 else item["end"]
-            file = InputFile(item["path"], src.storage_options, item["start"], end, item["lines_before"])
+            file = InputFile(item["path"], src.storage_options, item["start"], end, item["before"],
+                             bounded=is_member_ranged(item["path"]))
             records = 0
             try:
                 for table in read_file_tables(file, src, item["name"]):

@@ -150,7 +150,7 @@ def _lines(f, limit: int, file: InputFile) -> Iterator[tuple[int, bytes, int]]:
     """(line number, line, its full length) of a binary stream; a line over `limit` bytes comes back cut to its
     first `limit` bytes while the rest is skipped, so one huge line never sits in memory whole. From a byte range:
     the lines that start inside it, numbered as in the whole file."""
-    n, at = file.lines_before, file.start
+    n, at = file.before, file.start
     end = file.end if file.is_range else float("inf")
     if file.starts_inside_a_line():  # that line is the previous range's
         at, n = file.start + _rest_of_line(f, 0, end - file.start), n + 1
@@ -364,7 +364,7 @@ def read_warc(file: InputFile, src: SourceConfig) -> Iterator[Record]:
     with file.open_binary() as f:
         try:
             for at, header, record, problem in warc_records(f, src.max_record_bytes):
-                where = f"record at byte {at}"
+                where = f"record at byte {at + file.before}"
                 fields = dict(_header_field(h) for h in header[1:])
                 own_id = fields.get(b"warc-record-id", b"").decode("utf-8", "replace") or None
                 meta = {"url": fields.get(b"warc-target-uri", b"").decode("utf-8", "replace") or None,
@@ -378,7 +378,7 @@ def read_warc(file: InputFile, src: SourceConfig) -> Iterator[Record]:
                                                    parse_http=True)), None)
                 yield from _warc_response(parsed, own_id, where, meta, record)
         except (EOFError, OSError, ValueError) as e:  # a .gz cut short: the records before it are kept
-            yield None, "end of file", "", {}, truncated(e)
+            yield None, f"end of bytes {file.start}-{file.end}" if file.is_range else "end of file", "", {}, truncated(e)
 
 
 def _warc_response(parsed, own_id, where, meta, record: bytes) -> Iterator[Record]:

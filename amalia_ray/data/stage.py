@@ -26,7 +26,7 @@ from amalia_ray.data.decide import ROW, decide, set_columns
 from amalia_ray.data.partitions import LEDGER, configure_data_context, count_by, write_ordered_shards, write_shards
 from amalia_ray.data.quality import HeuristicScore, quality_steps
 from amalia_ray.data.quality_model import QualityModelScore
-from amalia_ray.data.inputs import collect_ledger, expand_paths, fingerprint_lines, read_sources
+from amalia_ray.data.inputs import Listed, collect_ledger, fingerprint_lines, list_sources, read_sources
 from amalia_ray.data.steps import (
     ExactKeys,
     MinLength,
@@ -40,28 +40,31 @@ from amalia_ray.data.steps import (
 from amalia_ray.data.tokenizer import base_tokenizer, train_tokenizer
 
 
-def input_files(cfg: DataConfig, resolve) -> list[str]:
-    return [f for i, s in enumerate(cfg.sources) for f in expand_paths(s, resolve, f"data.sources[{i}]")]
+def list_corpus(cfg: DataConfig, resolve) -> list[list[Listed]]:
+    """Each source's files with their sizes and modification times; a pattern matching nothing is an error."""
+    return list_sources(cfg.sources, resolve)
 
 
-def input_fingerprints(cfg: DataConfig, resolve) -> list[str]:
+def input_fingerprints(listing: list[list[Listed]]) -> list[str]:
     """A line per corpus file or object: path, size and modification time from its listing (nothing is read before
     the stage runs; the read tasks hash what they read into the stage's input ledger, `inputs.parquet`)."""
-    return [line for i, s in enumerate(cfg.sources) for line in fingerprint_lines(s, resolve, f"data.sources[{i}]")]
+    return fingerprint_lines(listing)
 
 
 def curate(cfg: DataConfig, resolve, out_dir: Path,
-           benchmark_items: dict[str, list[tuple[str, str]]] | None = None) -> dict:
+           benchmark_items: dict[str, list[tuple[str, str]]] | None = None,
+           listing: list[list[Listed]] | None = None) -> dict:
     """Read, clean, filter, keep one capture per page, score, decontaminate, exact- and (optionally) near-dedup the
     corpus into `out_dir/kept`; every dropped document goes to `out_dir/dropped` with its reason, unreadable
     records also to `out_dir/quarantine` with their location, near duplicates to `out_dir/near_duplicates` with
     the id of the document kept for them; `out_dir/inputs.parquet` lists each file or byte range read with its size
-    and sha256. `benchmark_items`: task -> [(item id, item text)] for decontamination."""
+    and sha256. `benchmark_items`: task -> [(item id, item text)] for decontamination; `listing`: the corpus as
+    `list_corpus` listed it (the files whose fingerprint decided that the stage runs), else listed here."""
     configure_data_context()
     moved = LEDGER.mark()
     tmp = fresh_dir(out_dir)
     docs = (
-        read_sources(cfg.sources, resolve, tmp / "read")
+        read_sources(cfg.sources, listing or list_corpus(cfg, resolve), tmp / "read")
         .map_batches(Clean(cfg.cleaning), batch_format="pyarrow")
         .map_batches(Normalize(cfg.normalization), batch_format="pyarrow")
         .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")

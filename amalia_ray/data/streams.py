@@ -135,17 +135,40 @@ class _Tap(io.RawIOBase):
             pass
 
 
+class _Limited(io.RawIOBase):
+    """The first `left` bytes of a raw stream: a range of gzip members ends where the next range's first begins."""
+
+    def __init__(self, raw, left: int):
+        self.raw, self.left = raw, left
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.left <= 0:
+            return 0
+        n = self.raw.readinto(memoryview(buffer)[:min(len(buffer), self.left)]) or 0
+        self.left -= n
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
 @dataclass
 class InputFile:
-    """One read task's input: a file or object, or bytes [start, end) of it (an uncompressed jsonl split across
-    tasks: it reads the records whose first byte lies in the range; `lines_before`: the newlines before `start`, so
-    every record keeps the location a whole-file read gives it)."""
+    """One read task's input: a file or object, or bytes [start, end) of it. An uncompressed jsonl range holds the
+    records whose first byte lies in it (the last one read past `end`); a .warc.gz range holds whole gzip members
+    (`bounded`: nothing past `end` is read). `before`: what precedes the range in the unit its records are located
+    by (newlines, decompressed bytes), so every record keeps the location a whole-file read gives it."""
 
     path: str
     options: dict = field(default_factory=dict)
     start: int = 0
     end: int | None = None
-    lines_before: int = 0
+    before: int = 0
+    bounded: bool = False
     _tap: _Tap | None = field(default=None, repr=False)
 
     @property
@@ -155,6 +178,8 @@ class InputFile:
     def open_raw(self) -> io.BufferedReader:
         """The file's bytes from `start` as a stream (the first opening is the one counted and hashed)."""
         raw = _open_at(self.path, self.options, self.start)
+        if self.bounded and self.end is not None:
+            raw = _Limited(raw, self.end - self.start)
         if self._tap is not None:
             return io.BufferedReader(raw, buffer_size=_CHUNK)
         self._tap = _Tap(raw, None if self.end is None else self.end - self.start)

@@ -36,6 +36,7 @@ class RunContext(Protocol):
     manifest: Manifest
     store: RunStore | None
     cluster_info: dict  # set while the run's Ray session is up: its resources and billable CPUs
+    corpus: list | None  # the corpus's files, listed once per run (stages.corpus_listing)
 
     def stage_dir(self, name: str) -> Path: ...
 

@@ -24,6 +24,14 @@ from amalia_ray.train.model import check_config
 from amalia_ray.train.stage import run_train_stage
 
 
+def corpus_listing(p: RunContext) -> list:
+    """The corpus's files as listed once per run: by the checks before work starts, reused by the data stage's
+    fingerprint and read (an object store's pattern is one LIST per 1,000 objects, not three)."""
+    if p.corpus is None:
+        p.corpus = data_stage.list_corpus(p.recipe.data, p.loaded.resolve)
+    return p.corpus
+
+
 def preflight(p: RunContext, needs_serving: bool) -> None:
     """Everything that can be checked before any work starts, so a bad path fails in a second, not after training."""
     r = p.recipe
@@ -31,7 +39,7 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         p.store.check()
     if r.tracking.wandb and importlib.util.find_spec("wandb") is None:
         raise AmaliaError("tracking.wandb is set but the wandb package is not installed: pip install wandb")
-    data_stage.input_files(r.data, p.loaded.resolve)
+    corpus_listing(p)
     for stage in r.train:
         if stage.data_path and not p.loaded.resolve(stage.data_path).exists():
             raise AmaliaError(f"train stage '{stage.name}': dataset not found: {p.loaded.resolve(stage.data_path)}")
@@ -143,13 +151,15 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
     cpus = {"CPU": p.cluster_info["resources"].get("CPU", 0)}
     cluster_cpus = {"CPU": p.cluster_info["billable_cpus"]}  # Ray Data spreads over the whole cluster
     if "data" in names:
-        corpus = data_stage.input_fingerprints(r.data, p.loaded.resolve)  # listed, not read
+        listing = corpus_listing(p)  # listed, not read
         benchmarks = decontamination_tasks(r)
-        yield StageSpec("data", [r.data, *([[t.model_dump() for t in benchmarks]] if benchmarks else []), corpus],
+        yield StageSpec("data", [r.data, *([[t.model_dump() for t in benchmarks]] if benchmarks else []),
+                                 data_stage.input_fingerprints(listing)],
                         {**{f"benchmark:{t.name}": p.loaded.resolve(t.path) for t in benchmarks},
                          **({"quality_model": p.loaded.resolve(r.data.quality_model)} if r.data.quality_model else {})},
                         {"corpus": d("data")},
-                        lambda: data_stage.curate(r.data, p.loaded.resolve, d("data"), benchmark_items(p, benchmarks)),
+                        lambda: data_stage.curate(r.data, p.loaded.resolve, d("data"), benchmark_items(p, benchmarks),
+                                                  listing),
                         cpus, held=lambda m: cluster_cpus)
     if "tokenizer" in names:
         base = base_model_dir(p)
