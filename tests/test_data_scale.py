@@ -249,7 +249,7 @@ def test_a_large_jsonl_is_read_in_byte_ranges_with_the_ids_of_a_whole_read(ray_c
     import json
 
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data.inputs import collect_ledger, list_sources, read_plan, read_sources
+    from amalia_ray.data.inputs import ReadLedger, list_sources, read_plan, read_sources
     from amalia_ray.data.readers import read_file
 
     rng = random.Random(7)
@@ -270,15 +270,15 @@ def test_a_large_jsonl_is_read_in_byte_ranges_with_the_ids_of_a_whole_read(ray_c
     plan = read_plan([src], list_sources([src], Path))
     assert [(i["start"], i["end"]) for i in plan] == [(a, min(a + 1024, len(data))) for a in range(0, len(data), 1024)]
     assert all(i["before"] == data[:i["start"]].count(b"\n") for i in plan)
-    ranged = read_sources([src], list_sources([src], Path), tmp_path / "read")
-    ranged = pa.concat_tables(ray_cluster.get(ranged.to_arrow_refs()))
+    ledger = ReadLedger()
+    ranged = pa.concat_tables(ray_cluster.get(read_sources([src], list_sources([src], Path), ledger).to_arrow_refs()))
     whole = read_file(str(path), src.model_copy(update={"range_bytes": 1 << 30}))
     rows = sorted(zip(*(ranged[c].to_pylist() for c in ("id", "location", "text", "drop_reason"))))
     assert rows == sorted(zip(*(whole[c].to_pylist() for c in ("id", "location", "text", "drop_reason"))))
     assert len(rows) == 399 and ranged["id"].to_pylist().count("d/dump.jsonl#line 91") == 1
     assert {r[3] for r in rows} == {None, "quarantine:record too large", "quarantine:invalid JSON"}
 
-    stats = collect_ledger(tmp_path / "read", tmp_path / "inputs.parquet")
+    stats = ledger.write(tmp_path / "inputs.parquet")
     import pyarrow.parquet as pq
 
     ledger = sorted(pq.read_table(tmp_path / "inputs.parquet").to_pylist(), key=lambda e: e["start"])
@@ -300,7 +300,7 @@ def test_a_large_warc_gz_is_read_in_ranges_of_whole_members_with_the_ids_of_a_wh
     import pyarrow.parquet as pq
 
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data.inputs import collect_ledger, list_sources, read_plan, read_sources
+    from amalia_ray.data.inputs import ReadLedger, list_sources, read_plan, read_sources
     from amalia_ray.data.readers import read_file
     from tests.test_readers import warc_record
 
@@ -327,15 +327,15 @@ def test_a_large_warc_gz_is_read_in_ranges_of_whole_members_with_the_ids_of_a_wh
     inner = sum(len(m) for m in members[:60]) + len(gzip.compress(records[60][:50]))
     assert inner not in {i["start"] for i in ranged}, "a member that does not begin a record is no cut"
 
-    docs = pa.concat_tables(ray_cluster.get(read_sources([src], list_sources([src], Path), tmp_path / "read")
-                                            .to_arrow_refs()))
+    ledger = ReadLedger()
+    docs = pa.concat_tables(ray_cluster.get(read_sources([src], list_sources([src], Path), ledger).to_arrow_refs()))
     for name in ("crawl.warc.gz", "whole.warc.gz"):
         whole = read_file(str(tmp_path / name), src.model_copy(update={"range_bytes": 1 << 30}), name)
         mine = docs.filter(pa.compute.equal(docs["path"], str(tmp_path / name)))
         cols = ("id", "text", "drop_reason")
         assert sorted(zip(*(mine[c].to_pylist() for c in cols))) == sorted(zip(*(whole[c].to_pylist() for c in cols)))
         assert len(mine) == 119 and mine["drop_reason"].to_pylist().count("quarantine:broken WARC record") == 1
-    collect_ledger(tmp_path / "read", tmp_path / "inputs.parquet")
+    ledger.write(tmp_path / "inputs.parquet")
     ledger = [e for e in pq.read_table(tmp_path / "inputs.parquet").to_pylist() if e["path"].endswith("crawl.warc.gz")]
     assert sorted((e["start"], e["end"]) for e in ledger) == [(i["start"], i["end"]) for i in ranged]
     assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in ledger)

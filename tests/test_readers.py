@@ -78,6 +78,39 @@ def test_warc_html_responses(tmp_path):
     assert json.loads(out[0]["metadata"])["record_id"].startswith("<urn:uuid:")
 
 
+def arc_record(url: str, html: str, content_type: str = "text/html", version: int = 1, length_off: int = 0) -> bytes:
+    body = html.encode()
+    http = f"HTTP/1.0 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    extra = "200 - - 0 x.arc " if version == 2 else ""
+    return f"{url} 10.0.0.1 20010915103000 {content_type} {extra}{len(http) + length_off}\n".encode() + http + b"\n"
+
+
+def test_arc_files_version_1_and_2_plain_and_member_by_member(tmp_path):
+    """The web archive format before WARC (much of Arquivo.pt's older crawl): the file's description record and
+    non-HTML records are skipped, each HTML response becomes a document with its URL and 14-digit date, and a
+    record whose length is wrong or bytes that are no record are quarantined while the reader carries on."""
+    desc = b"1 0 Arquivo\nURL IP-address Archive-date Content-type Archive-length\n"
+    records = [b"filedesc://crawl.arc 0.0.0.0 20010915103000 text/plain %d\n" % len(desc) + desc + b"\n",
+               arc_record("http://www.exemplo.pt/", f"<html><body><p>{TEXT}</p></body></html>"),
+               arc_record("http://www.exemplo.pt/logo.gif", "GIF89a", content_type="image/gif"),
+               arc_record("http://www.exemplo.pt/longo", "<html><body><p>Comprimento errado.</p></body></html>",
+                          length_off=500),
+               b"LIXO ENTRE REGISTOS\n",
+               arc_record("http://www.exemplo.pt/b", "<html><body><p>Outra página do arquivo.</p></body></html>",
+                          version=2)]
+    files = {"c.arc": b"".join(records), "c.arc.gz": b"".join(gzip.compress(r) for r in records)}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        out = rows(read_file(str(tmp_path / name), src("warc")))
+        good = [r for r in out if r["drop_reason"] is None]
+        assert [json.loads(r["metadata"]) for r in good] == [
+            {"url": "http://www.exemplo.pt/", "date": "20010915103000"},
+            {"url": "http://www.exemplo.pt/b", "date": "20010915103000"}], name
+        assert TEXT in good[0]["text"] and "Outra página" in good[1]["text"]
+        assert good[0]["id"] == f"s/{name}#record at byte {len(records[0])}"
+        assert [r["drop_reason"] for r in out if r["drop_reason"]] == ["quarantine:broken ARC record"] * 2, name
+
+
 def test_unreadable_file_is_quarantined_not_fatal(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip at all")
     (out,) = rows(read_file(str(tmp_path / "bad.jsonl.gz"), src("jsonl")))

@@ -12,7 +12,6 @@ records the bytes and sha256 of what it read (`streams.InputFile`) in the stage'
 from __future__ import annotations
 
 import glob
-import json
 import os
 import posixpath
 import re
@@ -171,13 +170,48 @@ LEDGER_SCHEMA = pa.schema([("source", pa.string()), ("path", pa.string()), ("sta
                            ("records", pa.int64())])
 
 
-def read_sources(sources: list[SourceConfig], listing: list[list[Listed]], ledger_dir: Path | None = None
+@ray.remote(num_cpus=0)
+class _LedgerEntries:
+    def __init__(self):
+        self.entries: dict[int, dict] = {}
+
+    def add(self, index: int, entry: dict) -> None:
+        self.entries[index] = entry  # a task run again records the same entry again
+
+    def all(self) -> list[dict]:
+        return [self.entries[i] for i in sorted(self.entries)]
+
+
+class ReadLedger:
+    """What the read tasks read, one entry per file or range (source, path, byte range, bytes, sha256, records),
+    gathered by a small actor rather than a file per task on shared storage."""
+
+    def __init__(self):
+        self.actor, self.expected = _LedgerEntries.remote(), 0
+
+    def write(self, out: Path) -> dict:
+        """The entries as one Parquet table at `out`; returns the files and bytes read. A read task that left no
+        entry is an error: the counts would be short without anyone noticing."""
+        import pyarrow.parquet as pq
+
+        entries = ray.get(self.actor.all.remote())
+        ray.kill(self.actor)
+        if len(entries) != self.expected:
+            raise AmaliaError(f"the read ledger has {len(entries)} entries for {self.expected} read tasks")
+        pq.write_table(pa.Table.from_pylist(entries, schema=LEDGER_SCHEMA), out)
+        return {"input_files": len({e["path"] for e in entries}), "input_bytes": sum(e["bytes"] for e in entries)}
+
+
+def read_sources(sources: list[SourceConfig], listing: list[list[Listed]], ledger: ReadLedger | None = None
                  ) -> ray.data.Dataset:
-    """The documents of every source's listed files, one read task per file or byte range. With `ledger_dir`, each
-    task writes what it read there (path, range, bytes, sha256, records: `collect_ledger` gathers them)."""
+    """The documents of every source's listed files, one read task per file or byte range; with `ledger`, each
+    task records there what it read."""
     items = read_plan(sources, listing)
     for index, item in enumerate(items):
         item["index"] = index
+    entries = None
+    if ledger is not None:
+        ledger.expected, entries = len(items), ledger.actor
 
     def read_batch(batch: pa.Table) -> Iterator[pa.Table]:
         for item in batch.to_pylist():
@@ -190,30 +224,14 @@ def read_sources(sources: list[SourceConfig], listing: list[list[Listed]], ledge
                 for table in read_file_tables(file, src, item["name"]):
                     records += table.num_rows
                     yield table
-                if ledger_dir is None:
+                if entries is None:
                     continue
                 size, sha = file.digest()
             finally:
                 file.close()
-            entry = {"source": src.name, "path": item["path"], "start": item["start"],
-                     "end": item["start"] + size, "bytes": size, "sha256": sha, "records": records}
-            out = ledger_dir / f"{item['index']:09d}.json"
-            ledger_dir.mkdir(parents=True, exist_ok=True)
-            out.with_suffix(".tmp").write_text(json.dumps(entry))
-            out.with_suffix(".tmp").replace(out)  # a task run twice writes the same entry whole
+            ray.get(entries.add.remote(item["index"], {
+                "source": src.name, "path": item["path"], "start": item["start"], "end": item["start"] + size,
+                "bytes": size, "sha256": sha, "records": records}))
 
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         read_batch, batch_size=1, batch_format="pyarrow")
-
-
-def collect_ledger(ledger_dir: Path, out: Path) -> dict:
-    """The read tasks' entries as one Parquet table at `out` (the folder removed); returns the files and bytes
-    read."""
-    entries = [json.loads(p.read_text()) for p in sorted(ledger_dir.glob("*.json"))]
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(entries, schema=LEDGER_SCHEMA), out)
-    for p in ledger_dir.iterdir():
-        p.unlink()
-    ledger_dir.rmdir()
-    return {"input_files": len({e["path"] for e in entries}), "input_bytes": sum(e["bytes"] for e in entries)}

@@ -21,7 +21,7 @@ import zlib
 import ray
 
 from amalia_ray.core.config import SourceConfig
-from amalia_ray.data.streams import _CHUNK, InputFile
+from amalia_ray.data.streams import _CHUNK, open_range
 
 _GZIP_MAGIC = b"\x1f\x8b\x08"
 _PROBE = 64 << 10  # the compressed bytes a member-start candidate is checked with
@@ -54,7 +54,7 @@ def _starts_a_record(data: bytes, at: int) -> bool:
 def first_member(path: str, options: dict, start: int, end: int) -> int | None:
     """The offset of the first gzip member in [start, end) that begins a WARC record, or None."""
     buffer, at, eof = b"", start, False
-    with InputFile(path, options, start).open_raw() as f:
+    with open_range(path, options, start) as f:
         while True:
             while not eof and len(buffer) < 2 * _PROBE:
                 chunk = f.read(_CHUNK)
@@ -76,7 +76,7 @@ def first_member(path: str, options: dict, start: int, end: int) -> int | None:
 def newlines(path: str, options: dict, start: int, end: int) -> int:
     """The newlines in bytes [start, end) of a file."""
     count, left = 0, end - start
-    with InputFile(path, options, start, end).open_raw() as f:
+    with open_range(path, options, start, end - start) as f:
         while left > 0 and (chunk := f.read(min(_CHUNK, left))):
             count += chunk.count(b"\n")
             left -= len(chunk)
@@ -89,7 +89,7 @@ def inflated_bytes(path: str, options: dict, start: int, end: int) -> int:
     reader of the range gets before it quarantines the rest)."""
     size = 0
     try:
-        with gzip.GzipFile(fileobj=InputFile(path, options, start, end, bounded=True).open_raw()) as f:
+        with open_range(path, options, start, end - start) as raw, gzip.GzipFile(fileobj=raw) as f:
             while chunk := f.read1(_CHUNK):
                 size += len(chunk)
     except (EOFError, OSError, zlib.error):

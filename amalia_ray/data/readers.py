@@ -1,5 +1,5 @@
-"""Readers: turn one input (a file, or a byte range of an uncompressed jsonl file: `streams.InputFile`) into
-documents, streamed as Arrow tables.
+"""Readers: turn one input (a file, or a byte range of a large one: `streams.InputFile`) into documents, streamed as
+Arrow tables.
 
 Every document gets a stable `id` (the record's own id when it has one, else `<source>/<file>#<location>`),
 `source`, `path`, `location` (line, row, paragraph or WARC offset), `text` and `metadata` (JSON). A record that
@@ -9,14 +9,13 @@ kept: invalid UTF-8, NUL bytes, records over `max_record_bytes`, broken JSON or 
 a truncated .gz/.zst file, broken WARC records (the reader finds the next record header and carries on), empty files.
 
 Formats: text (plain or .gz/.zst; split into files, paragraphs or separator blocks), jsonl (.gz/.zst), Parquet,
-HTML (main text by resiliparse) and WARC/ARC web archives (records framed here, parsed by fastwarc).
+HTML (main text by resiliparse) and WARC/ARC web archives (`archives.py`).
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
-import io
 import json
 import re
 from collections.abc import Iterator
@@ -27,22 +26,15 @@ import pyarrow as pa
 from amalia_ray.core.config import SourceConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import open_filesystem
+from amalia_ray.data.archives import read_warc
+from amalia_ray.data.records import _RAW_LIMIT, Quarantine, Record, decode_html, html_main_text, preview, truncated
 from amalia_ray.data.streams import _CHUNK, InputFile, StorageReadError, is_uri
 
 DOC_SCHEMA = pa.schema([
     ("id", pa.string()), ("source", pa.string()), ("path", pa.string()), ("location", pa.string()),
     ("text", pa.string()), ("metadata", pa.string()), ("drop_reason", pa.string()),
 ])
-_RAW_LIMIT = 2000
 _TABLE_BYTES = 8 << 20  # the text a read task gathers before handing a table on (its memory is several times it)
-
-
-class Quarantine(Exception):
-    """A record that cannot become a document: `reason` is the category the stats count, `detail` the specifics."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason, self.detail = reason, detail
 
 
 def read_at_most(file: InputFile, limit: int) -> tuple[bytes, int, Exception | None]:
@@ -77,16 +69,7 @@ def _decoded_blocks(file: InputFile, encoding: str) -> Iterator[tuple[str, Excep
     yield decoder.decode(b"", final=True), None
 
 
-def truncated(error: Exception) -> Quarantine:
-    return Quarantine("truncated file", f"{type(error).__name__}: {error}")
-
-
-def _preview(raw: bytes) -> str:
-    return raw[:_RAW_LIMIT].decode("utf-8", "replace").replace("\x00", "\\x00")
-
-
 _UNDECODED = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of bytes that do not decode
-Record = tuple[str | None, str, str, dict, Quarantine | None]  # own id, location, text, metadata, why quarantined
 
 
 def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, bool, Exception | None]]:
@@ -125,12 +108,12 @@ def read_text(file: InputFile, src: SourceConfig) -> Iterator[Record]:
         where = f"{src.split} {n}" if doc.strip() else "file"
         n += 1
         if error is not None:  # the file was cut short: its last document may be too
-            yield None, where, _preview(doc.encode(src.encoding, "surrogateescape")), {}, truncated(error)
+            yield None, where, preview(doc.encode(src.encoding, "surrogateescape")), {}, truncated(error)
         elif oversized or len(doc) > src.max_record_bytes:
-            yield None, where, _preview(doc[:_RAW_LIMIT].encode(src.encoding, "surrogateescape")), {}, Quarantine(
+            yield None, where, preview(doc[:_RAW_LIMIT].encode(src.encoding, "surrogateescape")), {}, Quarantine(
                 "record too large", f"over max_record_bytes={src.max_record_bytes}")
         elif bad := len(_UNDECODED.findall(doc)):
-            yield None, where, _preview(doc.encode(src.encoding, "surrogateescape")), {}, Quarantine(
+            yield None, where, preview(doc.encode(src.encoding, "surrogateescape")), {}, Quarantine(
                 f"invalid {src.encoding}", f"{bad} undecodable bytes")
         else:
             yield None, where, doc, {}, None
@@ -170,13 +153,13 @@ def read_jsonl(file: InputFile, src: SourceConfig) -> Iterator[Record]:
                 continue
             where = f"line {n}"
             if size > src.max_record_bytes:
-                yield None, where, _preview(line), {}, Quarantine(
+                yield None, where, preview(line), {}, Quarantine(
                     "record too large", f"{size} bytes, over max_record_bytes={src.max_record_bytes}")
                 continue
             try:
                 row = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-                yield None, where, _preview(line), {}, Quarantine(
+                yield None, where, preview(line), {}, Quarantine(
                     "invalid UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON",
                     "nested too deeply" if isinstance(e, RecursionError) else str(e))
                 continue
@@ -230,186 +213,19 @@ def _from_mapping(row, src: SourceConfig, where: str) -> Iterator[Record]:
     yield (str(own_id) if own_id is not None else None), where, text, meta, None
 
 
-def html_main_text(html: str) -> str:
-    from resiliparse.extract.html2text import extract_plain_text
-
-    return extract_plain_text(html, main_content=True, alt_texts=False, links=False, list_bullets=True)
-
-
 def read_html(file: InputFile, src: SourceConfig) -> Iterator[Record]:
-    from resiliparse.parse.encoding import bytes_to_str, detect_encoding
-
     raw, size, error = read_at_most(file, src.max_record_bytes + 1)
     if error is not None:
-        yield None, "file", _preview(raw), {}, truncated(error)
+        yield None, "file", preview(raw), {}, truncated(error)
     elif size > src.max_record_bytes:
-        yield None, "file", _preview(raw), {}, Quarantine(
+        yield None, "file", preview(raw), {}, Quarantine(
             "record too large", f"{size} bytes, over max_record_bytes={src.max_record_bytes}")
     elif raw.strip():
-        text = html_main_text(bytes_to_str(raw, detect_encoding(raw)))
+        text = html_main_text(decode_html(raw, ""))
         if text.strip():
             yield None, "file", text, {}, None
         else:
-            yield None, "file", _preview(raw), {}, Quarantine("no main text in HTML")
-
-
-class _Rewindable:
-    """A binary stream that can take bytes back, counting the offset of what it hands out."""
-
-    def __init__(self, f):
-        self.f, self.buf, self.pos = f, b"", 0
-
-    def readline(self, limit: int) -> bytes:
-        if self.buf:
-            end = self.buf.find(b"\n", 0, limit)
-            if end >= 0 or len(self.buf) >= limit:
-                cut = end + 1 if end >= 0 else limit
-                line, self.buf = self.buf[:cut], self.buf[cut:]
-            else:
-                line, self.buf = self.buf + self.f.readline(limit - len(self.buf)), b""
-        else:
-            line = self.f.readline(limit)
-        self.pos += len(line)
-        return line
-
-    def read(self, n: int) -> bytes:
-        data, self.buf = self.buf[:n], self.buf[n:]
-        if len(data) < n:
-            data += self.f.read(n - len(data))
-        self.pos += len(data)
-        return data
-
-    def unread(self, data: bytes) -> None:
-        self.buf, self.pos = data + self.buf, self.pos - len(data)
-
-
-_HEADER_LINE = 64 << 10
-_VERSION_LINE = re.compile(rb"WARC/\d\.\d+\r?\n$")
-
-
-def _record_start(line: bytes) -> int:
-    """Where a `WARC/1.x` version line begins inside `line` (a record cut short runs straight into the next one),
-    or -1."""
-    match = _VERSION_LINE.search(line)
-    return match.start() if match else -1
-
-
-def warc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quarantine | None]]:
-    """(offset, header lines, whole record, problem) for every record of a decompressed WARC stream. A record cut
-    short, one whose Content-Length does not land on the next record or runs past the end of the file, one over
-    `limit` bytes, and bytes between records that are no record come back as problems; the reader then looks for
-    the next `WARC/1.x` line, so one broken record never costs the records after it."""
-    s = _Rewindable(f)
-    junk_at, resyncing = None, False
-    while line := s.readline(_HEADER_LINE):
-        at = s.pos - len(line)
-        if (start := _record_start(line)) > 0:
-            s.unread(line[start:])
-            line = line[:start]
-        if start != 0:
-            if line.strip() and junk_at is None and not resyncing:
-                junk_at = at
-            continue
-        if junk_at is not None:
-            yield junk_at, [], b"", Quarantine("broken WARC record", f"bytes {junk_at}-{at} are not a WARC record")
-        junk_at, resyncing = None, False
-        header, problem = [line], None
-        while (line := s.readline(_HEADER_LINE)) and line.strip():
-            if (start := _record_start(line)) >= 0:
-                s.unread(line[start:])
-                problem = "record cut short: the next record starts inside its header"
-                break
-            header.append(line)
-            if len(header) > 1000:
-                problem = "record header too long"
-                break
-        length = dict(_header_field(h) for h in header[1:]).get(b"content-length", b"")
-        if problem:
-            pass
-        elif not line:
-            problem = "the file ends inside the record header"
-        elif not length.isdigit():
-            problem = f"Content-Length {length[:40]!r} is not a number"
-        elif int(length) > limit:
-            problem = f"Content-Length {int(length)} over max_record_bytes={limit}"
-        else:
-            body, gap = s.read(int(length)), b""
-            while (following := s.readline(_HEADER_LINE)) and not following.strip():
-                gap += following
-            # the body must end where the file ends or blank lines separate it from what follows
-            if len(body) == int(length) and (gap or not following) and _record_start(body) < 0:
-                s.unread(following)
-                yield at, header, b"".join(header) + b"\r\n" + body + b"\r\n\r\n", None
-                continue
-            s.unread(body + gap + following)  # the next record may start inside what was read: look there
-            problem = ("Content-Length runs past the end of the file" if len(body) < int(length)
-                       else "Content-Length does not end where the record does")
-        yield at, header, b"".join(header)[:_RAW_LIMIT], Quarantine("broken WARC record", problem)
-        resyncing = True
-
-
-def _header_field(line: bytes) -> tuple[bytes, bytes]:
-    name, _, value = line.partition(b":")
-    return name.strip().lower(), value.strip()
-
-
-def read_warc(file: InputFile, src: SourceConfig) -> Iterator[Record]:
-    """Main text of the HTML responses of a WARC file; other record types are skipped, broken ones quarantined.
-    ARC files (no WARC framing) go to fastwarc as they are."""
-    if re.search(r"\.arc(\.gz)?$", file.path):
-        yield from _read_arc(file)
-        return
-    from fastwarc.warc import ArchiveIterator, WarcRecordType
-
-    with file.open_binary() as f:
-        try:
-            for at, header, record, problem in warc_records(f, src.max_record_bytes):
-                where = f"record at byte {at + file.before}"
-                fields = dict(_header_field(h) for h in header[1:])
-                own_id = fields.get(b"warc-record-id", b"").decode("utf-8", "replace") or None
-                meta = {"url": fields.get(b"warc-target-uri", b"").decode("utf-8", "replace") or None,
-                        "date": fields.get(b"warc-date", b"").decode("utf-8", "replace") or None}
-                if problem is not None:
-                    yield own_id, where, _preview(record), meta, problem
-                    continue
-                if fields.get(b"warc-type", b"").lower() != b"response":
-                    continue
-                parsed = next(iter(ArchiveIterator(io.BytesIO(record), record_types=WarcRecordType.response,
-                                                   parse_http=True)), None)
-                yield from _warc_response(parsed, own_id, where, meta, record)
-        except (EOFError, OSError, ValueError) as e:  # a .gz cut short: the records before it are kept
-            yield None, f"end of bytes {file.start}-{file.end}" if file.is_range else "end of file", "", {}, truncated(e)
-
-
-def _warc_response(parsed, own_id, where, meta, record: bytes) -> Iterator[Record]:
-    from resiliparse.parse.encoding import bytes_to_str, detect_encoding
-
-    try:
-        if parsed is None or parsed.http_headers is None:
-            raise Quarantine("broken WARC record", "no HTTP response inside")
-        if "html" not in (parsed.http_headers.get("Content-Type") or "").lower():
-            return
-        body = parsed.reader.read()
-        text = html_main_text(bytes_to_str(body, detect_encoding(body)))
-    except Quarantine as q:
-        yield own_id, where, _preview(record), meta, q
-        return
-    except Exception as e:  # noqa: BLE001 - whatever the parser trips on, the record is quarantined, not the file
-        yield own_id, where, _preview(record), meta, Quarantine("broken WARC record", f"{type(e).__name__}: {e}")
-        return
-    if text.strip():
-        yield own_id, where, text, meta, None
-    else:
-        yield own_id, where, _preview(body), meta, Quarantine("no main text in HTML")
-
-
-def _read_arc(file: InputFile) -> Iterator[Record]:
-    from fastwarc.warc import ArchiveIterator, WarcRecordType
-
-    with file.open_raw() as stream:
-        for record in ArchiveIterator(stream, record_types=WarcRecordType.response, parse_http=True):
-            meta = {"url": record.headers.get("WARC-Target-URI"), "date": record.headers.get("WARC-Date")}
-            yield from _warc_response(record, record.record_id, f"record at byte {record.stream_pos}", meta, b"")
+            yield None, "file", preview(raw), {}, Quarantine("no main text in HTML")
 
 
 READERS = {"text": read_text, "jsonl": read_jsonl, "parquet": read_parquet, "html": read_html, "warc": read_warc}
@@ -435,8 +251,17 @@ def read_file_tables(file: InputFile | str, src: SourceConfig, name: str | None 
     unique across sources and files whatever ids the records carry; a record's own id (`id_field`, a
     WARC-Record-ID) is kept in the metadata as `record_id`. A record that cannot be parsed, or a file whose format
     is broken from some point on, is quarantined; any other error fails the stage, naming the file."""
-    if isinstance(file, str):
+    owned = isinstance(file, str)
+    if owned:
         file = InputFile(file, src.storage_options)
+    try:
+        yield from _file_tables(file, src, name)
+    finally:
+        if owned:  # else its owner still hashes what was read (InputFile.digest), then closes it
+            file.close()
+
+
+def _file_tables(file: InputFile, src: SourceConfig, name: str | None) -> Iterator[pa.Table]:
     path = file.path
     rows = {column: [] for column in DOC_SCHEMA.names}
     name = name or Path(path).name
@@ -448,7 +273,7 @@ def read_file_tables(file: InputFile | str, src: SourceConfig, name: str | None 
         nonlocal count, held
         count, held = count + 1, held + len(text)
         if problem is None and "\x00" in text:
-            problem, text = Quarantine("NUL bytes in text", "binary content?"), _preview(text.encode())
+            problem, text = Quarantine("NUL bytes in text", "binary content?"), preview(text.encode())
         if problem is not None:
             meta = {**meta, "error": problem.detail} if problem.detail else meta
         if own_id is not None:

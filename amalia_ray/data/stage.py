@@ -26,7 +26,7 @@ from amalia_ray.data.decide import ROW, decide, set_columns
 from amalia_ray.data.partitions import LEDGER, configure_data_context, count_by, write_ordered_shards, write_shards
 from amalia_ray.data.quality import HeuristicScore, quality_steps
 from amalia_ray.data.quality_model import QualityModelScore
-from amalia_ray.data.inputs import Listed, collect_ledger, fingerprint_lines, list_sources, read_sources
+from amalia_ray.data.inputs import Listed, ReadLedger, fingerprint_lines, list_sources, read_sources
 from amalia_ray.data.steps import (
     ExactKeys,
     MinLength,
@@ -63,8 +63,9 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     configure_data_context()
     moved = LEDGER.mark()
     tmp = fresh_dir(out_dir)
+    ledger = ReadLedger()
     docs = (
-        read_sources(cfg.sources, listing or list_corpus(cfg, resolve), tmp / "read")
+        read_sources(cfg.sources, listing or list_corpus(cfg, resolve), ledger)
         .map_batches(Clean(cfg.cleaning), batch_format="pyarrow")
         .map_batches(Normalize(cfg.normalization), batch_format="pyarrow")
         .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")
@@ -90,7 +91,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         index = ItemIndex.build(benchmark_items or {}, d.ngram, d.min_item_words)
         docs = docs.map_batches(Decontaminate(index, d.min_overlap, d.action), batch_format="pyarrow")
     docs = docs.materialize()
-    read = collect_ledger(tmp / "read", tmp / "inputs.parquet")
+    read = ledger.write(tmp / "inputs.parquet")
     per_filter = count_by(docs, ["source", "drop_reason"])
     n_in = sum(r["count"] for r in per_filter)
     contamination = None

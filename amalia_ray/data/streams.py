@@ -28,7 +28,7 @@ class _RemoteStream(io.RawIOBase):
     """An object's bytes from its filesystem from byte `start` on, storage errors raised as StorageReadError."""
 
     def __init__(self, uri: str, options: dict | None, start: int = 0):
-        self._uri = uri
+        self._uri, self._native = uri, None
         try:
             filesystem, inner = open_filesystem(uri, options)
             if start:  # a random-access file: reads from `start` are ranged requests
@@ -49,7 +49,8 @@ class _RemoteStream(io.RawIOBase):
             raise StorageReadError(f"{self._uri}: {e}") from e
 
     def close(self) -> None:
-        self._native.close()
+        if self._native is not None:
+            self._native.close()
         super().close()
 
 
@@ -135,6 +136,12 @@ class _Tap(io.RawIOBase):
             pass
 
 
+def open_range(path: str, options: dict | None, start: int = 0, length: int | None = None) -> io.BufferedReader:
+    """A file's bytes from `start` (at most `length` of them) as a plain stream: for the passes that plan ranges."""
+    raw = _open_at(path, options, start)
+    return io.BufferedReader(raw if length is None else _Limited(raw, length), buffer_size=_CHUNK)
+
+
 class _Limited(io.RawIOBase):
     """The first `left` bytes of a raw stream: a range of gzip members ends where the next range's first begins."""
 
@@ -200,14 +207,19 @@ class InputFile:
         with _open_at(self.path, self.options, self.start - 1) as f:
             return f.read(1) != b"\n"
 
-    def digest(self) -> tuple[int, str]:
+    def digest(self) -> tuple[int, str | None]:
         """(bytes, sha256) of the file or range, hashing what the reader left unread; a file no reader opened as a
-        stream (Parquet reads its footer first) is read through once here."""
-        if self._tap is None:
-            with self.open_raw():
-                pass
-        self._tap.drain()
-        return min(self._tap.seen, self._tap.limit or self._tap.seen), "sha256:" + self._tap.sha.hexdigest()
+        stream (Parquet reads its footer first) is read through once here. A file that cannot be read (gone since
+        it was listed: its reader quarantined it) has no digest."""
+        try:
+            if self._tap is None:
+                with self.open_raw():
+                    pass
+            self._tap.drain()
+        except (OSError, StorageReadError):
+            return (self._tap.seen if self._tap else 0), None
+        limit = self._tap.seen if self._tap.limit is None else self._tap.limit
+        return min(self._tap.seen, limit), "sha256:" + self._tap.sha.hexdigest()
 
     def close(self) -> None:
         if self._tap is not None:
