@@ -130,3 +130,28 @@ def test_the_chunked_loss_equals_cross_entropy_and_keeps_no_full_fp32_logits():
         assert torch.allclose(grad.float(), logits.grad.float(), atol=tol)
         if dtype == torch.bfloat16:
             assert not [n for d, n in saved if d == torch.float32 and n >= length * vocab], saved
+
+
+def test_a_worker_given_gpus_that_cuda_cannot_see_fails_naming_why():
+    """Ray gave the worker a GPU, torch cannot use CUDA (here: a CPU-only build; on a node: a driver older than the
+    CUDA build): the worker fails saying so instead of training on the CPU."""
+    import torch
+
+    from amalia_ray.train.parallel import worker_device
+
+    with pytest.raises(RuntimeError, match=r"given GPU\(s\) \[0\] but CUDA is unavailable to torch .*CPU-only build"):
+        worker_device([0], cuda_available=False)
+    assert worker_device([], cuda_available=False) == torch.device("cpu")
+
+
+def test_bf16_runs_reduce_gradients_in_bf16_unless_asked_for_fp32():
+    import torch
+
+    from amalia_ray.core.config import PretrainStage
+    from amalia_ray.train.parallel import mixed_precision
+
+    default = PretrainStage.model_fields["reduce_precision"].default
+    assert mixed_precision("bf16", default).reduce_dtype == torch.bfloat16
+    assert mixed_precision("bf16", "fp32").reduce_dtype == torch.float32
+    assert mixed_precision("bf16", default).param_dtype == torch.bfloat16
+    assert mixed_precision("fp32", default).param_dtype is None, "fp32 runs stay fp32"

@@ -530,6 +530,9 @@ class TrainStageConfig(Strict):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's betas")
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    reduce_precision: Literal["bf16", "fp32"] = Field(
+        "bf16", description="bf16 runs: the dtype gradients are reduce-scattered in (bf16 moves half the bytes; fp32 "
+        "sums many ranks more exactly)")
     activation_checkpointing: bool = Field(False, description="recompute each decoder block in the backward pass: "
                                           "less activation memory for about a third more compute")
     compile: bool = Field(False, description="torch.compile each decoder block (fuses the element-wise work; "

@@ -20,7 +20,7 @@ from amalia_ray.core.flops import flops_per_token_of
 from amalia_ray.train.metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives import build_objective
-from amalia_ray.train.parallel import apply_fsdp, resolve_precision
+from amalia_ray.train.parallel import apply_fsdp, resolve_precision, worker_device
 
 # Ray Train routes worker logging to the driver once; print() in a worker shows twice (tee + logger)
 log = logging.getLogger("amalia_ray.train")
@@ -96,7 +96,7 @@ def train_loop(config: dict) -> None:
 
     stage = config["stage"]
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = worker_device(ray.get_gpu_ids())
     torch.set_num_threads(stage["cpus_per_worker"])
     precision = resolve_precision(stage["precision"], device)
     stage_dir = Path(config["stage_dir"])
@@ -115,7 +115,8 @@ def train_loop(config: dict) -> None:
     peak_flops = _all_reduce_sum(worker_peak)[0]
     # a new model from the seed, or a base model / the previous stage read shard by shard into each rank
     model = build(hf_config, device,
-                  lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"], stage.get("compile", False)),
+                  lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"], stage.get("compile", False),
+                                       stage.get("reduce_precision", "bf16")),
                   init_dir=Path(init_dir) if init_dir else None, seed=config["seed"], trust_remote_code=remote_code,
                   new_token_ids=config.get("new_token_ids"), lora=stage.get("lora"))
     # everything but what LoRA freezes: the optimizer's state (and the checkpoints) hold only what trains

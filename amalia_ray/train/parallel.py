@@ -3,6 +3,8 @@ torch.compile are applied per block first (torchtitan's order: AC, compile, FSDP
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -19,14 +21,43 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
-def apply_fsdp(model, precision: str, activation_checkpointing: bool, compile_blocks: bool = False) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def worker_device(gpu_ids: list, cuda_available: bool | None = None) -> torch.device:
+    """A training worker's device: its GPU when Ray gave it one, else the CPU. A worker given GPUs that CUDA
+    cannot see fails with the reason, instead of training on the CPU at a hundredth of the speed."""
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if gpu_ids and not cuda_available:
+        raise RuntimeError(f"this worker was given GPU(s) {gpu_ids} but CUDA is unavailable to torch "
+                           f"{torch.__version__}: {cuda_unavailable_reason()}")
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_available else torch.device("cpu")
 
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+
+def cuda_unavailable_reason() -> str:
+    """Why torch cannot use CUDA here, in the words of the driver check (an old driver names its version)."""
+    if torch.version.cuda is None:
+        return "this torch is a CPU-only build; install the CUDA build (the project's gpu extra)"
+    try:
+        torch.cuda.init()
+    except Exception as e:  # noqa: BLE001 - the message is the diagnosis
+        return f"built for CUDA {torch.version.cuda}; {type(e).__name__}: {e}"
+    return f"built for CUDA {torch.version.cuda}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
+
+
+def mixed_precision(precision: str, reduce_precision: str = "bf16"):
+    """FSDP's policy: in bf16 runs, parameters gathered in bf16 and gradients reduce-scattered in `reduce_precision`
+    (bf16 halves the bytes on the network; fp32 sums many ranks more exactly); fp32 runs are fp32 throughout."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision != "bf16":
+        return MixedPrecisionPolicy()
+    reduce = torch.bfloat16 if reduce_precision == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+
+
+def apply_fsdp(model, precision: str, activation_checkpointing: bool, compile_blocks: bool = False,
+               reduce_precision: str = "bf16") -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    mp = mixed_precision(precision, reduce_precision)
     layers = model.model.layers
     if activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
