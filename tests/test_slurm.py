@@ -120,6 +120,7 @@ def _chain_of_two(demo_run, recipe_path: Path, tmp_path: Path, cluster: SlurmClu
     assert [h["step"] for h in history] == list(range(1, STEPS + 1)), "every step once, across the two jobs"
     assert {h["attempt_start_step"] for h in history if h["step"] > stopped_at} == {stopped_at}, \
         "the second job started from the first job's stop checkpoint"
+    assert "val_loss" not in history[stopped_at - 1], "the stop checkpoint is not held up by a validation pass"
     assert (run_dir / "pretrain" / "hf" / "config.json").exists()
     assert (run_dir / "pretrain" / "hf" / "model.safetensors").exists()
     assert not (run_dir / "stop_requested").exists()

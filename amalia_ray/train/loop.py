@@ -201,7 +201,7 @@ def train_loop(config: dict) -> None:
                   "world_size": world, "worker_nodes": len(set(nodes)), "attempt_start_step": start_step}
         stopping = stop_votes > 0 and done < total_steps
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps or stopping
-        if save_now:
+        if save_now and not stopping:  # a stop has seconds before the time limit: its checkpoint comes first
             record["val_loss"], per_source = validation_losses(model, objective, micro, rank, world, device)
             record.update({f"val_loss/{source}": loss for source, loss in per_source.items()})
         if rank == 0:
