@@ -1,15 +1,51 @@
 import numpy as np
 import pytest
 
-from amalia_ray.train.loop import local_micro_batches
+from amalia_ray.train.loop import fillers_per_step, local_micro_batches
 from amalia_ray.train.lr_schedule import lr_at
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_micro_batches_partition_the_global_batch(world):
     rows = np.arange(16)
-    parts = [m for r in range(world) for m in local_micro_batches(rows, 2, r, world)]
+    parts = [m for r in range(world) for m, filler in local_micro_batches(rows, 2, r, world)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(16))
+    assert [m.tolist() for m, _ in local_micro_batches(rows, 2, 0, world)][:1] == [[0, 1]], "divisible: in order"
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_any_worker_count_of_an_elastic_range_takes_the_global_batch_whole(micro):
+    """1,024 sequences on 56 to 64 workers (node-granular elasticity): every rank runs the same number of
+    micro-batches of at most `micro` rows, every row is used exactly once, and a slot without a row is a filler."""
+    rows = np.arange(1024)
+    for world in range(56, 65):
+        ranks = [local_micro_batches(rows, micro, r, world) for r in range(world)]
+        assert len({len(mine) for mine in ranks}) == 1, "the same number of passes on every rank"
+        real = [m for mine in ranks for m, filler in mine if not filler]
+        assert sorted(np.concatenate(real).tolist()) == list(range(1024))
+        assert all(1 <= len(m) <= micro for mine in ranks for m, _ in mine)
+        assert sum(filler for mine in ranks for _, filler in mine) == fillers_per_step(1024, micro, world)
+
+
+def test_fillers_leave_the_step_s_loss_and_gradient_those_of_the_whole_batch():
+    """The loop's arithmetic over uneven ranks: per-micro-batch loss sums with fillers zeroed, summed over ranks and
+    divided by the items, give the whole batch's mean loss and gradient."""
+    import torch
+
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 3), torch.randn(10)
+    weight = torch.randn(3, requires_grad=True)
+    ((x @ weight - y) ** 2).mean().backward()
+    expected, weight.grad = weight.grad.clone(), None
+    world, total, items = 4, 0.0, 0
+    for rank in range(world):
+        for part, filler in local_micro_batches(np.arange(10), 1, rank, world):
+            loss = ((x[part] @ weight - y[part]) ** 2).sum()
+            loss, n = (loss * 0.0, 0) if filler else (loss, len(part))
+            loss.backward()
+            total, items = total + loss.item(), items + n
+    assert items == 10 and total / items == pytest.approx(((x @ weight - y) ** 2).mean().item())
+    assert torch.allclose(weight.grad / items, expected, atol=1e-6)
 
 
 def test_schedules():

@@ -578,13 +578,6 @@ class TrainStageConfig(Strict):
         low, high = self.worker_range
         if not 1 <= low <= high:
             raise ValueError(f"num_workers must be >= 1, or [min, max] with 1 <= min <= max; got {self.num_workers}")
-        for workers in range(low, high + 1):  # the global batch stays the same whatever the world size
-            per_step = self.micro_batch_size * workers
-            if self.global_batch_size % per_step:
-                raise ValueError(
-                    f"global_batch_size {self.global_batch_size} must be a multiple of "
-                    f"micro_batch_size × num_workers = {per_step}"
-                    + (f" (for every worker count in {list(self.num_workers)})" if low != high else ""))
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
         return self

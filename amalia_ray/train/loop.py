@@ -26,10 +26,30 @@ from amalia_ray.train.parallel import apply_fsdp, resolve_precision, worker_devi
 log = logging.getLogger("amalia_ray.train")
 
 
-def local_micro_batches(rows: np.ndarray, micro: int, rank: int, world: int) -> list[np.ndarray]:
-    """This rank's micro-batches; the global batch stays the same whatever the number of workers."""
-    accum = len(rows) // (micro * world)
-    return [rows[(a * world + rank) * micro:(a * world + rank + 1) * micro] for a in range(accum)]
+def local_micro_batches(rows: np.ndarray, micro: int, rank: int, world: int) -> list[tuple[np.ndarray, bool]]:
+    """This rank's micro-batches of a step's rows, each with whether it is a filler. Every rank runs the same number
+    of them (FSDP's all-gathers and reduce-scatters are collectives), of at most `micro` rows: the rows are dealt
+    over accum × world slots as evenly as they go, so any number of workers takes any global batch whole. A slot
+    left without a row gets a filler (a real row whose loss the loop zeroes), so the collectives still match."""
+    accum = micro_batches_per_rank(len(rows), micro, world)
+    slots = accum * world
+    bounds = np.arange(slots + 1) * len(rows) // slots  # divisible: every slot `micro` rows, in order
+    parts = [rows[bounds[a * world + rank]:bounds[a * world + rank + 1]] for a in range(accum)]
+    return [(part, False) if len(part) else (rows[:1], True) for part in parts]
+
+
+def micro_batches_per_rank(rows: int, micro: int, world: int) -> int:
+    return max(1, -(-rows // (micro * world)))
+
+
+def fillers_per_step(rows: int, micro: int, world: int) -> int:
+    """The filler passes a step of `rows` rows costs over `world` workers (0 when they divide it evenly)."""
+    return max(0, micro_batches_per_rank(rows, micro, world) * world - rows)
+
+
+def _merged(a: dict, b: dict) -> dict:
+    """Objective metrics as (sum, count) pairs, added name by name."""
+    return {k: tuple(x + y for x, y in zip(a.get(k, (0.0, 0)), b.get(k, (0.0, 0)))) for k in {**a, **b}}
 
 
 def _all_reduce_sum(*values: float) -> list[float]:
@@ -149,6 +169,11 @@ def train_loop(config: dict) -> None:
     total_steps = stage["steps"]
     if rank == 0:
         _log(metrics_path, {}, keep_through=start_step)
+        if fillers := fillers_per_step(gbs, micro, world):
+            accum = micro_batches_per_rank(gbs, micro, world)
+            log.info(f"[{stage['name']}] {gbs} sequences a step over {world} workers: {accum} micro-batches of at "
+                     f"most {micro} each, {fillers} of the {accum * world} passes fillers "
+                     f"({fillers / (accum * world):.0%} of the step's compute)")
         if resumed:
             log.info(f"[{stage['name']}] resumed from step {start_step}")
         if start_step >= total_steps:
@@ -168,13 +193,19 @@ def train_loop(config: dict) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = objective.step_rows(model, sampler, gbs)
-        loss_sum, items, tokens = 0.0, 0, 0
-        for micro_rows in local_micro_batches(rows, micro, rank, world):
+        loss_sum, items, tokens, extra = 0.0, 0, 0, {}
+        for micro_rows, filler in local_micro_batches(rows, micro, rank, world):
             batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}
+            if filler:  # its loss and metrics are no one's: keep the step's so far apart
+                extra = _merged(extra, objective.take_metrics())
             micro_loss, n = objective.loss(model, batch)
+            if filler:
+                objective.take_metrics()
+                micro_loss, n = micro_loss * 0.0, 0
             micro_loss.backward()
-            loss_sum, items, tokens = loss_sum + micro_loss.item(), items + n, tokens + _tokens_in(batch)
-        extra = objective.take_metrics()  # name: (sum, count)
+            loss_sum, items = loss_sum + micro_loss.item(), items + n
+            tokens += 0 if filler else _tokens_in(batch)
+        extra = _merged(extra, objective.take_metrics())  # name: (sum, count)
         stop_seen = float(stop_path is not None and stop_path.exists())
         global_loss, global_items, global_tokens, stop_votes, *extra_sums = _all_reduce_sum(
             loss_sum, items, tokens, stop_seen, *(x for pair in extra.values() for x in pair))
