@@ -73,6 +73,8 @@ def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():
     assert no_ac.memory_gb["activations"] > 10 * base.memory_gb["activations"]
     # the same model FLOPs either way: recomputation lowers the MFU the recipe states, it is not model FLOPs
     assert no_ac.step_time_s == pytest.approx(base.step_time_s)
+    once = plan_stage(stage.model_copy(update={"gradient_sync": "last_micro_batch"}), r, dims)
+    assert once.total_memory_gb - base.total_memory_gb > 30, "a 9B model's unsharded fp32 gradients on every GPU"
 
 
 def test_plan_and_the_training_loop_count_the_same_model_flops():

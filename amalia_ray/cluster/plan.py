@@ -116,6 +116,8 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
         activations = tokens_micro * m.layers * per_token_layer
     memory = {
         "params+grads+adam (sharded)": 16 * params / gpus / GB,
+        **({"unsharded gradients (synced once a step)": 4 * params / GB}
+           if stage.gradient_sync == "last_micro_batch" else {}),
         "gathered layers": 4 * block / GB,
         "activations": activations / GB,
         "root module (unsharded)": 4 * (vocab * m.hidden * (1 if m.tied else 2) + m.hidden) / GB,

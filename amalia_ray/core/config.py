@@ -530,6 +530,10 @@ class TrainStageConfig(Strict):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's betas")
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = Field(
+        "every_micro_batch", description="when FSDP reduce-scatters the gradients: after every micro-batch (each worker "
+        "holds only its shard), or once a step, after the last (fewer collectives; each worker holds the whole model's "
+        "unsharded gradients in between, which `amalia plan` counts)")
     reduce_precision: Literal["bf16", "fp32"] = Field(
         "bf16", description="bf16 runs: the dtype gradients are reduce-scattered in (bf16 moves half the bytes; fp32 "
         "sums many ranks more exactly)")

@@ -47,6 +47,28 @@ def fillers_per_step(rows: int, micro: int, world: int) -> int:
     return max(0, micro_batches_per_rank(rows, micro, world) * world - rows)
 
 
+def accumulate_gradients(model, objective, passes: list[tuple[np.ndarray, bool]], device: torch.device,
+                         sync_once: bool = False) -> tuple[float, int, int, dict]:
+    """Forward and backward over this rank's micro-batches of a step: (sum of the losses, items, tokens, the
+    objective's metrics as name: (sum, count)). A filler's loss is zeroed and its metrics dropped. `sync_once`:
+    FSDP reduce-scatters the gradients after the last micro-batch only, holding them unsharded until then."""
+    loss_sum, items, tokens, extra = 0.0, 0, 0, {}
+    for i, (micro_rows, filler) in enumerate(passes):
+        if sync_once:
+            model.set_requires_gradient_sync(i == len(passes) - 1)
+        batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}
+        if filler:  # its loss and metrics are no one's: keep the step's so far apart
+            extra = _merged(extra, objective.take_metrics())
+        micro_loss, n = objective.loss(model, batch)
+        if filler:
+            objective.take_metrics()
+            micro_loss, n = micro_loss * 0.0, 0
+        micro_loss.backward()
+        loss_sum, items = loss_sum + micro_loss.item(), items + n
+        tokens += 0 if filler else _tokens_in(batch)
+    return loss_sum, items, tokens, _merged(extra, objective.take_metrics())
+
+
 def _merged(a: dict, b: dict) -> dict:
     """Objective metrics as (sum, count) pairs, added name by name."""
     return {k: tuple(x + y for x, y in zip(a.get(k, (0.0, 0)), b.get(k, (0.0, 0)))) for k in {**a, **b}}
@@ -193,19 +215,9 @@ def train_loop(config: dict) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         rows = objective.step_rows(model, sampler, gbs)
-        loss_sum, items, tokens, extra = 0.0, 0, 0, {}
-        for micro_rows, filler in local_micro_batches(rows, micro, rank, world):
-            batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}
-            if filler:  # its loss and metrics are no one's: keep the step's so far apart
-                extra = _merged(extra, objective.take_metrics())
-            micro_loss, n = objective.loss(model, batch)
-            if filler:
-                objective.take_metrics()
-                micro_loss, n = micro_loss * 0.0, 0
-            micro_loss.backward()
-            loss_sum, items = loss_sum + micro_loss.item(), items + n
-            tokens += 0 if filler else _tokens_in(batch)
-        extra = _merged(extra, objective.take_metrics())  # name: (sum, count)
+        loss_sum, items, tokens, extra = accumulate_gradients(
+            model, objective, local_micro_batches(rows, micro, rank, world), device,
+            sync_once=stage.get("gradient_sync") == "last_micro_batch")
         stop_seen = float(stop_path is not None and stop_path.exists())
         global_loss, global_items, global_tokens, stop_votes, *extra_sums = _all_reduce_sum(
             loss_sum, items, tokens, stop_seen, *(x for pair in extra.values() for x in pair))
