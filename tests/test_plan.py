@@ -118,14 +118,15 @@ def test_reported_hours_must_name_a_stage(tmp_path):
 
 def test_plan_counts_what_the_attention_kernel_keeps():
     """Packed documents: sdpa gets a seq² boolean mask per sequence, eager also keeps every layer's attention
-    probabilities, flash_attention_2 neither (varlen by position ids)."""
+    probabilities, flash_attention_2 (varlen by position ids) and flex_attention (a block mask) neither."""
     r, dims = _dims(AMALIA_9B)
     sft = r.train[1]  # packed conversations, seq 4096, one sequence per micro-batch, activation checkpointing
     memory = {}
-    for kernel in ("flash_attention_2", "sdpa", "eager"):
+    for kernel in ("flash_attention_2", "flex_attention", "sdpa", "eager"):
         recipe = r.model_copy(update={"model": r.model.model_copy(update={"attn_implementation": kernel})})
         memory[kernel] = plan_stage(sft, recipe, dims).memory_gb
     assert "attention mask" not in memory["flash_attention_2"] and "attention scores" not in memory["sdpa"]
+    assert memory["flex_attention"] == memory["flash_attention_2"], "a block mask: nothing of seq² size"
     assert memory["sdpa"]["attention mask"] == pytest.approx(4096 ** 2 / 1024 ** 3)
     assert memory["eager"]["attention scores"] == pytest.approx(32 * 4096 ** 2 * 2 / 1024 ** 3)
 

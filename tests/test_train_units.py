@@ -58,20 +58,26 @@ def test_schedules():
     assert lr_at(50, schedule="constant", **kw) == 1.0
 
 
-def test_document_masking_keeps_attention_within_each_document(tmp_path):
-    """Restarting positions make transformers mask attention across packed documents: the logits of the second
-    document do not depend on the first."""
+@pytest.mark.parametrize("kernel", ["sdpa", "flex_attention"])
+def test_document_masking_keeps_attention_within_each_document(tmp_path, kernel, monkeypatch):
+    """Restarting positions make transformers mask attention across packed documents (sdpa through a dense mask,
+    flex_attention through a block mask): the logits of the second document do not depend on the first and equal
+    those of the document alone. (flex_attention runs uncompiled here; the compiled kernel is torch's.)"""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
+    from torch.nn.attention.flex_attention import flex_attention
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from amalia_ray.core.shards import PackedSplit
     from amalia_ray.train.objectives import Pretrain
 
+    monkeypatch.setattr("transformers.integrations.flex_attention.compile_friendly_flex_attention",
+                        lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw))
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
+                                         attn_implementation=kernel))
     second = [7, 8, 9, 10, 11]
     tokens = np.array([[1, 2, 3] + second, [4, 5, 6] + second])
     objective = Pretrain.__new__(Pretrain)
@@ -83,7 +89,10 @@ def test_document_masking_keeps_attention_within_each_document(tmp_path):
     with torch.no_grad():
         masked = objective.logits(model, batch)
         plain = objective.logits(model, {"input_ids": batch["input_ids"]})
+        alone = model(input_ids=torch.tensor([second])).logits
+    assert model.config._attn_implementation == kernel
     assert torch.allclose(masked[0, 3:], masked[1, 3:], atol=1e-5), "document 2 sees only itself"
+    assert torch.allclose(masked[0, 3:], alone[0], atol=1e-5), "as if it were alone"
     assert not torch.allclose(plain[0, 3:], plain[1, 3:], atol=1e-3), "without masking it sees document 1"
 
 

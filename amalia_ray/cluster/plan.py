@@ -148,13 +148,14 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
 
 def attention_memory(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int) -> dict[str, float]:
     """What the attention kernel keeps beyond FlashAttention's nothing: with packed documents (pretraining with
-    document_masking, packed SFT) sdpa gets a boolean block-diagonal mask of seq² per sequence; eager also keeps each
-    layer's bf16 attention probabilities, heads × seq² per sequence, for the backward pass."""
+    document_masking, packed SFT) sdpa gets a boolean block-diagonal mask of seq² per sequence (flex_attention a
+    block-sparse one of (seq/128)², nothing to count); eager also keeps each layer's bf16 attention probabilities,
+    heads × seq² per sequence, for the backward pass."""
     kernel = recipe.model.attn_implementation
     sequences = stage.micro_batch_size * (2 if stage.objective == "dpo" else 1)
     packed = stage.objective == "sft" or (stage.objective == "pretrain" and stage.document_masking)
     out = {}
-    if kernel != "flash_attention_2" and packed:
+    if kernel in ("sdpa", "eager") and packed:
         out["attention mask"] = sequences * seq * seq / GB
     if kernel == "eager":
         kept = 1 if stage.activation_checkpointing else m.layers
@@ -175,7 +176,8 @@ def _advice(stage: TrainStageConfig, memory: dict[str, float], hw: PlanConfig) -
     if biggest == "logits" and stage.micro_batch_size == 1:
         tips.append("use a shorter seq_len or a chunked loss")
     if biggest in ("attention mask", "attention scores"):
-        tips.append("set model.attn_implementation: flash_attention_2 (packed documents without a seq² mask)")
+        tips.append("set model.attn_implementation: flex_attention, or flash_attention_2 where flash-attn is "
+                    "installed (packed documents without a seq² mask)")
     tips = tips or ["use GPUs with more memory, or more of them"]
     return (f"needs {sum(memory.values()):.1f} GB per GPU, {over:.1f} GB over the {hw.gpu_memory_gb:.0f} GB of a "
             f"{hw.gpu} ({biggest} is the largest part): " + "; ".join(tips))

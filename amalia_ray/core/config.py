@@ -391,9 +391,11 @@ class ModelConfig(Strict):
         None, description="RoPE scaling for context extension, in the architecture's config.json terms, e.g. "
         "{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 8192} (also linear, dynamic, llama3); "
         "max_position_embeddings follows factor × the original unless set")
-    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = Field(
+    attn_implementation: Literal["sdpa", "flex_attention", "flash_attention_2", "eager"] = Field(
         "sdpa", description="attention kernel of training (transformers' name); packed documents attend only within "
-        "themselves with each (flash_attention_2: varlen via position ids; needs the flash-attn package and a GPU)")
+        "themselves with each: sdpa and eager through a seq² mask, flex_attention through torch's block-sparse mask "
+        "(no seq² memory, no extra package; compiled once per worker), flash_attention_2 varlen via position ids "
+        "(needs the flash-attn package and a GPU)")
 
     @property
     def base(self) -> str | None:

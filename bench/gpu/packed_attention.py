@@ -1,5 +1,6 @@
 """One-shot GPU check (run where a CUDA GPU is lent): packed documents attend only within themselves under each
-attention kernel training offers, and the model builder accepts flash_attention_2 there. Prints JSON.
+attention kernel training offers (flex_attention compiled, as training runs it), and the model builder accepts
+flash_attention_2 there. Prints JSON.
 
     .venv/bin/python bench/gpu/packed_attention.py      # needs CUDA; flash-attn for the flash_attention_2 row
 
@@ -32,7 +33,7 @@ def main() -> int:
     packed = torch.cat([first, second], dim=1).to(device)
     positions = torch.cat([torch.arange(100), torch.arange(156)]).unsqueeze(0).to(device)
     rows = []
-    kernels = ["eager", "sdpa"] + (["flash_attention_2"] if is_flash_attn_2_available() else [])
+    kernels = ["eager", "sdpa", "flex_attention"] + (["flash_attention_2"] if is_flash_attn_2_available() else [])
     for kernel in kernels:
         check_attention(kernel, device)
         torch.manual_seed(0)
