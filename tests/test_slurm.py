@@ -7,6 +7,7 @@ second job resumes from that checkpoint, trains every remaining step once and fi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -49,6 +50,34 @@ def test_the_batch_script_follows_rays_slurm_pattern(tmp_path):
         SlurmJob(recipe=job.recipe, run_dir=job.run_dir, time="00:01:00")
     with pytest.raises(AmaliaError, match="shared filesystem"):  # /tmp is local to this node
         check_shared(SlurmJob(recipe=job.recipe, run_dir=Path("/tmp/amalia-run"), nodes=2))
+
+
+def test_the_stop_margin_covers_a_step_and_a_checkpoint_planned_or_measured(tmp_path):
+    """The stop is seen at the end of a step, then the checkpoint is saved: the 9B recipe's pretraining (a 9.9 s
+    step, a ~22 s save of 108 GB at 5 GB/s: 108 s) keeps the 120 s floor; once the run has measured slower saves,
+    those count; a slow planned step and save raise it."""
+    import json
+    from types import SimpleNamespace
+
+    from amalia_ray.cluster.plan import plan_stage
+    from amalia_ray.cluster.slurm import stop_margin
+    from tests.test_plan import AMALIA_9B, _dims
+
+    recipe, dims = _dims(AMALIA_9B)
+    stages = [plan_stage(stage, recipe, dims) for stage in recipe.train]
+    seconds, why = stop_margin(stages, tmp_path)
+    slowest = max(stages, key=lambda p: p.step_time_s + p.checkpoint_s)
+    assert slowest.stage == "pretrain" and 20 < slowest.checkpoint_s < 25
+    assert seconds == 120 and why == "at least 120 s; pretrain: a step 10 s + a checkpoint 22 s, planned"
+    assert stop_margin([SimpleNamespace(stage="x", step_time_s=60, checkpoint_s=30)], tmp_path) == (
+        195, "x: a step 60 s + a checkpoint 30 s, planned")
+    (tmp_path / slowest.stage).mkdir()
+    (tmp_path / slowest.stage / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "step_time_s": 12.0, **({"last_checkpoint_s": 300.0} if i == 3 else {})}) + "\n"
+        for i in range(1, 5)))
+    assert stop_margin(stages, tmp_path) == (math.ceil(1.5 * 312 + 60), f"{slowest.stage}: a step 12 s + a "
+                                                                          "checkpoint 300 s, measured")
+    assert stop_margin([SimpleNamespace(stage="tiny", step_time_s=0.1, checkpoint_s=0.01)], tmp_path)[0] == 120
 
 
 def test_sigusr1_asks_the_run_to_stop_and_a_new_run_forgets_it(tmp_path):

@@ -78,14 +78,12 @@ def plan(
 
     from amalia_ray.cluster.plan import Dims, parameter_count
     from amalia_ray.cluster.plan import plan as make_plan
-    from amalia_ray.core.hf_model import anchored, recipe_config
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.core.recipe import load_recipe
 
     loaded = load_recipe(recipe)
     r = loaded.recipe
-    # a base model's sizes come from its config.json: model.config_file beside the recipe, else fetched alone
-    hf_config = recipe_config(anchored(r.model, loaded.resolve), loaded.resolve) if r.model.base else None
+    hf_config = _base_config(loaded)
     dims = Dims.of(r, hf_config)
     plans = make_plan(r, hf_config)
     if as_json:
@@ -117,6 +115,20 @@ def _figure(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
+def _base_config(loaded) -> dict | None:
+    """A base model's config.json (model.config_file beside the recipe, else fetched alone); None without one."""
+    from amalia_ray.core.hf_model import anchored, recipe_config
+
+    r = loaded.recipe
+    return recipe_config(anchored(r.model, loaded.resolve), loaded.resolve) if r.model.base else None
+
+
+def _plans(loaded) -> list:
+    from amalia_ray.cluster.plan import plan as make_plan
+
+    return make_plan(loaded.recipe, _base_config(loaded))
+
+
 @app.command()
 @guarded
 def slurm(
@@ -141,18 +153,30 @@ def slurm(
     scratch: Annotated[str, typer.Option(help="node-local folder for Ray's temporary files")] = "${TMPDIR:-/tmp}",
     ray_port: Annotated[int, typer.Option(help="port of Ray's head")] = 6379,
     dashboard_port: Annotated[int, typer.Option(help="port of Ray's dashboard on the head")] = 8265,
-    stop_before: Annotated[int, typer.Option(help="seconds before the time limit the run checkpoints and stops")] = 120,
+    stop_before: Annotated[int | None, typer.Option(
+        help="seconds before the time limit the run checkpoints and stops (default: 1.5 × a step and a checkpoint "
+             "of the slowest training stage, planned or measured in the run, plus 60 s; at least 120)")] = None,
     assume_shared: Annotated[bool, typer.Option("--assume-shared", help="skip the check that the run folder is on "
                                                 "a filesystem every node sees")] = False,
 ) -> None:
     """Run a recipe on a Slurm allocation: write the batch script (runs/<name>/slurm/job.sbatch) that starts Ray
     on the allocated nodes and runs the pipeline on it; --submit sends it to sbatch."""
     from amalia_ray.cluster import slurm as slurm_jobs
+    from amalia_ray.core.errors import AmaliaError
     from amalia_ray.core.recipe import load_recipe
     from amalia_ray.pipeline.runner import Pipeline
 
-    pipeline = Pipeline(load_recipe(recipe))
+    loaded = load_recipe(recipe)
+    pipeline = Pipeline(loaded)
     pipeline.select(until)  # an unknown stage fails here, not in the queue
+    if stop_before is None:
+        try:
+            plans = _plans(loaded)
+        except (AmaliaError, ValueError) as e:  # a base model whose config cannot be had here: the floor
+            plans = []
+            console.print(f"(no plan to size the stop margin by: {e})")
+        stop_before, why = slurm_jobs.stop_margin(plans, pipeline.run_dir)
+        console.print(f"stopping {stop_before} s before the time limit ({why})")
     job = slurm_jobs.SlurmJob(
         recipe=recipe.resolve(), run_dir=pipeline.run_dir, nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=cpus_per_node, partition=partition, account=account, qos=qos, time=time_limit, until=until,

@@ -94,6 +94,7 @@ class StagePlan:
     tokens_per_joule: float
     tokens_per_gpu_hour: float
     implied_mfu: float | None
+    checkpoint_s: float = 0.0  # a save of the weights and AdamW state at the storage's write rate
 
     @property
     def total_memory_gb(self) -> float:
@@ -143,7 +144,8 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     implied = stage.steps * step_flops / (reported * 3600 * hw.peak_tflops * 1e12) if reported else None
     return StagePlan(stage.name, gpus, seq, tokens_per_step, memory, fits, advice, step_time, gpu_hours,
                      gpu_hours * hw.usd_per_gpu_hour, energy_kwh, tokens / (energy_kwh * 3.6e6),
-                     tokens / gpu_hours, implied)
+                     tokens / gpu_hours, implied,
+                     checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9))  # fp32 weights + 2 moments
 
 
 def attention_memory(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int) -> dict[str, float]:

@@ -11,8 +11,11 @@ another reason) cancels the rest of its chain."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+import statistics
 import shlex
 import shutil
 import subprocess
@@ -71,6 +74,27 @@ class SlurmJob:
     @property
     def folder(self) -> Path:
         return self.run_dir / "slurm"
+
+
+def stop_margin(plans: list, run_dir: Path, floor: int = 120) -> tuple[int, str]:
+    """How long before the time limit a run must be told to stop, and why: the stop is seen at the end of a step,
+    then a checkpoint is saved, so 1.5 × (a step + a save) of the slowest training stage plus a minute, at least
+    `floor` s. The run's own measured steps (median) and saves (slowest) replace the plan's (`plan.StagePlan`)
+    where it has any."""
+    worst, why = 0.0, ""
+    for p in plans:
+        step, save, basis = p.step_time_s, p.checkpoint_s, "planned"
+        metrics = run_dir / p.stage / "metrics.jsonl"
+        if metrics.exists():
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if steps := [r["step_time_s"] for r in rows if "step_time_s" in r]:
+                step, basis = statistics.median(steps), "measured"
+            if saves := [r["last_checkpoint_s"] for r in rows if "last_checkpoint_s" in r]:
+                save = max(saves)
+        if (need := 1.5 * (step + save) + 60) > worst:
+            worst, why = need, f"{p.stage}: a step {step:.0f} s + a checkpoint {save:.0f} s, {basis}"
+    seconds = max(floor, math.ceil(worst))
+    return seconds, why if seconds > floor else f"at least {floor} s" + (f"; {why}" if why else "")
 
 
 def seconds_of(limit: str) -> int:

@@ -764,6 +764,9 @@ class PlanConfig(Strict):
     usd_per_gpu_hour: float = Field(2.5, ge=0)
     watts_per_gpu: float = Field(700, gt=0, description="per GPU, including its share of the node, for energy")
     headroom_gb: float = Field(6, ge=0, description="per GPU for the CUDA context, NCCL buffers and fragmentation")
+    storage_write_gb_per_s: float = Field(5, gt=0, description="what the run's storage takes in, all ranks writing "
+                                          "at once: a checkpoint's save time (and with it when a batch job must be "
+                                          "told to stop) follows from it")
     reported_gpu_hours: dict[str, float] = Field(
         default_factory=dict, description="train stage name -> GPU-hours a past run reported: the plan states the "
         "MFU those imply for the stage's batch shape")

@@ -207,7 +207,7 @@ def train_loop(config: dict) -> None:
     nodes: list = [None] * world  # where the workers landed, so the report can state the placement
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     flops_token = flops_per_token_of(hf_config, seq_len)
-    step, stopping = start_step, False
+    step, stopping, last_save_s = start_step, False, None
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         lr = lr_at(step, total=total_steps, peak=stage["lr"], warmup=stage["warmup_steps"],
@@ -241,7 +241,9 @@ def train_loop(config: dict) -> None:
                   "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
                   "mfu": flops_token * global_tokens / elapsed / peak_flops, "peak_tflops": peak_flops / 1e12,
                   "peak_basis": peak_basis, "memory_gb": memory,
-                  "world_size": world, "worker_nodes": len(set(nodes)), "attempt_start_step": start_step}
+                  "world_size": world, "worker_nodes": len(set(nodes)), "attempt_start_step": start_step,
+                  # how long the previous checkpoint took (a batch job is told to stop that much ahead, and more)
+                  **({"last_checkpoint_s": last_save_s} if last_save_s is not None else {})}
         stopping = stop_votes > 0 and done < total_steps
         save_now = done % stage["checkpoint_every"] == 0 or done == total_steps or stopping
         if save_now and not stopping:  # a stop has seconds before the time limit: its checkpoint comes first
@@ -258,9 +260,11 @@ def train_loop(config: dict) -> None:
         if save_now:
             with tempfile.TemporaryDirectory() as tmp:
                 try:
+                    saving = time.perf_counter()
                     checkpoint.save(Path(tmp), model, optimizer,
                                     {"step": done, "params": n_params, "data": sampler.state_dict()})
                     ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                    last_save_s = time.perf_counter() - saving
                 except OSError as e:
                     raise checkpoint.CheckpointWriteError(
                         f"[{stage['name']}] the checkpoint of step {done} could not be written "
