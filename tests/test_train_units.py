@@ -270,3 +270,14 @@ def test_syncing_gradients_once_a_step_gives_the_gradients_of_syncing_every_micr
     for rank in range(2):
         got = json.loads((out / f"rank{rank}.json").read_text())
         assert got["passes"] == 3 and got["diff"] < 1e-6 and got["losses"][0] == pytest.approx(got["losses"][1]), got
+
+
+def test_compile_auto_compiles_on_gpu_only():
+    import torch
+
+    from amalia_ray.core.config import PretrainStage
+    from amalia_ray.train.parallel import resolve_compile
+
+    default = PretrainStage.model_fields["compile"].default
+    assert resolve_compile(default, torch.device("cuda", 0)) and not resolve_compile(default, torch.device("cpu"))
+    assert resolve_compile(True, torch.device("cpu")) and not resolve_compile(False, torch.device("cuda", 0))

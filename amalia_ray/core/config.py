@@ -541,8 +541,9 @@ class TrainStageConfig(Strict):
         "sums many ranks more exactly)")
     activation_checkpointing: bool = Field(False, description="recompute each decoder block in the backward pass: "
                                           "less activation memory for about a third more compute")
-    compile: bool = Field(False, description="torch.compile each decoder block (fuses the element-wise work; "
-                          "costs a compilation of ~20 s per worker at start)")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each decoder block (fuses the element-wise work; costs a compilation of "
+        "~20 s per worker at start); auto: on GPU, where it pays, off on CPU")
     num_workers: int | tuple[int, int] = Field(2, description="workers, or [min, max] for elastic training: "
                                                "starts with what the cluster has (at least min) and carries on "
                                                "with fewer workers when a node goes away (needs max_failures)")

@@ -20,7 +20,7 @@ from amalia_ray.core.flops import flops_per_token_of
 from amalia_ray.train.metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives import build_objective
-from amalia_ray.train.parallel import apply_fsdp, resolve_precision, worker_device
+from amalia_ray.train.parallel import apply_fsdp, resolve_compile, resolve_precision, worker_device
 
 # Ray Train routes worker logging to the driver once; print() in a worker shows twice (tee + logger)
 log = logging.getLogger("amalia_ray.train")
@@ -52,11 +52,13 @@ def accumulate_gradients(model, objective, passes: list[tuple[np.ndarray, bool]]
     """Forward and backward over this rank's micro-batches of a step: (sum of the losses, items, tokens, the
     objective's metrics as name: (sum, count)). A filler's loss is zeroed and its metrics dropped. `sync_once`:
     FSDP reduce-scatters the gradients after the last micro-batch only, holding them unsharded until then."""
-    loss_sum, items, tokens, extra = 0.0, 0, 0, {}
+    loss_sum, items, tokens, extra = torch.zeros((), dtype=torch.float64, device=device), 0, 0, {}
     for i, (micro_rows, filler) in enumerate(passes):
         if sync_once:
             model.set_requires_gradient_sync(i == len(passes) - 1)
-        batch = {k: v.to(device) for k, v in objective.batch(micro_rows).items()}
+        on_host = objective.batch(micro_rows)
+        tokens += 0 if filler else _tokens_in(on_host)  # counted before the copy: no wait on the device
+        batch = {k: v.to(device) for k, v in on_host.items()}
         if filler:  # its loss and metrics are no one's: keep the step's so far apart
             extra = _merged(extra, objective.take_metrics())
         micro_loss, n = objective.loss(model, batch)
@@ -64,9 +66,8 @@ def accumulate_gradients(model, objective, passes: list[tuple[np.ndarray, bool]]
             objective.take_metrics()
             micro_loss, n = micro_loss * 0.0, 0
         micro_loss.backward()
-        loss_sum, items = loss_sum + micro_loss.item(), items + n
-        tokens += 0 if filler else _tokens_in(batch)
-    return loss_sum, items, tokens, _merged(extra, objective.take_metrics())
+        loss_sum, items = loss_sum + micro_loss.detach().double(), items + n  # no host sync per micro-batch
+    return loss_sum.item(), items, tokens, _merged(extra, objective.take_metrics())
 
 
 def _merged(a: dict, b: dict) -> dict:
@@ -157,7 +158,8 @@ def train_loop(config: dict) -> None:
     peak_flops = _all_reduce_sum(worker_peak)[0]
     # a new model from the seed, or a base model / the previous stage read shard by shard into each rank
     model = build(hf_config, device,
-                  lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"], stage.get("compile", False),
+                  lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"],
+                                       resolve_compile(stage.get("compile", "auto"), device),
                                        stage.get("reduce_precision", "bf16")),
                   init_dir=Path(init_dir) if init_dir else None, seed=config["seed"], trust_remote_code=remote_code,
                   new_token_ids=config.get("new_token_ids"), lora=stage.get("lora"))

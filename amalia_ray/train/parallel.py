@@ -42,6 +42,11 @@ def cuda_unavailable_reason() -> str:
     return f"built for CUDA {torch.version.cuda}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
 
 
+def resolve_compile(compile_blocks: bool | str, device: torch.device) -> bool:
+    """`compile: auto` compiles on GPU, where the fused kernels pay for the compilation, not on CPU."""
+    return device.type == "cuda" if compile_blocks == "auto" else bool(compile_blocks)
+
+
 def mixed_precision(precision: str, reduce_precision: str = "bf16"):
     """FSDP's policy: in bf16 runs, parameters gathered in bf16 and gradients reduce-scattered in `reduce_precision`
     (bf16 halves the bytes on the network; fp32 sums many ranks more exactly); fp32 runs are fp32 throughout."""
