@@ -73,6 +73,12 @@ def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():
     assert no_ac.memory_gb["activations"] > 10 * base.memory_gb["activations"]
     # the same model FLOPs either way: recomputation lowers the MFU the recipe states, it is not model FLOPs
     assert no_ac.step_time_s == pytest.approx(base.step_time_s)
+    every_4th = plan_stage(stage.model_copy(update={"activation_checkpointing": 4}), r, dims)
+    assert base.memory_gb["activations"] < every_4th.memory_gb["activations"] < no_ac.memory_gb["activations"]
+    sft = r.train[1].model_copy(update={"activation_checkpointing": False, "micro_batch_size": 3})
+    assert "set activation_checkpointing: 3 (one block in 3 recomputed: the least recompute that fits)" in \
+        plan_stage(sft, r, dims).advice, "every 2nd block fits too, every 4th does not"
+    assert plan_stage(sft.model_copy(update={"activation_checkpointing": 3}), r, dims).fits
     once = plan_stage(stage.model_copy(update={"gradient_sync": "last_micro_batch"}), r, dims)
     assert once.total_memory_gb - base.total_memory_gb > 30, "a 9B model's unsharded fp32 gradients on every GPU"
 

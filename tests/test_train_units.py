@@ -238,8 +238,9 @@ def _grads_both_ways(rank, world, port, folder, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cpu = torch.device("cpu")
-    model = build(AutoConfig.from_pretrained(folder), cpu, lambda m: apply_fsdp(m, "fp32", False),
+    model = build(AutoConfig.from_pretrained(folder), cpu, lambda m: apply_fsdp(m, "fp32", 2),  # every 2nd block
                   init_dir=Path(folder), seed=0)
+    recomputed = ["CheckpointWrapper" in type(layer).__name__ for layer in model.model.layers]
     objective = _NextTokens(torch.randint(3, 500, (12, 16), generator=torch.Generator().manual_seed(0)))
     passes = local_micro_batches(np.arange(12), 2, rank, world)
     grads, losses = [], []
@@ -249,13 +250,14 @@ def _grads_both_ways(rank, world, port, folder, out):
         losses.append(loss)
         model.zero_grad(set_to_none=True)
     diff = max((a - b).abs().max().item() for a, b in zip(*grads))
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"diff": diff, "losses": losses, "passes": len(passes)}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"diff": diff, "losses": losses, "passes": len(passes),
+                                                         "recomputed": recomputed}))
     dist.destroy_process_group()
 
 
 def test_syncing_gradients_once_a_step_gives_the_gradients_of_syncing_every_micro_batch(tmp_path):
     """FSDP2 on 2 gloo ranks, 3 micro-batches each: reduce-scattering after the last micro-batch only gives the same
-    gradients (within 1e-6) and losses as after every one."""
+    gradients (within 1e-6) and losses as after every one. (Selective activation checkpointing: every 2nd block.)"""
     import json
 
     import torch.multiprocessing as mp
@@ -270,6 +272,7 @@ def test_syncing_gradients_once_a_step_gives_the_gradients_of_syncing_every_micr
     for rank in range(2):
         got = json.loads((out / f"rank{rank}.json").read_text())
         assert got["passes"] == 3 and got["diff"] < 1e-6 and got["losses"][0] == pytest.approx(got["losses"][1]), got
+        assert got["recomputed"] == [i % 2 == 0 for i in range(len(got["recomputed"]))] and len(got["recomputed"]) > 1
 
 
 def test_compile_auto_compiles_on_gpu_only():

@@ -101,7 +101,7 @@ class StagePlan:
         return sum(self.memory_gb.values())
 
 
-def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None) -> StagePlan:
+def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None, advise: bool = True) -> StagePlan:
     m, hw = dims or Dims.of(recipe), recipe.plan
     vocab = m.vocab
     params, block = parameter_count(m)
@@ -111,10 +111,10 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     tokens_micro = stage.micro_batch_size * seq * per_pair
     kv_dim = m.kv_heads * m.head_dim
     per_token_layer = 2 * (8 * m.hidden + 2 * kv_dim + 4 * m.ffn)
-    if stage.activation_checkpointing:
-        activations = tokens_micro * (m.layers * 2 * m.hidden + per_token_layer)
-    else:
-        activations = tokens_micro * m.layers * per_token_layer
+    # a checkpointed block keeps its bf16 input; the others keep everything; one block is recomputed at a time
+    recomputed = -(-m.layers // stage.recompute_every) if stage.recompute_every else 0
+    activations = tokens_micro * (recomputed * 2 * m.hidden + (m.layers - recomputed) * per_token_layer
+                                  + (per_token_layer if recomputed else 0))
     memory = {
         "params+grads+adam (sharded)": 16 * params / gpus / GB,
         **({"unsharded gradients (synced once a step)": 4 * params / GB}
@@ -129,7 +129,7 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     }
     total = sum(memory.values())
     fits = total <= hw.gpu_memory_gb
-    advice = "" if fits else _advice(stage, memory, hw)
+    advice = "" if fits or not advise else _advice(stage, memory, hw, _least_recompute_that_fits(stage, recipe, m))
 
     tokens_per_step = stage.global_batch_size * seq * per_pair
     flops_per_token = model_flops_per_token(m.hidden, m.ffn, m.layers, m.heads, m.kv_heads, m.head_dim, vocab, seq)
@@ -160,16 +160,32 @@ def attention_memory(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int)
     if kernel in ("sdpa", "eager") and packed:
         out["attention mask"] = sequences * seq * seq / GB
     if kernel == "eager":
-        kept = 1 if stage.activation_checkpointing else m.layers
+        recomputed = -(-m.layers // stage.recompute_every) if stage.recompute_every else 0
+        kept = m.layers - recomputed + (1 if recomputed else 0)
         out["attention scores"] = kept * sequences * m.heads * seq * seq * 2 / GB
     return out
 
 
-def _advice(stage: TrainStageConfig, memory: dict[str, float], hw: PlanConfig) -> str:
+def _least_recompute_that_fits(stage: TrainStageConfig, recipe: Recipe, m: Dims) -> int | None:
+    """The largest k (the fewest blocks recomputed) with which checkpointing every k-th block fits, if any beyond
+    what the stage does."""
+    current = stage.recompute_every or m.layers + 1
+    for k in range(min(current - 1, m.layers), 0, -1):
+        every = {"activation_checkpointing": k if k > 1 else True}
+        if plan_stage(stage.model_copy(update=every), recipe, m, advise=False).fits:
+            return k
+    return None
+
+
+def _advice(stage: TrainStageConfig, memory: dict[str, float], hw: PlanConfig, recompute: int | None = None) -> str:
     biggest = max(memory, key=memory.get)
     over = sum(memory.values()) - hw.gpu_memory_gb
     tips = []
-    if not stage.activation_checkpointing and biggest == "activations":
+    if recompute is not None and biggest == "activations":
+        tips.append("set activation_checkpointing: " + ("true" if recompute == 1 else
+                                                         f"{recompute} (one block in {recompute} recomputed: the "
+                                                         "least recompute that fits)"))
+    elif not stage.activation_checkpointing and biggest == "activations":
         tips.append("set activation_checkpointing: true")
     if stage.micro_batch_size > 1 and biggest in ("activations", "logits"):
         tips.append("lower micro_batch_size (gradient accumulation keeps global_batch_size)")

@@ -44,6 +44,13 @@ class ResourcesConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: GPUs when the cluster has them")
 
 
+def checkpoint_interval(activation_checkpointing: bool | int) -> int:
+    """`activation_checkpointing` as every how many blocks one is checkpointed: true 1, false 0, k k."""
+    if isinstance(activation_checkpointing, bool):
+        return int(activation_checkpointing)
+    return activation_checkpointing
+
+
 class SourceConfig(Strict):
     """One corpus source: its files and how to read them."""
     name: str = Field(..., pattern=NAME_PATTERN, description="names the source in ids, the mix and reports")
@@ -539,8 +546,22 @@ class TrainStageConfig(Strict):
     reduce_precision: Literal["bf16", "fp32"] = Field(
         "bf16", description="bf16 runs: the dtype gradients are reduce-scattered in (bf16 moves half the bytes; fp32 "
         "sums many ranks more exactly)")
-    activation_checkpointing: bool = Field(False, description="recompute each decoder block in the backward pass: "
-                                          "less activation memory for about a third more compute")
+    activation_checkpointing: bool | int = Field(
+        False, description="recompute decoder blocks in the backward pass: true = every block (least activation "
+        "memory, about a third more compute), k = every k-th block (less recompute for more memory; `amalia plan` "
+        "names the largest k that fits)")
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _checkpoint_interval(cls, v: bool | int) -> bool | int:
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError(f"activation_checkpointing {v}: true, false or every k-th block with k >= 1")
+        return v
+
+    @property
+    def recompute_every(self) -> int:
+        """Every how many decoder blocks one is recomputed in the backward pass (0: none)."""
+        return checkpoint_interval(self.activation_checkpointing)
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each decoder block (fuses the element-wise work; costs a compilation of "
         "~20 s per worker at start); auto: on GPU, where it pays, off on CPU")

@@ -58,17 +58,22 @@ def mixed_precision(precision: str, reduce_precision: str = "bf16"):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
-def apply_fsdp(model, precision: str, activation_checkpointing: bool, compile_blocks: bool = False,
-               reduce_precision: str = "bf16") -> None:
+def apply_fsdp(model, precision: str, activation_checkpointing: bool | int, compile_blocks: bool = False,
+                reduce_precision: str = "bf16") -> None:
+    """`activation_checkpointing`: true (every block), false, or k: every k-th block (torchtitan's selective
+    checkpointing by layer)."""
     from torch.distributed.fsdp import fully_shard
+
+    from amalia_ray.core.config import checkpoint_interval
 
     mp = mixed_precision(precision, reduce_precision)
     layers = model.model.layers
-    if activation_checkpointing:
+    if every := checkpoint_interval(activation_checkpointing):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for i, layer in enumerate(layers):
-            layers[i] = checkpoint_wrapper(layer)
+            if i % every == 0:
+                layers[i] = checkpoint_wrapper(layer)
     if compile_blocks:  # every block has the same code: one compilation, reused
         for layer in layers:
             layer.compile()
