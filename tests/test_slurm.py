@@ -74,7 +74,7 @@ def test_the_stop_margin_covers_a_step_and_a_checkpoint_planned_or_measured(tmp_
     (tmp_path / slowest.stage).mkdir()
     (tmp_path / slowest.stage / "metrics.jsonl").write_text("".join(
         json.dumps({"step": i, "step_time_s": 12.0, **({"last_checkpoint_s": 300.0} if i == 3 else {})}) + "\n"
-        for i in range(1, 5)))
+        for i in range(1, 5)) + '{"step": 5, "step_ti')  # a job still appending
     assert stop_margin(stages, tmp_path) == (math.ceil(1.5 * 312 + 60), f"{slowest.stage}: a step 12 s + a "
                                                                           "checkpoint 300 s, measured")
     assert stop_margin([SimpleNamespace(stage="tiny", step_time_s=0.1, checkpoint_s=0.01)], tmp_path)[0] == 120

@@ -187,6 +187,7 @@ def test_a_worker_given_gpus_that_cuda_cannot_see_fails_naming_why():
     with pytest.raises(RuntimeError, match=r"given GPU\(s\) \[0\] but CUDA is unavailable to torch .*CPU-only build"):
         worker_device([0], cuda_available=False)
     assert worker_device([], cuda_available=False) == torch.device("cpu")
+    assert worker_device([], cuda_available=True) == torch.device("cpu"), "a GPU it was not given is not its own"
 
 
 def test_bf16_runs_reduce_gradients_in_bf16_unless_asked_for_fp32():
@@ -200,6 +201,8 @@ def test_bf16_runs_reduce_gradients_in_bf16_unless_asked_for_fp32():
     assert mixed_precision("bf16", "fp32").reduce_dtype == torch.float32
     assert mixed_precision("bf16", default).param_dtype == torch.bfloat16
     assert mixed_precision("fp32", default).param_dtype is None, "fp32 runs stay fp32"
+    assert mixed_precision("bf16", default, sync_once=True).reduce_dtype == torch.float32, \
+        "micro-batches summed between syncs are summed in fp32"
 
 
 class _NextTokens:

@@ -111,10 +111,10 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     tokens_micro = stage.micro_batch_size * seq * per_pair
     kv_dim = m.kv_heads * m.head_dim
     per_token_layer = 2 * (8 * m.hidden + 2 * kv_dim + 4 * m.ffn)
-    # a checkpointed block keeps its bf16 input; the others keep everything; one block is recomputed at a time
-    recomputed = -(-m.layers // stage.recompute_every) if stage.recompute_every else 0
-    activations = tokens_micro * (recomputed * 2 * m.hidden + (m.layers - recomputed) * per_token_layer
-                                  + (per_token_layer if recomputed else 0))
+    # a checkpointed block keeps its bf16 input, the others everything; backward recomputes a checkpointed block
+    # after the blocks above it have freed theirs (`held_blocks`)
+    recomputed = recomputed_blocks(stage, m.layers)
+    activations = tokens_micro * (recomputed * 2 * m.hidden + held_blocks(stage, m.layers) * per_token_layer)
     memory = {
         "params+grads+adam (sharded)": 16 * params / gpus / GB,
         **({"unsharded gradients (synced once a step)": 4 * params / GB}
@@ -135,7 +135,9 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     flops_per_token = model_flops_per_token(m.hidden, m.ffn, m.layers, m.heads, m.kv_heads, m.head_dim, vocab, seq)
     if stage.objective == "dpo":
         flops_per_token *= 4 / 3  # the reference pass over the same pairs: one more forward
-    step_flops = tokens_per_step * flops_per_token
+    # what the GPUs run: a step's sequences, and a filler pass for every micro-batch slot left without one
+    passes = max(1, -(-stage.global_batch_size // (stage.micro_batch_size * gpus))) * gpus
+    step_flops = max(stage.global_batch_size, passes) * seq * per_pair * flops_per_token
     step_time = step_flops / (gpus * hw.peak_tflops * 1e12 * hw.mfu)
     gpu_hours = stage.steps * step_time * gpus / 3600
     energy_kwh = gpu_hours * hw.watts_per_gpu / 1000
@@ -160,10 +162,21 @@ def attention_memory(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int)
     if kernel in ("sdpa", "eager") and packed:
         out["attention mask"] = sequences * seq * seq / GB
     if kernel == "eager":
-        recomputed = -(-m.layers // stage.recompute_every) if stage.recompute_every else 0
-        kept = m.layers - recomputed + (1 if recomputed else 0)
+        kept = held_blocks(stage, m.layers)
         out["attention scores"] = kept * sequences * m.heads * seq * seq * 2 / GB
     return out
+
+
+def recomputed_blocks(stage: TrainStageConfig, layers: int) -> int:
+    """Blocks checkpointed (recomputed in the backward pass): one in every `recompute_every`, from the first."""
+    return -(-layers // stage.recompute_every) if stage.recompute_every else 0
+
+
+def held_blocks(stage: TrainStageConfig, layers: int) -> int:
+    """The most blocks whose full activations are held at once: the uncheckpointed ones after the forward pass, or,
+    while the top checkpointed block is recomputed, it and the uncheckpointed ones below it."""
+    r, k = recomputed_blocks(stage, layers), stage.recompute_every
+    return layers if r == 0 else max(layers - r, (k - 1) * (r - 1) + 1)
 
 
 def _least_recompute_that_fits(stage: TrainStageConfig, recipe: Recipe, m: Dims) -> int | None:

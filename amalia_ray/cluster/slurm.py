@@ -86,7 +86,7 @@ def stop_margin(plans: list, run_dir: Path, floor: int = 120) -> tuple[int, str]
         step, save, basis = p.step_time_s, p.checkpoint_s, "planned"
         metrics = run_dir / p.stage / "metrics.jsonl"
         if metrics.exists():
-            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            rows = [row for line in metrics.read_text().splitlines() if (row := _record(line))]
             if steps := [r["step_time_s"] for r in rows if "step_time_s" in r]:
                 step, basis = statistics.median(steps), "measured"
             if saves := [r["last_checkpoint_s"] for r in rows if "last_checkpoint_s" in r]:
@@ -95,6 +95,14 @@ def stop_margin(plans: list, run_dir: Path, floor: int = 120) -> tuple[int, str]
             worst, why = need, f"{p.stage}: a step {step:.0f} s + a checkpoint {save:.0f} s, {basis}"
     seconds = max(floor, math.ceil(worst))
     return seconds, why if seconds > floor else f"at least {floor} s" + (f"; {why}" if why else "")
+
+
+def _record(line: str) -> dict | None:
+    """A metrics line, or None for a blank one or the half-written last line of a job still appending."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def seconds_of(limit: str) -> int:

@@ -542,7 +542,7 @@ class TrainStageConfig(Strict):
     gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = Field(
         "every_micro_batch", description="when FSDP reduce-scatters the gradients: after every micro-batch (each worker "
         "holds only its shard), or once a step, after the last (fewer collectives; each worker holds the whole model's "
-        "unsharded gradients in between, which `amalia plan` counts)")
+        "unsharded gradients in between, in fp32 whatever reduce_precision says, which `amalia plan` counts)")
     reduce_precision: Literal["bf16", "fp32"] = Field(
         "bf16", description="bf16 runs: the dtype gradients are reduce-scattered in (bf16 moves half the bytes; fp32 "
         "sums many ranks more exactly)")

@@ -160,7 +160,8 @@ def train_loop(config: dict) -> None:
     model = build(hf_config, device,
                   lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"],
                                        resolve_compile(stage.get("compile", "auto"), device),
-                                       stage.get("reduce_precision", "bf16")),
+                                       stage.get("reduce_precision", "bf16"),
+                                       sync_once=stage.get("gradient_sync") == "last_micro_batch"),
                   init_dir=Path(init_dir) if init_dir else None, seed=config["seed"], trust_remote_code=remote_code,
                   new_token_ids=config.get("new_token_ids"), lora=stage.get("lora"))
     # everything but what LoRA freezes: the optimizer's state (and the checkpoints) hold only what trains

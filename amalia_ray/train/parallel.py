@@ -24,11 +24,13 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 def worker_device(gpu_ids: list, cuda_available: bool | None = None) -> torch.device:
     """A training worker's device: its GPU when Ray gave it one, else the CPU. A worker given GPUs that CUDA
     cannot see fails with the reason, instead of training on the CPU at a hundredth of the speed."""
+    if not gpu_ids:  # Ray leaves a GPU-less worker's CUDA_VISIBLE_DEVICES alone: a GPU may be visible, not its own
+        return torch.device("cpu")
     cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
-    if gpu_ids and not cuda_available:
+    if not cuda_available:
         raise RuntimeError(f"this worker was given GPU(s) {gpu_ids} but CUDA is unavailable to torch "
                            f"{torch.__version__}: {cuda_unavailable_reason()}")
-    return torch.device("cuda", torch.cuda.current_device()) if cuda_available else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def cuda_unavailable_reason() -> str:
@@ -47,26 +49,27 @@ def resolve_compile(compile_blocks: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if compile_blocks == "auto" else bool(compile_blocks)
 
 
-def mixed_precision(precision: str, reduce_precision: str = "bf16"):
+def mixed_precision(precision: str, reduce_precision: str = "bf16", sync_once: bool = False):
     """FSDP's policy: in bf16 runs, parameters gathered in bf16 and gradients reduce-scattered in `reduce_precision`
-    (bf16 halves the bytes on the network; fp32 sums many ranks more exactly); fp32 runs are fp32 throughout."""
+    (bf16 halves the bytes on the network; fp32 sums many ranks more exactly); fp32 runs are fp32 throughout.
+    Gradients synced once a step (`sync_once`) are accumulated unsharded in the reduce dtype: in fp32 then."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision != "bf16":
         return MixedPrecisionPolicy()
-    reduce = torch.bfloat16 if reduce_precision == "bf16" else torch.float32
+    reduce = torch.bfloat16 if reduce_precision == "bf16" and not sync_once else torch.float32
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
 def apply_fsdp(model, precision: str, activation_checkpointing: bool | int, compile_blocks: bool = False,
-                reduce_precision: str = "bf16") -> None:
+               reduce_precision: str = "bf16", sync_once: bool = False) -> None:
     """`activation_checkpointing`: true (every block), false, or k: every k-th block (torchtitan's selective
     checkpointing by layer)."""
     from torch.distributed.fsdp import fully_shard
 
     from amalia_ray.core.config import checkpoint_interval
 
-    mp = mixed_precision(precision, reduce_precision)
+    mp = mixed_precision(precision, reduce_precision, sync_once)
     layers = model.model.layers
     if every := checkpoint_interval(activation_checkpointing):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
