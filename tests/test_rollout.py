@@ -202,3 +202,31 @@ def test_weights_stream_into_the_engine_within_a_fraction_of_one_copy(ray_cluste
     assert got["changed"] != got["before"] and got["restored"] == got["before"], got
     assert streamed["trainer"] < 0.5 * copy and streamed["engine"] < copy, got
     assert whole["trainer"] > 0.8 * copy, f"the measurement cannot see a whole copy held: {got}"
+
+
+def test_a_colocated_engine_leaves_the_trainer_its_planned_step(tmp_path):
+    """The demo recipe's GRPO stage: the pipeline hands its workers what a step adds above the sharded state (the
+    plan's activations, logits, gathered blocks…), and the engine's KV budget shrinks by exactly that."""
+    import yaml
+
+    from amalia_ray.cluster.plan import GB, RESIDENT, Dims, plan_stage, step_transient_gb
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline.runner import Pipeline
+    from amalia_ray.pipeline.stages import _step_transient_bytes
+    from tests.conftest import DEMO_RECIPE
+
+    data = yaml.safe_load(DEMO_RECIPE.read_text())
+    data["run"]["output_dir"] = str(tmp_path / "runs")
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(data))
+    pipeline = Pipeline(load_recipe(tmp_path / "demo.yaml"))
+    grpo = next(s for s in pipeline.recipe.train if s.objective == "grpo")
+    planned = plan_stage(grpo, pipeline.recipe, Dims.of(pipeline.recipe))
+    step = _step_transient_bytes(pipeline, grpo)
+    assert step == int(sum(v for k, v in planned.memory_gb.items() if k not in RESIDENT) * GB) > 0
+    assert step == int(step_transient_gb(planned) * GB) and "activations" in planned.memory_gb
+    assert _step_transient_bytes(pipeline, next(s for s in pipeline.recipe.train if s.objective != "grpo")) == 0
+    sizing = dict(weight_bytes=GiB, kv_per_token=1024, sequences=10**6, tokens_per_sequence=512, max_model_len=512,
+                  free=40 * GiB, total=48 * GiB)
+    _, alone = engine_memory(**sizing, trainer_bytes=GiB)
+    _, beside = engine_memory(**sizing, trainer_bytes=GiB + step)
+    assert alone - beside == step

@@ -167,6 +167,16 @@ def attention_memory(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int)
     return out
 
 
+RESIDENT = ("params+grads+adam (sharded)", "unsharded gradients (synced once a step)", "headroom")
+
+
+def step_transient_gb(plan: StagePlan) -> float:
+    """What a training step adds on a GPU above the sharded weights, gradients and AdamW state: activations, the
+    logits and the loss's chunk, the gathered blocks and root module, attention masks. A rollout engine colocated
+    with the worker must leave this free."""
+    return sum(v for k, v in plan.memory_gb.items() if k not in RESIDENT)
+
+
 def recomputed_blocks(stage: TrainStageConfig, layers: int) -> int:
     """Blocks checkpointed (recomputed in the backward pass): one in every `recompute_every`, from the first."""
     return -(-layers // stage.recompute_every) if stage.recompute_every else 0

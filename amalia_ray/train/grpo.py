@@ -53,9 +53,10 @@ class GRPO(Objective):
     name = "grpo"
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: dict, work_dir: Path,
-                 seed: int, use_gpu: bool = False):
+                 seed: int, use_gpu: bool = False, step_transient_bytes: int = 0):
         from transformers import AutoTokenizer
 
+        self.step_transient_bytes = step_transient_bytes  # left free beside a colocated engine
         self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.tokenizer_dir, self.work_dir, self.seed, self.use_gpu = tokenizer_dir, work_dir, seed, use_gpu
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
@@ -104,7 +105,8 @@ class GRPO(Objective):
         policy with its adapters switched off: no second model."""
         engine = {**self.engine_config, "max_model_len": self.seq_len}
         self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu,
-                                      self.sequences, max(map(len, self.prompts)) + self.max_new)
+                                      self.sequences, max(map(len, self.prompts)) + self.max_new,
+                                      self.step_transient_bytes)
         if self.kl_coef > 0 and not self.lora:
             self.reference = frozen_copy(self.work_dir / "rollout-init")
 

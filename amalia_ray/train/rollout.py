@@ -203,6 +203,8 @@ def push_weights(model, engine, dtype: torch.dtype, bucket_bytes: int = PUSH_BUC
     from amalia_ray.train.lora import Merger, scalings
 
     first = dist.get_rank() == 0
+    if torch.cuda.is_available():  # what the trainer's allocator caches goes back before the engine wakes beside it
+        torch.cuda.empty_cache()
     if first:
         ray.get(engine.begin_update.remote())
     merger = Merger(scalings(model))
@@ -252,9 +254,11 @@ def encode_prompt(tok, prompt) -> list[int]:
 
 
 def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, seed: int, use_gpu: bool,
-                    sequences: int, tokens_per_sequence: int):
+                    sequences: int, tokens_per_sequence: int, step_transient_bytes: int = 0):
     """Export the model's current weights as a HF folder (a collective: every rank calls this) and start an engine
-    on it from rank 0, sized for `sequences` of up to `tokens_per_sequence` tokens at once; None on the other ranks."""
+    on it from rank 0, sized for `sequences` of up to `tokens_per_sequence` tokens at once, leaving the trainer its
+    gradients, AdamW state and `step_transient_bytes` (a step's activations and the like, from `amalia plan`'s
+    arithmetic); None on the other ranks."""
     from amalia_ray.train.hf_weights import export_hf
 
     init_dir = work_dir / "rollout-init"
@@ -269,7 +273,7 @@ def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, se
     numel = sum(p.numel() for p in model.parameters())
     sizing = {"weight_bytes": numel * torch.finfo(dtype).bits // 8, "sequences": sequences,
               "kv_per_token": kv_bytes_per_token(model.config, dtype), "tokens_per_sequence": tokens_per_sequence,
-              "trainer_bytes": 12 * local}
+              "trainer_bytes": 12 * local + step_transient_bytes}
     if use_gpu:
         torch.cuda.empty_cache()  # what the trainer's allocator caches is free for the engine
     return start_engine(str(init_dir), engine, seed, use_gpu, sizing)
