@@ -212,6 +212,35 @@ def test_a_hub_snapshot_is_recorded_by_its_commit_not_reread(tmp_path):
     assert hashed == {"tokenizer": local} and named == {"init_checkpoint": f"utter-project/EuroLLM-9B@{commit}"}
 
 
+def test_a_hub_snapshot_is_placed_in_the_run_folder_every_node_sees(tmp_path):
+    """The Hugging Face cache is one machine's: a hub model's snapshot (links into the cache's blob store) is placed
+    in the run folder, in the cache's layout so its commit still names it, hard-linked where the filesystem allows;
+    a second run finds it there; a local model folder is used where it is."""
+    import os
+
+    from amalia_ray.core.hf_model import snapshot_commit, stage_snapshot
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--org--model"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    (snapshot / "sub").mkdir(parents=True)
+    for name, data in {"config.json": b"{}", "model.safetensors": b"w" * 1000, "sub/tokenizer.json": b"t"}.items():
+        blob = repo / "blobs" / f"{abs(hash(name)):x}"
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(blob, (snapshot / name).parent))
+    staged = stage_snapshot(snapshot, tmp_path / "run" / "hub")
+    assert staged == tmp_path / "run" / "hub" / "models--org--model" / "snapshots" / commit
+    assert snapshot_commit(staged) == snapshot_commit(snapshot) == f"org/model@{commit}"
+    assert {str(f.relative_to(staged)): f.read_bytes() for f in staged.rglob("*") if f.is_file()} == {
+        "config.json": b"{}", "model.safetensors": b"w" * 1000, "sub/tokenizer.json": b"t"}
+    assert not any(f.is_symlink() for f in staged.rglob("*")), "real files: the cache's blobs are not on every node"
+    assert (staged / "model.safetensors").stat().st_ino == (snapshot / "model.safetensors").resolve().stat().st_ino
+    assert stage_snapshot(snapshot, tmp_path / "run" / "hub") == staged and not list(staged.parent.glob("*.partial"))
+    local = tmp_path / "my-model"
+    assert stage_snapshot(local, tmp_path / "run" / "hub") == local
+
+
 def test_flash_attention_off_a_cuda_node_is_one_clear_line():
     """What a GPU node without flash-attn (or a CPU worker) meets: the recipe field named, not transformers'
     ImportError from inside the model's constructor."""

@@ -8,7 +8,9 @@ model (tokenizer, training workers, serving, `amalia plan`) resolves the same re
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 from amalia_ray.core.config import ModelConfig
@@ -67,6 +69,33 @@ def snapshot_commit(folder: Path) -> str | None:
             re.fullmatch(r"[0-9a-f]{40}", parts[-1]):
         return parts[-3].removeprefix("models--").replace("--", "/", 1) + "@" + parts[-1]
     return None
+
+
+def stage_snapshot(folder: Path, hub_dir: Path) -> Path:
+    """A hub snapshot as a folder every node of the cluster sees: its files placed under `hub_dir` (in the run
+    folder, on the storage all nodes share) in the cache's own layout, so its commit still names it. The Hugging Face
+    cache is one machine's: a worker or a Serve replica on another node would find nothing there. Files are
+    hard-linked where the filesystem allows (no copy, no space), copied otherwise; a folder that is no snapshot
+    (a local model the user placed) is returned as it is."""
+    if snapshot_commit(folder) is None:
+        return folder
+    dest = hub_dir.joinpath(*Path(folder).parts[-3:])
+    if dest.is_dir():  # staged by an earlier run of this recipe: the commit fixes what it holds
+        return dest
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    for source in sorted(Path(folder).rglob("*")):
+        if source.is_dir():
+            continue
+        target = partial / source.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        real = source.resolve()  # cache snapshots are links into the blob store
+        try:
+            os.link(real, target)
+        except OSError:  # another filesystem (or one without hard links)
+            shutil.copyfile(real, target)
+    partial.rename(dest)
+    return dest
 
 
 def read_config(ref: str, revision: str | None = None, config_file: str | None = None) -> dict:

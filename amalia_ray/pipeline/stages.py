@@ -97,12 +97,13 @@ def check_base_model(recipe, resolve) -> dict:
 
 
 def base_model_dir(p: RunContext) -> Path | None:
-    """The base model's local folder (fetched into the Hugging Face cache the first time), None for a new model."""
+    """The base model's folder, None for a new model: a hub model is fetched into this machine's Hugging Face cache
+    the first time, then placed in the run folder (`run_dir/hub`), which every node of the cluster sees."""
     m = hf_model.anchored(p.recipe.model, p.loaded.resolve)
     if not m.base:
         return None
     if getattr(p, "_base_dir", None) is None:
-        p._base_dir = hf_model.resolve(m.base, m.revision)
+        p._base_dir = hf_model.stage_snapshot(hf_model.resolve(m.base, m.revision), p.run_dir / "hub")
     return p._base_dir
 
 
