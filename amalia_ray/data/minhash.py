@@ -1,7 +1,8 @@
 """MinHash signatures and LSH band keys, vectorized over whole Arrow batches.
 
-Text is simplified (NFC, lower case, everything but letters, digits and marks dropped, whitespace folded) and cut into
-word n-gram shingles; a shingle's 64-bit hash combines its words' hashes position by position. The `num_perm` hash
+Text is simplified as datatrove simplifies it (lower case, every number written 0, diacritics dropped, everything but
+letters and digits a space, whitespace folded: copies that differ in accents, dates or counts still match) and cut
+into word n-gram shingles; a shingle's 64-bit hash combines its words' hashes position by position. The `num_perm` hash
 functions are multiply-add-shift hashes h(x) = (a·x + b mod 2^64) >> 32, a universal family that needs no modulo: two
 documents with Jaccard similarity J agree on one signature value with probability ≈ J, and share at least one of
 `bands` bands of `rows` values with probability 1 − (1 − J^rows)^bands.
@@ -13,7 +14,6 @@ installed polars version.
 
 from __future__ import annotations
 
-import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 _U64 = np.uint64
-_NOT_WORD = r"[^\pL\pN\pM_\t\n\f\r ]+"  # ASCII white space only, as split below
+_NOT_WORD = r"[^\pL\pN_\t\n\f\r ]+"  # ASCII white space only, as split below
+_NUMBER = r"\p{Nd}+([.,،٫⎖⎗⎘]\p{Nd}+)?"  # digits of any script, with a decimal part (datatrove's pattern)
 
 
 @dataclass(frozen=True)
@@ -62,21 +63,13 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
-def nfc(texts: pa.Array) -> pa.Array:
-    """NFC, normalizing only the texts that need it (most already are, and normalizing all costs more than hashing)."""
-    values = texts.to_pylist()
-    todo = [i for i, t in enumerate(values) if not unicodedata.is_normalized("NFC", t)]
-    if not todo:
-        return texts
-    for i in todo:
-        values[i] = unicodedata.normalize("NFC", values[i])
-    return pa.array(values, pa.string())
-
-
 def simplify(texts: pa.Array) -> pa.Array:
-    t = pc.utf8_lower(nfc(pc.fill_null(texts, "")))
-    # polars' regex engine runs this replacement in about half the time of pyarrow's (RE2)
-    kept = pl.Series(t).str.replace_all(_NOT_WORD, " ").to_arrow()
+    """datatrove's TextNormConfig defaults: lower case, numbers → 0, diacritics dropped (NFD less its nonspacing
+    marks, so precomposed and decomposed accents agree), punctuation and symbols → spaces, whitespace folded."""
+    lowered = pl.Series(pc.utf8_lower(pc.fill_null(texts, "")))
+    # polars' regex engine runs these replacements in about half the time of pyarrow's (RE2)
+    kept = (lowered.str.replace_all(_NUMBER, "0").str.normalize("NFD").str.replace_all(r"\p{Mn}+", "")
+            .str.replace_all(_NOT_WORD, " ").to_arrow())
     if kept.type not in (pa.string(), pa.large_string()):  # a string view, from some polars versions
         kept = kept.cast(pa.large_string())
     return pc.utf8_trim_whitespace(kept)
