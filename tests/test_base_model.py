@@ -225,7 +225,10 @@ def test_a_hub_snapshot_is_placed_in_the_run_folder_every_node_sees(tmp_path):
     snapshot = repo / "snapshots" / commit
     (repo / "blobs").mkdir(parents=True)
     (snapshot / "sub").mkdir(parents=True)
-    for name, data in {"config.json": b"{}", "model.safetensors": b"w" * 1000, "sub/tokenizer.json": b"t"}.items():
+    files = {"config.json": b"{}", "model.safetensors": b"w" * 1000, "sub/tokenizer.json": b"t",
+             "pytorch_model.bin": b"old weights", "original/consolidated.pth": b"more"}
+    for name, data in files.items():
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
         blob = repo / "blobs" / f"{abs(hash(name)):x}"
         blob.write_bytes(data)
         (snapshot / name).symlink_to(os.path.relpath(blob, (snapshot / name).parent))
@@ -233,10 +236,10 @@ def test_a_hub_snapshot_is_placed_in_the_run_folder_every_node_sees(tmp_path):
     assert staged == tmp_path / "run" / "hub" / "models--org--model" / "snapshots" / commit
     assert snapshot_commit(staged) == snapshot_commit(snapshot) == f"org/model@{commit}"
     assert {str(f.relative_to(staged)): f.read_bytes() for f in staged.rglob("*") if f.is_file()} == {
-        "config.json": b"{}", "model.safetensors": b"w" * 1000, "sub/tokenizer.json": b"t"}
+        "config.json": b"{}", "model.safetensors": b"w" * 1000, "sub/tokenizer.json": b"t"}, "what a model needs"
     assert not any(f.is_symlink() for f in staged.rglob("*")), "real files: the cache's blobs are not on every node"
     assert (staged / "model.safetensors").stat().st_ino == (snapshot / "model.safetensors").resolve().stat().st_ino
-    assert stage_snapshot(snapshot, tmp_path / "run" / "hub") == staged and not list(staged.parent.glob("*.partial"))
+    assert stage_snapshot(snapshot, tmp_path / "run" / "hub") == staged and not list(staged.parent.glob(".*"))
     local = tmp_path / "my-model"
     assert stage_snapshot(local, tmp_path / "run" / "hub") == local
 

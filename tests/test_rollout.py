@@ -71,6 +71,10 @@ def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatc
     assert seen["num_gpus"] == 1 and "scheduling_strategy" not in seen and "CUDA_VISIBLE_DEVICES" not in seen[
         "runtime_env"]["env_vars"]
     assert seen["args"][5:] == (0.5, None, False)
+    seen.clear()  # separate and sized: the trainer's memory is on another GPU, not taken from the engine's
+    greedy = {**sizing, "sequences": 10**6, "trainer_bytes": 30 * GiB}
+    rollout.start_engine("m", {"max_model_len": 512, "placement": "separate"}, seed=0, use_gpu=True, sizing=greedy)
+    assert seen["args"][6] == int(0.9 * 70 * GiB) - GiB - rollout.ENGINE_WORKSPACE_BYTES
 
 
 class AnonPeak:
@@ -206,13 +210,16 @@ def test_weights_stream_into_the_engine_within_a_fraction_of_one_copy(ray_cluste
 
 def test_a_colocated_engine_leaves_the_trainer_its_planned_step(tmp_path):
     """The demo recipe's GRPO stage: the pipeline hands its workers what a step adds above the sharded state (the
-    plan's activations, logits, gathered blocks…), and the engine's KV budget shrinks by exactly that."""
+    plan's activations, logits, gathered blocks…) as a function of the tokens a sequence is padded to, which grows
+    with them; the engine's KV budget shrinks by exactly that, and a separate engine's does not."""
+    import pickle
+
     import yaml
 
-    from amalia_ray.cluster.plan import GB, RESIDENT, Dims, plan_stage, step_transient_gb
+    from amalia_ray.cluster.plan import GB, RESIDENT, Dims, plan_stage
     from amalia_ray.core.recipe import load_recipe
     from amalia_ray.pipeline.runner import Pipeline
-    from amalia_ray.pipeline.stages import _step_transient_bytes
+    from amalia_ray.pipeline.stages import _step_transient
     from tests.conftest import DEMO_RECIPE
 
     data = yaml.safe_load(DEMO_RECIPE.read_text())
@@ -220,11 +227,12 @@ def test_a_colocated_engine_leaves_the_trainer_its_planned_step(tmp_path):
     (tmp_path / "demo.yaml").write_text(yaml.safe_dump(data))
     pipeline = Pipeline(load_recipe(tmp_path / "demo.yaml"))
     grpo = next(s for s in pipeline.recipe.train if s.objective == "grpo")
-    planned = plan_stage(grpo, pipeline.recipe, Dims.of(pipeline.recipe))
-    step = _step_transient_bytes(pipeline, grpo)
+    transient = pickle.loads(pickle.dumps(_step_transient(pipeline, grpo)))  # as it travels to the workers
+    planned = plan_stage(grpo.model_copy(update={"seq_len": 96}), pipeline.recipe, Dims.of(pipeline.recipe))
+    step = transient(96)
     assert step == int(sum(v for k, v in planned.memory_gb.items() if k not in RESIDENT) * GB) > 0
-    assert step == int(step_transient_gb(planned) * GB) and "activations" in planned.memory_gb
-    assert _step_transient_bytes(pipeline, next(s for s in pipeline.recipe.train if s.objective != "grpo")) == 0
+    assert "activations" in planned.memory_gb and transient(192) > step, "longer sequences, more activations"
+    assert _step_transient(pipeline, next(s for s in pipeline.recipe.train if s.objective != "grpo")) is None
     sizing = dict(weight_bytes=GiB, kv_per_token=1024, sequences=10**6, tokens_per_sequence=512, max_model_len=512,
                   free=40 * GiB, total=48 * GiB)
     _, alone = engine_memory(**sizing, trainer_bytes=GiB)

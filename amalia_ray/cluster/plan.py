@@ -177,6 +177,13 @@ def step_transient_gb(plan: StagePlan) -> float:
     return sum(v for k, v in plan.memory_gb.items() if k not in RESIDENT)
 
 
+def step_transient_bytes(stage: TrainStageConfig, recipe: Recipe, dims: Dims, sequence_tokens: int) -> int:
+    """`step_transient_gb` in bytes for sequences of `sequence_tokens` (GRPO pads to its longest prompt and
+    completion, not to seq_len)."""
+    at = stage.model_copy(update={"seq_len": sequence_tokens}) if "seq_len" in type(stage).model_fields else stage
+    return int(step_transient_gb(plan_stage(at, recipe, dims, advise=False)) * GB)
+
+
 def recomputed_blocks(stage: TrainStageConfig, layers: int) -> int:
     """Blocks checkpointed (recomputed in the backward pass): one in every `recompute_every`, from the first."""
     return -(-layers // stage.recompute_every) if stage.recompute_every else 0

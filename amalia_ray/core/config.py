@@ -882,7 +882,7 @@ class Recipe(Strict):
         names = [s.name for s in self.train]
         if len(set(names)) != len(names):
             raise ValueError(f"train stage names must be unique, got {names}")
-        reserved = {"data", "tokenizer", "pack", "serve", "eval", "report"}
+        reserved = {"data", "tokenizer", "pack", "serve", "eval", "report", "hub"}  # hub: the staged base model
         if clash := reserved.intersection(names):
             raise ValueError(f"train stage names {sorted(clash)} clash with pipeline stages {sorted(reserved)}")
         if unknown := set(self.plan.reported_gpu_hours) - set(names):

@@ -75,26 +75,39 @@ def stage_snapshot(folder: Path, hub_dir: Path) -> Path:
     """A hub snapshot as a folder every node of the cluster sees: its files placed under `hub_dir` (in the run
     folder, on the storage all nodes share) in the cache's own layout, so its commit still names it. The Hugging Face
     cache is one machine's: a worker or a Serve replica on another node would find nothing there. Files are
-    hard-linked where the filesystem allows (no copy, no space), copied otherwise; a folder that is no snapshot
-    (a local model the user placed) is returned as it is."""
+    hard-linked where the filesystem allows (no copy, no space), copied otherwise, only the files a model needs
+    (`MODEL_FILES`: not the .bin or original/ checkpoints a full download brings); a folder that is no snapshot
+    (a local model the user placed) is returned as it is. Processes staging the same snapshot at once each build
+    their own copy and the first to finish wins."""
+    import fnmatch
+    import tempfile
+
     if snapshot_commit(folder) is None:
         return folder
     dest = hub_dir.joinpath(*Path(folder).parts[-3:])
     if dest.is_dir():  # staged by an earlier run of this recipe: the commit fixes what it holds
         return dest
-    partial = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    for source in sorted(Path(folder).rglob("*")):
-        if source.is_dir():
-            continue
-        target = partial / source.relative_to(folder)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        real = source.resolve()  # cache snapshots are links into the blob store
-        try:
-            os.link(real, target)
-        except OSError:  # another filesystem (or one without hard links)
-            shutil.copyfile(real, target)
-    partial.rename(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        for source in sorted(Path(folder).rglob("*")):
+            relative = source.relative_to(folder)
+            if source.is_dir() or not any(fnmatch.fnmatch(relative.name, p) for p in MODEL_FILES):
+                continue
+            target = partial / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            real = source.resolve()  # cache snapshots are links into the blob store
+            try:
+                os.link(real, target)
+            except OSError:  # another filesystem (or one without hard links)
+                shutil.copyfile(real, target)
+        partial.chmod(0o755)
+        partial.rename(dest)
+    except OSError:
+        if not dest.is_dir():  # not a process that staged it first
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return dest
 
 

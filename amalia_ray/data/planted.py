@@ -54,8 +54,12 @@ def duplicate_pairs(cluster_of: dict[str, str]) -> set[tuple[str, str]]:
 
 
 def reference_shingles(text: str, k: int = 5) -> set[str]:
-    """Word k-grams in plain Python, independent of the vectorized implementation, to score it against."""
-    words = re.sub(r"[^\w\s]+", " ", unicodedata.normalize("NFC", text).lower()).split()
+    """Word k-grams in plain Python, independent of the vectorized implementation, to score it against: the text
+    lower-cased, numbers written 0, nonspacing marks dropped after NFD, all but letters, digits, marks and `_` a
+    space."""
+    folded = re.sub(r"\d+([.,،٫⎖⎗⎘]\d+)?", "0", text.lower())
+    folded = "".join(c for c in unicodedata.normalize("NFD", folded) if unicodedata.category(c) != "Mn")
+    words = "".join(c if c == "_" or unicodedata.category(c)[0] in "LNM" else " " for c in folded).split()
     return {" ".join(words[i:i + k]) for i in range(max(1, len(words) - k + 1))} if words else set()
 
 

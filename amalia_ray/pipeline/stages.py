@@ -274,24 +274,25 @@ def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
             init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
             ray_run_name=f"{stage.name}-{fingerprint}",
             seed=p.recipe.run.seed, use_gpu=gpu, stop_file=stop_file(p.run_dir),
-            step_transient_bytes=_step_transient_bytes(p, stage),
+            step_transient=_step_transient(p, stage),
             **({"storage_path": p.store.path(f"{stage.name}/ray"), "storage_filesystem": p.store.fs} if p.store else {}),
         )
     return body
 
 
-def _step_transient_bytes(p: RunContext, stage) -> int:
-    """What a GRPO step adds above the sharded training state (`amalia plan`'s activations, logits, gathered
-    blocks…), which its colocated rollout engine must leave free; 0 for other objectives."""
+def _step_transient(p: RunContext, stage):
+    """For a GRPO stage, what a step adds above the sharded training state given a sequence's tokens (`amalia
+    plan`'s activations, logits, gathered blocks…, as a function the workers call), which its colocated rollout
+    engine must leave free; None for other objectives."""
     if stage.objective != "grpo":
-        return 0
-    import json
+        return None
+    import functools
 
-    from amalia_ray.cluster.plan import GB, Dims, plan_stage, step_transient_gb
+    from amalia_ray.cluster.plan import Dims, step_transient_bytes
 
-    base = base_model_dir(p)
-    hf_config = json.loads((base / "config.json").read_text()) if base else None
-    return int(step_transient_gb(plan_stage(stage, p.recipe, Dims.of(p.recipe, hf_config))) * GB)
+    m = hf_model.anchored(p.recipe.model, p.loaded.resolve)
+    hf_config = hf_model.recipe_config(m, p.loaded.resolve) if m.base else None  # with the recipe's overrides
+    return functools.partial(step_transient_bytes, stage, p.recipe, Dims.of(p.recipe, hf_config))
 
 
 def _in_stage_order(p: RunContext, model_ids: list[str], adapters: dict[str, str]) -> list[str]:

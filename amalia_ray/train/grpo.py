@@ -53,10 +53,10 @@ class GRPO(Objective):
     name = "grpo"
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: dict, work_dir: Path,
-                 seed: int, use_gpu: bool = False, step_transient_bytes: int = 0):
+                 seed: int, use_gpu: bool = False, step_transient=None):
         from transformers import AutoTokenizer
 
-        self.step_transient_bytes = step_transient_bytes  # left free beside a colocated engine
+        self.step_transient = step_transient  # tokens of a sequence -> bytes a step adds: left free beside the engine
         self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self.tokenizer_dir, self.work_dir, self.seed, self.use_gpu = tokenizer_dir, work_dir, seed, use_gpu
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
@@ -104,9 +104,10 @@ class GRPO(Objective):
         the workers like the policy, so no GPU holds a whole copy. With LoRA adapters only, the reference is the
         policy with its adapters switched off: no second model."""
         engine = {**self.engine_config, "max_model_len": self.seq_len}
+        longest = max(map(len, self.prompts)) + self.max_new  # what a step's sequences are padded to
+        step = self.step_transient(longest) if self.step_transient else 0
         self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu,
-                                      self.sequences, max(map(len, self.prompts)) + self.max_new,
-                                      self.step_transient_bytes)
+                                      self.sequences, longest, step)
         if self.kl_coef > 0 and not self.lora:
             self.reference = frozen_copy(self.work_dir / "rollout-init")
 

@@ -153,7 +153,7 @@ def train_loop(config: dict) -> None:
     seq_len = stage.get("seq_len") or hf_config.max_position_embeddings
     objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]), seq_len,
                                 work_dir=stage_dir, seed=config["seed"], use_gpu=device.type == "cuda",
-                                step_transient_bytes=config.get("step_transient_bytes", 0))
+                                step_transient=config.get("step_transient"))
     # the ceiling MFU is against: every worker's stated peak (datasheet, else measured) in its precision, summed
     worker_peak, peak_basis = stated_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     peak_flops = _all_reduce_sum(worker_peak)[0]

@@ -113,7 +113,7 @@ def read_conversations(path: Path) -> list[list[dict]]:
 
 def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = None, seq_len: int | None = None,
                     work_dir: Path | None = None, seed: int = 0, use_gpu: bool = False,
-                    step_transient_bytes: int = 0) -> Objective:
+                    step_transient=None) -> Objective:
     name = stage["objective"]  # one of these four: the recipe's stage models allow no other
     if name == "sft":
         return SFT(data_dir, tokenizer_dir, seq_len)
@@ -122,5 +122,5 @@ def build_objective(stage: dict, data_dir: Path, tokenizer_dir: Path | None = No
     if name == "dpo":
         return DPO(data_dir, tokenizer_dir, seq_len, stage.get("beta", 0.1))
     if name == "grpo":
-        return GRPO(data_dir, tokenizer_dir, seq_len, stage, work_dir, seed, use_gpu, step_transient_bytes)
+        return GRPO(data_dir, tokenizer_dir, seq_len, stage, work_dir, seed, use_gpu, step_transient)
     return Pretrain(data_dir, document_masking=stage.get("document_masking", True))

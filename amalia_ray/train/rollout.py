@@ -170,6 +170,8 @@ def start_engine(model_dir: str, engine: dict, seed: int, use_gpu: bool, sizing:
     else:
         options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0}
     utilization, kv = cfg.gpu_memory_utilization, None
+    if sizing is not None and not colocated:  # the trainer is not on the engine's GPU
+        sizing = {**sizing, "trainer_bytes": 0}
     if utilization is None:
         if sizing is None:
             raise ValueError("rollout.gpu_memory_utilization is not set and the engine has no sizing to derive it")
@@ -284,7 +286,7 @@ def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], r
     """`n` completions per prompt from the engine, each scored by every reward -> ([(prompt, completion)], scores
     (completions, rewards)); completions of one prompt are consecutive."""
     sampled = ray.get(engine.generate.remote(prompts, n, max_tokens, temperature))
-    engine.sleep.remote()  # colocated on GPU: the memory goes back to the trainer until the next rollout
+    ray.get(engine.sleep.remote())  # colocated on GPU: the memory is the trainer's again before it steps
     items, scores = [], []
     for prompt, task, completions in zip(prompts, tasks, sampled):
         for completion in completions:

@@ -84,15 +84,16 @@ def run_train_stage(
     callbacks: list | None = None,
     progress: bool = True,
     stop_file: Path | None = None,
-    step_transient_bytes: int = 0,
+    step_transient=None,
 ) -> dict:
     """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
     the latest checkpoint Ray Train recorded for it. When `stop_file` appears, the workers checkpoint and stop early
     (StageStopped), to be resumed by the next run. Checkpoints go to `storage_path` (a path inside the pyarrow
     `storage_filesystem`, e.g. a bucket prefix), by default `stage_dir/ray`. `init_hf_dir` is the checkpoint the
     stage starts from (a base model's folder or the previous stage's export; None: random weights); `base_dir` the
-    base model whose config gives the architecture (model.from); `step_transient_bytes` what a step adds above
-    the sharded training state (`amalia plan`'s arithmetic), left free beside a colocated rollout engine."""
+    base model whose config gives the architecture (model.from); `step_transient(tokens)` what a step adds
+    above the sharded training state at sequences of that many tokens (`amalia plan`'s arithmetic), left free beside
+    a colocated rollout engine."""
     from amalia_ray.train.hf_weights import stored_dtype
 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -121,7 +122,7 @@ def run_train_stage(
             "export_dir": str(export_dir),
             "seed": seed,
             "stop_file": str(stop_file) if stop_file else None,
-            "step_transient_bytes": step_transient_bytes,
+            "step_transient": step_transient,
         },
         torch_config=TorchConfig(backend=process_group_backend(use_gpu)),
         scaling_config=ScalingConfig(
