@@ -96,8 +96,7 @@ bench: install corpus
 	$(RUN_BENCH) dedup_vs_datatrove_1m dedup_vs_datatrove.py --docs 1000000
 	$(RUN_BENCH) curation_throughput curation_throughput.py
 	$(RUN_BENCH) data_scaling data_scaling.py --base-mb 50 --scales 1,2,4,8
-	@# 64x (3.2 GB) takes over an hour on 2 cores; with the simulated 20 x 32-core cluster
-	$(RUN_BENCH) data_scaling_64x data_scaling.py --base-mb 50 --scales 1,8,64 --simulate 20:32
+	$(RUN_BENCH) data_scaling_sim data_scaling.py --base-mb 50 --scales 1 --simulate 20:32
 	$(RUN_BENCH) shuffle_plan shuffle_plan.py
 	$(RUN_BENCH) load_memory load_memory.py
 	$(RUN_BENCH) packed_stream_memory packed_stream_memory.py
