@@ -127,7 +127,7 @@ def test_show_prompt_prints_what_is_sent_without_a_server(tmp_path):
     ("parameters: {lr: {distribution: uniform, low: 0.1, high: 0.01}}",
      "error: {path}: parameters.lr: Value error, empty range: low 0.1 is not below high 0.01"),
     ("parameters: {lr: {values: [fast]}}", "error: parameters.lr: value 'fast' does not fit train stage 'pretrain'"),
-    ("parameters: {global_batch_size: {values: [7]}}", "error: parameters.global_batch_size: value 7 does not fit"),
+    ("parameters: {global_batch_size: {values: [0]}}", "error: parameters.global_batch_size: value 0 does not fit"),
     ("parameters: {lr: {values: []}}", "error: {path}: parameters.lr: Value error, values is empty"),
     ("metric: bleu\nparameters: {lr: {values: [0.1]}}", "error: metric 'bleu' is not reported by a pretrain stage"),
 ])
