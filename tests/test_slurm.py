@@ -119,9 +119,13 @@ def _chain_of_two(demo_run, recipe_path: Path, tmp_path: Path, cluster: SlurmClu
          "--chain", "2", "--time", "00:30:00", "--ray-port", str(free_port()), "--dashboard-port", str(free_port()),
          "--scratch", f"/tmp/amalia-slurm-{os.getpid()}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first_line = follow.stdout.readline() + follow.stdout.readline()
-    ids = re.search(r"^(\d+) (\d+)$", first_line, re.M)
-    assert ids, first_line + follow.stdout.read()
+    head = ""  # the stop margin and the script's path, then the job ids
+    while not (ids := re.search(r"^(\d+) (\d+)$", head, re.M)) and len(head.splitlines()) < 8:
+        if not (line := follow.stdout.readline()):
+            break
+        head += line
+    assert ids, head + follow.stdout.read()
+    assert "stopping 120 s before the time limit" in head.replace("\n", " ")
     first, second = ids.groups()
 
     # the time-limit warning, once the first job trains
