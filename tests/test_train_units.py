@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from amalia_ray.train.loop import fillers_per_step, local_micro_batches
+from amalia_ray.core.shards import fillers_per_step
+from amalia_ray.train.loop import local_micro_batches
 from amalia_ray.train.lr_schedule import lr_at
 
 

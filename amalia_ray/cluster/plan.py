@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from amalia_ray.core.config import LOSS_CHUNK_POSITIONS, PlanConfig, Recipe, TrainStageConfig
 from amalia_ray.core.flops import model_flops_per_token
+from amalia_ray.core.shards import fillers_per_step
 
 GB = 1024**3
 
@@ -136,8 +137,8 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     if stage.objective == "dpo":
         flops_per_token *= 4 / 3  # the reference pass over the same pairs: one more forward
     # what the GPUs run: a step's sequences, and a filler pass for every micro-batch slot left without one
-    passes = max(1, -(-stage.global_batch_size // (stage.micro_batch_size * gpus))) * gpus
-    step_flops = max(stage.global_batch_size, passes) * seq * per_pair * flops_per_token
+    rows = stage.global_batch_size + fillers_per_step(stage.global_batch_size, stage.micro_batch_size, gpus)
+    step_flops = rows * seq * per_pair * flops_per_token
     step_time = step_flops / (gpus * hw.peak_tflops * 1e12 * hw.mfu)
     gpu_hours = stage.steps * step_time * gpus / 3600
     energy_kwh = gpu_hours * hw.watts_per_gpu / 1000

@@ -33,6 +33,17 @@ SHUFFLE_WINDOW = 4  # row-group runs of one source whose rows are shuffled toget
 ROW_GROUP_BYTES = 2 << 20  # token bytes per row group the pack stage writes: a worker caches a few of these
 
 
+def micro_batches_per_rank(rows: int, micro: int, world: int) -> int:
+    """How many micro-batches of at most `micro` rows every one of `world` workers runs for a step of `rows`."""
+    return max(1, -(-rows // (micro * world)))
+
+
+def fillers_per_step(rows: int, micro: int, world: int) -> int:
+    """The filler passes a step of `rows` rows costs over `world` workers (0 when they divide it evenly): the
+    micro-batch slots left without a row, each run on one real row whose loss is zeroed."""
+    return max(0, micro_batches_per_rank(rows, micro, world) * world - rows)
+
+
 def rows_per_group(seq_len: int) -> int:
     """Rows per Parquet row group for int32 sequences of `seq_len` tokens."""
     return max(1, ROW_GROUP_BYTES // (4 * seq_len))

@@ -17,6 +17,7 @@ from amalia_ray.train import checkpoint, lora
 from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
 from amalia_ray.core.flops import flops_per_token_of
+from amalia_ray.core.shards import fillers_per_step, micro_batches_per_rank
 from amalia_ray.train.metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives import build_objective
@@ -36,15 +37,6 @@ def local_micro_batches(rows: np.ndarray, micro: int, rank: int, world: int) -> 
     bounds = np.arange(slots + 1) * len(rows) // slots  # divisible: every slot `micro` rows, in order
     parts = [rows[bounds[a * world + rank]:bounds[a * world + rank + 1]] for a in range(accum)]
     return [(part, False) if len(part) else (rows[:1], True) for part in parts]
-
-
-def micro_batches_per_rank(rows: int, micro: int, world: int) -> int:
-    return max(1, -(-rows // (micro * world)))
-
-
-def fillers_per_step(rows: int, micro: int, world: int) -> int:
-    """The filler passes a step of `rows` rows costs over `world` workers (0 when they divide it evenly)."""
-    return max(0, micro_batches_per_rank(rows, micro, world) * world - rows)
 
 
 def accumulate_gradients(model, objective, passes: list[tuple[np.ndarray, bool]], device: torch.device,
