@@ -53,6 +53,17 @@ def test_judge_must_be_a_served_checkpoint(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_decontamination_task_is_an_eval_task_name_or_a_path(tmp_path):
+    """The rule: a string naming one of eval.tasks is that task, any other string a task file (relative to the
+    recipe). One that is neither is refused before anything starts, naming the forms accepted."""
+    recipe = write_recipe(tmp_path, **{"data.decontaminate": {"tasks": ["exames/2023.json"]}})
+    code, lines = invoke("run", str(recipe))
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith("error: data.decontaminate.tasks[0]: 'exames/2023.json' is neither the name of one "
+                               "of eval.tasks (") and f"nor a task file or folder (nothing at {tmp_path}" in lines[0]
+    assert "or a task {name, path, format}" in lines[0] and not (tmp_path / "runs").exists()
+
+
 def test_port_in_use(tmp_path):
     port = free_port()
     with socket.socket() as busy:

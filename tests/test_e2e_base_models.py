@@ -56,6 +56,28 @@ def trained(ray_cluster, tmp_path_factory):
     return stage, chats, out
 
 
+def test_a_model_the_engine_cannot_run_is_refused_with_the_engines_reason(other_team, tmp_path):
+    """vLLM's CPU attention loads a model with 24-wide heads and dies on its first request. `amalia serve` tries
+    each model before it reports ready: it exits 1 with one line giving the engine's own reason, and leaves nothing
+    deployed; the other team's application answers throughout. (The eval stage goes on with the other models:
+    test_evals_scoring.py.)"""
+    import ray
+    from ray import serve
+
+    from tests.conftest import OTHER_TEAM_REPLY
+
+    bad = make_base_model(tmp_path / "heads-24", "llama", hidden=96, shard_size=None)  # 4 heads of 24
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    deployed = subprocess.run([sys.executable, "-m", "amalia_ray.cli", "serve", str(bad), "--name", "heads-24",
+                               "--app", "amalia-unservable"], env=env, capture_output=True, text=True, timeout=900)
+    errors = [ln for ln in deployed.stderr.splitlines() if ln.startswith("error:")]
+    assert deployed.returncode == 1 and len(errors) == 1, deployed.stdout[-2000:] + deployed.stderr[-3000:]
+    assert errors[0].startswith("error: model 'heads-24' cannot be served: ") and "head_dim=24" in errors[0], errors
+    assert "EngineDead" not in errors[0]
+    assert set(serve.status().applications) == {"other-team"}
+    assert httpx.get(other_team, timeout=30).text == OTHER_TEAM_REPLY
+
+
 def _first_step_loss(base: Path, chats: Path, stage: TrainStageConfig) -> float:
     """The loss of the first step's global batch from one process: transformers' own model, the same rows."""
     from transformers import AutoModelForCausalLM

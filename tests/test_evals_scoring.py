@@ -445,3 +445,48 @@ def test_items_seen_in_a_runs_corpus_are_flagged_and_scored_apart(tmp_path):
     with pytest.raises(Exception, match="not found"):
         run_task(cfg, path, base_url="http://fake/v1", model="m", settings=EvalConfig(tasks=[cfg]),
                  transport=httpx.MockTransport(fake), contamination_of=[tmp_path / "nope"])
+
+
+def test_the_eval_stage_scores_the_models_that_answer_and_says_why_the_others_cannot_be(tmp_path, monkeypatch):
+    """A model whose engine fails its first request (the server's start reports it, see readiness.py) gets rows
+    that say why in the results and the report; every other model is scored. (A real engine that dies:
+    test_e2e_base_models.py.)"""
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline import stages
+    from amalia_ray.pipeline.report import evaluation_section
+    from amalia_ray.pipeline.runner import Pipeline
+    from amalia_ray.serve.app import Served
+    from tests.conftest import write_recipe
+
+    pipeline = Pipeline(load_recipe(write_recipe(tmp_path, **{"resources.device": "cpu"})))
+    why = "RuntimeError: Unsupported CPU attention configuration: head_dim=24"
+    asked = {}
+    monkeypatch.setattr(stages.serve_app, "start", lambda *a, keep_going=False: asked.update(keep_going=keep_going)
+                        or Served("http://127.0.0.1:9/v1", {"wide-heads": why}))
+    monkeypatch.setattr(stages.serve_app, "stop", lambda name: None)
+    scored = []
+
+    def run_task(task, path, *, model, **_):
+        scored.append((model, task.name))
+        return {"scores": {"acc": 0.5, "acc_stderr": 0.1}, "n": 4, "rejected": 0, "usage": {"prompt_tokens": 7}}
+
+    monkeypatch.setattr(stages, "run_task", run_task)
+    out = stages._serve_and_evaluate(pipeline, {"demo-pretrain": tmp_path, "wide-heads": tmp_path}, {})
+    tasks = [t.name for t in pipeline.recipe.eval.tasks]
+    assert asked == {"keep_going": True} and scored == [("demo-pretrain", t) for t in tasks]
+    assert all(out["results"][f"wide-heads/{t}"]["failed"] == why for t in tasks)
+    assert all(out["results"][f"demo-pretrain/{t}"]["acc"] == 0.5 for t in tasks)
+    report = "\n".join(evaluation_section(tmp_path, out))
+    assert "not served (below)" in report and f"- wide-heads: {why}" in report and "0.500 ± 0.100" in report
+
+
+def test_the_reason_an_engine_gives_is_its_first_error_line_not_the_wrapper_that_it_died():
+    from amalia_ray.serve.readiness import error_line
+
+    log = ("(Worker pid=9) INFO loading\n(Worker pid=9) ERROR [multiproc_executor.py:1063] Traceback:\n"
+           "(Worker pid=9) ERROR [multiproc_executor.py:1063] RuntimeError: Unsupported CPU attention configuration: "
+           "head_dim=24 isa=1\n(EngineCore pid=8) ERROR     raise RuntimeError(\n"
+           "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above)\n")
+    assert error_line(log) == "RuntimeError: Unsupported CPU attention configuration: head_dim=24 isa=1"
+    assert error_line("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.") is None
+    assert error_line("torch.OutOfMemoryError: CUDA out of memory. " + "x" * 400).endswith("…")

@@ -227,3 +227,32 @@ def test_an_unchanged_input_is_not_read_again(tmp_path, monkeypatch):
     (corpus / "new.tmp").write_bytes((corpus / "part-3.jsonl").read_bytes())
     (corpus / "new.tmp").replace(corpus / "part-3.jsonl")  # same bytes, another inode: read again, same digest
     assert storage.hash_paths(inputs) == changed and reads == [corpus / "part-3.jsonl"]
+
+
+def test_the_loss_plot_has_a_panel_per_objective_each_with_its_own_axis(tmp_path):
+    """Pretraining's and SFT's cross-entropy on one panel; DPO's loss with its reward margin and GRPO's mean reward
+    with its KL each on their own, with their own axis labels; validation points where a stage has them. What was
+    drawn is read back from the PNG's metadata."""
+    from PIL import Image
+
+    from amalia_ray.pipeline.report import plot_losses
+
+    logged = {
+        "pretrain": lambda i: {"loss": 6 - i, **({"val_loss": 6.2 - i} if i == 3 else {})},
+        "sft": lambda i: {"loss": 2 - i / 10},
+        "dpo": lambda i: {"loss": 0.69 - i / 100, "rewards/margins": i / 10, "rewards/accuracies": 0.5},
+        "grpo": lambda i: {"loss": 0.01, "reward": i / 4, "kl": i / 1000},
+    }
+    for name, record in logged.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i, **record(i)}) + "\n" for i in range(1, 4)))
+    png = plot_losses(tmp_path, list(logged), {"pretrain": "pretrain", "sft": "sft", "dpo": "dpo", "grpo": "grpo"})
+    panels = json.loads(Image.open(png).text["Panels"])
+    assert [(p["panel"], p["stages"]) for p in panels] == [("cross-entropy", ["pretrain", "sft"]), ("dpo", ["dpo"]),
+                                                          ("grpo", ["grpo"])]
+    assert panels[0]["ylabel"] == "cross-entropy (nats/token)" and "ylabel_right" not in panels[0]
+    assert panels[1]["ylabel"].startswith("DPO loss") and panels[1]["ylabel_right"].startswith("reward margin")
+    assert panels[2]["ylabel"] == "mean reward" and panels[2]["ylabel_right"].startswith("KL")
+    # a stage no longer in the recipe goes on the panel of what it logged
+    assert [p["panel"] for p in json.loads(Image.open(plot_losses(tmp_path, ["dpo"])).text["Panels"])] == ["dpo"]

@@ -3,6 +3,8 @@ cannot fit is refused with what to change, and the seeds' GPU-hours give an impl
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -111,6 +113,32 @@ def test_a_stage_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
     assert result.exit_code == 1
     line = result.output.strip().splitlines()[-1]
     assert line.startswith("error: stage 'pretrain' cannot fit: needs") and "set activation_checkpointing: true" in line
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_the_plan_shows_every_figure_whole_at_any_terminal_width(columns):
+    """At 80 columns (a terminal's and a CI log's default) one block of label-value lines per stage, no line wider
+    than the terminal; wide enough, the table. Either way every figure whole: nothing cut to "sta…"."""
+    from amalia_ray.cli.cluster import _figure
+
+    loaded = load_recipe(AMALIA_9B)
+    result = CliRunner().invoke(app, ["plan", str(AMALIA_9B)], env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "…" not in result.output
+    plans = plan(loaded.recipe, recipe_config(loaded.recipe.model, loaded.resolve))
+    figures = [f for p in plans for f in (p.stage, str(p.gpus), f"{p.tokens_per_step:,}", f"{p.total_memory_gb:.1f}",
+                                           _figure(p.step_time_s), _figure(p.gpu_hours), _figure(p.cost_usd),
+                                           _figure(p.energy_kwh), *(f"{gb:.1f}" for gb in p.memory_gb.values()))]
+    cells = {cell for line in lines for cell in re.split(r"[\s│]+|, ", line)}
+    assert set(figures) <= cells, set(figures) - cells
+    if columns == 80:
+        assert max(map(len, lines)) <= 80 and not any("┃" in line for line in lines)
+        block = lines[lines.index("pretrain"):lines.index("sft")]
+        assert block[1].split() == ["GPUs", str(plans[0].gpus)] and any(ln.split()[:2] == ["GPU-hours", _figure(
+            plans[0].gpu_hours)] for ln in block)
+    else:
+        assert any("┃" in line and "GPU-hours" in line and "implied MFU" in line for line in lines)
 
 
 def test_reported_hours_must_name_a_stage(tmp_path):

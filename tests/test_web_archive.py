@@ -278,7 +278,8 @@ def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path, keys_only_
     sentences_in = [next(s for s in html_main_text(web_archive.page_html(pages[i][1])).split(". ")
                          if len(s.split()) >= 15) for i in quoted]
     sentences_out = [p for p in _paragraphs(FAQ_TXT, 3)]
-    exams = web_archive.write_json(tmp_path / "exams.json", web_archive.exam_items(sentences_in, sentences_out))
+    # named by its path alone (relative to the recipe): named "exames" after the file, its format told by its fields
+    web_archive.write_json(tmp_path / "exames.json", web_archive.exam_items(sentences_in, sentences_out))
     recipe = {
         "run": {"name": "arquivo", "output_dir": str(tmp_path / "runs")},
         "data": {
@@ -289,7 +290,7 @@ def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path, keys_only_
                         "fineweb": {"enabled": False}},
             "captures": "latest",
             "near_dedup": {"keep": "quality"},
-            "decontaminate": {"tasks": [{"name": "exames", "path": str(exams), "format": "pheb"}]},
+            "decontaminate": {"tasks": ["exames.json"]},
         },
     }
     path = tmp_path / "arquivo.yaml"

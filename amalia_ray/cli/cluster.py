@@ -74,8 +74,6 @@ def plan(
     energy. Exits 1 naming what to change when a stage cannot fit."""
     import dataclasses
 
-    from rich.table import Table
-
     from amalia_ray.cluster.plan import Dims, parameter_count
     from amalia_ray.cluster.plan import plan as make_plan
     from amalia_ray.core.errors import AmaliaError
@@ -93,22 +91,48 @@ def plan(
         params = parameter_count(dims)[0]
         hw = r.plan
         model = f"{r.model.base} ({params / 1e9:.2f} B parameters)" if r.model.base else f"{params / 1e9:.2f} B parameters"
-        table = Table(title=f"{recipe}: {model} on {hw.gpu} "
-                            f"({hw.peak_tflops:.0f} TFLOP/s peak, MFU {hw.mfu:.0%}, ${hw.usd_per_gpu_hour}/GPU-h, "
-                            f"{hw.watts_per_gpu:.0f} W/GPU)")
-        for col in ("stage", "GPUs", "seq", "tokens/step", "memory/GPU (GB)", "step (s)", "GPU-hours", "cost ($)",
-                    "energy (kWh)", "tokens/J", "implied MFU"):
-            table.add_column(col, justify="right")
-        for p in plans:
-            table.add_row(p.stage, str(p.gpus), str(p.seq_len), f"{p.tokens_per_step:,}",
-                          f"{p.total_memory_gb:.1f}" + ("" if p.fits else " ✗"), _figure(p.step_time_s),
-                          _figure(p.gpu_hours), _figure(p.cost_usd), _figure(p.energy_kwh),
-                          _figure(p.tokens_per_joule), f"{p.implied_mfu:.1%}" if p.implied_mfu else "")
+        _print_plans([f"{recipe}: {model}", f"on {hw.gpu} ({hw.peak_tflops:.0f} TFLOP/s peak, MFU {hw.mfu:.0%}, "
+                                            f"${hw.usd_per_gpu_hour}/GPU-h, {hw.watts_per_gpu:.0f} W/GPU)"], plans)
+    if misfits := [p for p in plans if not p.fits]:
+        raise AmaliaError("; ".join(f"stage '{p.stage}' cannot fit: {p.advice}" for p in misfits))
+
+
+PLAN_COLUMNS = ("GPUs", "seq", "tokens/step", "memory/GPU (GB)", "step (s)", "GPU-hours", "cost ($)", "energy (kWh)",
+                "tokens/J", "implied MFU")
+NARROW_COLUMNS = 100  # at this width and below, and wherever the table would not fit whole: one block per stage
+
+
+def _print_plans(title: list[str], plans: list) -> None:
+    """A table, one row per stage, where it fits the terminal whole; else one block of `label: value` lines per
+    stage (a table squeezed into 80 columns cuts its figures to a letter or two)."""
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    rows = {p.stage: [str(p.gpus), str(p.seq_len), f"{p.tokens_per_step:,}",
+                      f"{p.total_memory_gb:.1f}" + ("" if p.fits else " ✗ does not fit"), _figure(p.step_time_s),
+                      _figure(p.gpu_hours), _figure(p.cost_usd), _figure(p.energy_kwh), _figure(p.tokens_per_joule),
+                      f"{p.implied_mfu:.1%}" if p.implied_mfu else "–"] for p in plans}
+    table = Table(title=" ".join(title))
+    for col in ("stage", *PLAN_COLUMNS):
+        table.add_column(col, justify="right", no_wrap=True)
+    for stage, cells in rows.items():
+        table.add_row(stage, *cells)
+    width = console.width
+    natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    if width > NARROW_COLUMNS and natural <= width:
         console.print(table)
         for p in plans:
             console.print(f"{p.stage}: " + ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb.items()) + " GB")
-    if misfits := [p for p in plans if not p.fits]:
-        raise AmaliaError("; ".join(f"stage '{p.stage}' cannot fit: {p.advice}" for p in misfits))
+        return
+    console.print("\n".join(title), markup=False)
+    label_width = max(len(c) for c in (*PLAN_COLUMNS, *(k for p in plans for k in p.memory_gb))) + 4
+    for p in plans:
+        console.print(f"\n[bold]{p.stage}[/]")
+        for label, value in zip(PLAN_COLUMNS, rows[p.stage]):
+            console.print(f"  {label:<{label_width}}{value}", markup=False)
+            if label == "memory/GPU (GB)":
+                for item, gb in p.memory_gb.items():
+                    console.print(f"    {item:<{label_width - 2}}{gb:.1f}", markup=False)
 
 
 def _figure(v: float) -> str:

@@ -87,7 +87,7 @@ def serve(
                       f"reach {host}:{port}")
     with ray_session():
         url = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()), app_name,
-                              adapters)
+                              adapters).base_url
         served = [*names, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
         if on_cluster:
             console.print(f"[green]deployed[/] {', '.join(served)} at {url} as Serve application '{app_name}' "
@@ -127,16 +127,13 @@ def _adapters(specs: list[str], names: list[str]) -> dict[str, dict[str, Path]]:
 
 def _task_config(task: Path, format: str, method: str | None, name: str | None = None, **fields):
     """An EvalTaskConfig from command-line options; a bad option is reported by its flag."""
-    import re
-
     from pydantic import ValidationError
 
-    from amalia_ray.core.config import EvalTaskConfig
     from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.evals.tasks import task_of_file
 
     try:
-        return EvalTaskConfig(name=name or re.sub(r"[^A-Za-z0-9._-]", "-", task.stem).lstrip("-._") or "task",
-                              path=str(task), format=format, method=method, **fields)
+        return task_of_file(task, name, format, method=method, **fields)
     except ValidationError as e:
         raise AmaliaError(_options_error(e)) from None
 

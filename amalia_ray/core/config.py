@@ -166,6 +166,11 @@ TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety", "answ
 CHOICE_TASKS = ("mcq", "pheb", "binary", "euroeval")
 
 
+TASK_REFERENCE = ("the name of one of eval.tasks; any other string is a task file or folder (relative to the "
+                  "recipe; its format told by its fields, as `amalia eval --task` tells it); or a task of its own "
+                  "{name, path, format} like eval.tasks")
+
+
 class EvalTaskConfig(Strict):
     """One benchmark: a task file in one of the formats `amalia_ray/evals/tasks.py` reads."""
     name: str = Field(..., pattern=NAME_PATTERN, description="names the task in results and the report")
@@ -241,8 +246,8 @@ class SiteBoilerplateConfig(Strict):
 class DecontaminationConfig(Strict):
     """Training documents that share word n-grams with benchmark items (question, choices, reference) are dropped
     or flagged, the 13-gram rule of GPT-3 and lm-eval's decontamination."""
-    tasks: list[str | EvalTaskConfig] = Field(..., min_length=1, description="benchmarks to check against: names of "
-                                              "eval.tasks, or task files ({name, path, format}) like eval.tasks")
+    tasks: list[str | EvalTaskConfig] = Field(..., min_length=1, description=f"benchmarks to check against: "
+                                              f"{TASK_REFERENCE}")
     ngram: int = Field(13, ge=1, description="words per n-gram (lower-cased, punctuation removed)")
     min_overlap: int = Field(1, ge=1, description="distinct n-grams a document must share with one item to count "
                              "as contaminated by it")
@@ -874,11 +879,6 @@ class Recipe(Strict):
         if self.eval.tasks and not self.train and not self.model.base:
             raise ValueError("eval.tasks: nothing to evaluate: the recipe has no train stages and no base model "
                              "(model.from)")
-        if self.data.decontaminate:
-            tasks = {t.name for t in self.eval.tasks}
-            if unknown := [t for t in self.data.decontaminate.tasks if isinstance(t, str) and t not in tasks]:
-                raise ValueError(f"data.decontaminate.tasks: {unknown} are not names of eval.tasks {sorted(tasks)}; "
-                                 "name one of them or give a task file ({name, path, format})")
         names = [s.name for s in self.train]
         if len(set(names)) != len(names):
             raise ValueError(f"train stage names must be unique, got {names}")

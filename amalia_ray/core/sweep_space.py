@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from amalia_ray.core.config import Strict, TrainStageConfig, train_stage
+from amalia_ray.core.config import TASK_REFERENCE, Strict, TrainStageConfig, train_stage
 from amalia_ray.core.errors import AmaliaError
 
 # never swept: they name or wire the stage rather than tune it
@@ -84,7 +84,7 @@ class Scheduler(Strict):
 
 
 class Benchmark(Strict):
-    task: str = Field(..., description="an eval task of the recipe (eval.tasks[].name)")
+    task: str = Field(..., description=f"the task the best trials are scored on: {TASK_REFERENCE.split('; or ')[0]}")
     top: int = Field(2, ge=1, description="serve the best trials that ran to the end, this many, and score them")
 
 

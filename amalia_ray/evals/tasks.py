@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from amalia_ray.core.config import CHOICE_TASKS, TaskFormat
+from amalia_ray.core.config import CHOICE_TASKS, EvalTaskConfig, TaskFormat
 from amalia_ray.core.errors import AmaliaError
 
 FORMATS = typing.get_args(TaskFormat)
@@ -412,6 +412,13 @@ def detect_format(path: Path) -> str:
         raise TaskError(f"{where}: cannot tell the task's format from its fields ({', '.join(sorted(row))}): "
                         f"give it (one of {', '.join(FORMATS)})")
     raise TaskError(f"{path}: no items")
+
+
+def task_of_file(path: Path, name: str | None = None, format: str | None = None, **fields) -> EvalTaskConfig:
+    """A task given by its file alone, as `amalia eval --task` takes it: named after the file (unless `name`),
+    its format told by the first item's fields (unless `format`)."""
+    name = name or re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).lstrip("-._") or "task"
+    return EvalTaskConfig(name=name, path=str(path), format=format or detect_format(path), **fields)
 
 
 def load_task(path: Path, fmt: str, limit: int | None = None, split: str = EVALUATED_SPLIT) -> list[Item]:

@@ -25,37 +25,70 @@ def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
 
 
-def plot_losses(run_dir: Path, train_stages: list[str]) -> Path | None:
+# One panel per kind of objective, each on its own axes: pretraining's and SFT's cross-entropy share a unit; DPO's
+# loss and GRPO's rewards mean other things. Each: (title, left series, its label, right series, its label).
+LOSS_PANELS = {
+    "cross-entropy": ("pretrain / SFT", "loss", "cross-entropy (nats/token)", None, None),
+    "dpo": ("DPO", "loss", "DPO loss (−log σ(β·margin), per pair)", "rewards/margins", "reward margin (β·log-ratio)"),
+    "grpo": ("GRPO", "reward", "mean reward", "kl", "KL to the reference (nats/token)"),
+}
+
+
+def loss_panel_of(objective: str | None, history: list[dict]) -> str:
+    """The panel a stage's curve goes on: by its objective, or (a stage the recipe no longer has) by what it logged."""
+    if objective in ("dpo", "grpo"):
+        return objective
+    if objective is None and history:
+        return "dpo" if "rewards/margins" in history[0] else "grpo" if "reward" in history[0] else "cross-entropy"
+    return "cross-entropy"
+
+
+def plot_losses(run_dir: Path, train_stages: list[str], objectives: dict[str, str] | None = None) -> Path | None:
+    """`loss.png`: one panel per kind of objective (LOSS_PANELS), each stage's curve against its own optimizer
+    steps, validation points where the stage has them. The panels and their axis labels are also written into the
+    PNG's metadata (key "Panels", JSON), so a reader or a test can tell what was drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    plotted = False
-    offset = 0
+    curves: dict[str, list[tuple[str, list[dict]]]] = {}
     for name in train_stages:
-        history = _read_metrics(run_dir / name / "metrics.jsonl")
-        if not history:
-            continue
-        steps = [offset + h["step"] for h in history]
-        ax.plot(steps, [h["loss"] for h in history], label=f"{name} train")
-        val = [(offset + h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
-        if val:
-            ax.plot(*zip(*val), "o--", label=f"{name} validation")
-        offset = steps[-1]
-        plotted = True
-    if not plotted:
-        plt.close(fig)
+        if history := _read_metrics(run_dir / name / "metrics.jsonl"):
+            panel = loss_panel_of((objectives or {}).get(name), history)
+            curves.setdefault(panel, []).append((name, history))
+    if not curves:
         return None
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(f"Loss — {run_dir.name}")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    panels = [k for k in LOSS_PANELS if k in curves]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), squeeze=False)
+    described = []
+    for ax, panel in zip(axes[:, 0], panels):
+        title, left, left_label, right, right_label = LOSS_PANELS[panel]
+        twin = ax.twinx() if right and any(right in h for _, stage in curves[panel] for h in stage) else None
+        for name, history in curves[panel]:
+            ax.plot([h["step"] for h in history if left in h], [h[left] for h in history if left in h],
+                    label=f"{name} {left}" if twin else f"{name} train")
+            val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
+            if val and left == "loss":
+                ax.plot(*zip(*val), "o--", label=f"{name} validation")
+            if twin:
+                twin.plot([h["step"] for h in history if right in h], [h[right] for h in history if right in h],
+                          ":", color="tab:red", label=f"{name} {right}")
+        ax.set_title(f"{title} — {run_dir.name}", fontsize=10)
+        ax.set_xlabel("optimizer step of the stage")
+        ax.set_ylabel(left_label)
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if twin:
+            twin.set_ylabel(right_label)
+            more = twin.get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
+        ax.legend(handles, labels, fontsize="small")
+        described.append({"panel": panel, "ylabel": left_label, **({"ylabel_right": right_label} if twin else {}),
+                          "stages": [name for name, _ in curves[panel]]})
     out = run_dir / "loss.png"
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, metadata={"Panels": json.dumps(described)})
     plt.close(fig)
     return out
 
@@ -67,7 +100,9 @@ def _split(results: dict) -> tuple[list[str], list[str]]:
 
 
 def _first(results: dict, models: list[str], task: str) -> dict:
-    return next(results[f"{m}/{task}"] for m in models if f"{m}/{task}" in results)
+    """The task's first scored row (a model that could not be served has a row that says why, and no scores)."""
+    rows = [results[f"{m}/{task}"] for m in models if f"{m}/{task}" in results]
+    return next((row for row in rows if "failed" not in row), rows[0])
 
 
 def _headline(r: dict) -> tuple[str, float | None, float | None]:
@@ -92,6 +127,8 @@ def evaluation_section(run_dir: Path, metrics: dict) -> list[str]:
         for m in models:
             _, value, se = _headline(results.get(f"{m}/{task}", {}))
             cell = "" if value is None else f"{value:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+            if "failed" in results.get(f"{m}/{task}", {}):
+                cell = "not served (below)"
             ref_value = _headline(results.get(f"{reference[m]}/{task}", {}))[1] if reference[m] else None
             if value is not None and ref_value is not None:
                 cell += f" ({value - ref_value:+.3f})"
@@ -106,6 +143,9 @@ def evaluation_section(run_dir: Path, metrics: dict) -> list[str]:
         parts += [f"LoRA adapters, each served on the engine of the checkpoint it was trained from (no engine of "
                   f"its own): {on}.", ""]
     parts += [_table(["task", "metric", *models, "chance", "n"], rows), ""]
+    if failed := {m: row["failed"] for key, row in results.items() if "failed" in row for m in [key.split("/")[0]]}:
+        parts += ["Not scored: the server could not run these models (each failed its first request):", "",
+                  *[f"- {m}: {why}" for m, why in failed.items()], ""]
     if any("n_seen" in r for r in results.values()):
         clean_rows = []
         for task in tasks:
@@ -266,7 +306,8 @@ def sweeps_section(run_dir: Path) -> list[str]:
     return ["## Sweeps", "", *parts] if parts else []
 
 
-def write_report(run_dir: Path, manifest: Manifest) -> Path:
+def write_report(run_dir: Path, manifest: Manifest, objectives: dict[str, str] | None = None) -> Path:
+    """`objectives`: each training stage's objective (which loss panel its curve goes on)."""
     stages = manifest.stages
     train_stages = [n for n, rec in stages.items() if (run_dir / n / "metrics.jsonl").exists()]
     parts = [f"# Run report: {manifest.run_name}", "", f"Recipe: `{manifest.recipe_path}` (hash {manifest.recipe_hash})", ""]
@@ -334,7 +375,7 @@ def write_report(run_dir: Path, manifest: Manifest) -> Path:
         if bases:
             parts += ["MFU counts model FLOPs (6 × matmul parameters + 12 · layers · attention width · sequence per "
                       "token, as torchtitan) against each worker's peak: " + "; ".join(bases) + ".", ""]
-        png = plot_losses(run_dir, train_stages)
+        png = plot_losses(run_dir, train_stages, objectives)
         if png:
             parts += [f"![loss curve]({png.name})", ""]
 

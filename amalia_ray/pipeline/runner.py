@@ -250,7 +250,7 @@ class Pipeline:
                             raise StageStopped(f"stopped before stage '{spec.name}' ({reason}): run the same "
                                                "recipe again to carry on")
                         self.execute(spec)
-            report = write_report(self.run_dir, self.manifest)
+            report = write_report(self.run_dir, self.manifest, {s.name: s.objective for s in self.recipe.train})
             ok = True
         finally:
             self.tracker.artifacts([self.run_dir / "recipe.yaml", *([report] if ok else []),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from amalia_ray.cluster.local import cluster_has_gpu, ray_session
 from amalia_ray.core import hf_model
+from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import stop_file
 from amalia_ray.data import stage as data_stage
@@ -17,7 +18,7 @@ from amalia_ray.data.quality_model import QualityModel
 from amalia_ray.evals.contamination import seen_items
 from amalia_ray.evals.fewshot import task_items
 from amalia_ray.evals.runner import metrics_of, run_task
-from amalia_ray.evals.tasks import item_text, load_task
+from amalia_ray.evals.tasks import item_text, load_task, task_of_file
 from amalia_ray.pipeline.spec import RunContext, StageSpec
 from amalia_ray.serve import app as serve_app
 from amalia_ray.train.model import check_config
@@ -50,12 +51,8 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         if task.fewshot_path and not Path(task.fewshot_path).exists():
             raise AmaliaError(f"eval.tasks[{i}].fewshot_path: not found: {task.fewshot_path}")
         task_items(task, path)
-    for i, task in enumerate(r.data.decontaminate.tasks if r.data.decontaminate else []):
-        if not isinstance(task, str) and not p.loaded.resolve(task.path).exists():
-            raise AmaliaError(f"data.decontaminate.tasks[{i}].path: task file or folder not found: "
-                              f"{p.loaded.resolve(task.path)}")
-        if not isinstance(task, str):
-            load_task(p.loaded.resolve(task.path), task.format)
+    for task in decontamination_tasks(p):
+        load_task(Path(task.path), task.format)
     if r.data.quality_model:
         QualityModel(p.loaded.resolve(r.data.quality_model))  # a missing or foreign model fails here, not in a worker
     if r.model.base:
@@ -153,7 +150,7 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
     cluster_cpus = {"CPU": p.cluster_info["billable_cpus"]}  # Ray Data spreads over the whole cluster
     if "data" in names:
         listing = corpus_listing(p)  # listed, not read
-        benchmarks = decontamination_tasks(r)
+        benchmarks = decontamination_tasks(p)
         yield StageSpec("data", [r.data, *([[t.model_dump() for t in benchmarks]] if benchmarks else []),
                                  data_stage.input_fingerprints(listing)],
                         {**{f"benchmark:{t.name}": p.loaded.resolve(t.path) for t in benchmarks},
@@ -243,12 +240,33 @@ def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | N
     return models, adapters
 
 
-def decontamination_tasks(r) -> list:
-    """The task files the data stage decontaminates against (eval tasks named by data.decontaminate, or its own)."""
-    if not r.data.decontaminate:
-        return []
-    by_name = {t.name: t for t in r.eval.tasks}
-    return [by_name[t] if isinstance(t, str) else t for t in r.data.decontaminate.tasks]
+def decontamination_tasks(p: RunContext) -> list:
+    """The tasks the data stage decontaminates against, their paths resolved (see referenced_task)."""
+    d = p.recipe.data.decontaminate
+    return [referenced_task(p, t, f"data.decontaminate.tasks[{i}]")[0] for i, t in enumerate(d.tasks if d else [])]
+
+
+def referenced_task(p: RunContext, ref, where: str):
+    """The task a recipe field refers to, and its path. The rule: a string that names one of eval.tasks is that
+    task; any other string is a task file or folder, relative to the recipe, its format told by its fields as
+    `amalia eval --task` tells it; a mapping {name, path, format, …} is a task of its own."""
+    if not isinstance(ref, str):
+        task, path = eval_task(p, ref)
+    elif ref in (named := {t.name: t for t in p.recipe.eval.tasks}):
+        task, path = eval_task(p, named[ref])
+    else:
+        path = p.loaded.resolve(ref)
+        if not path.exists():
+            raise AmaliaError(f"{where}: '{ref}' is neither the name of one of eval.tasks ({', '.join(named) or 'none'}) "
+                              f"nor a task file or folder (nothing at {path}); give one of those, or a task "
+                              "{name, path, format}")
+        try:
+            task = task_of_file(path)
+        except AmaliaError as e:
+            raise AmaliaError(f"{where}: {e}") from None
+    if not path.exists():
+        raise AmaliaError(f"{where}.path: task file or folder not found: {path}")
+    return task.model_copy(update={"path": str(path)}), path
 
 
 def benchmark_items(p: RunContext, tasks: list) -> dict[str, list[tuple[str, str]]]:
@@ -317,8 +335,14 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
     seen = {t.name: seen_items(load_task(p.loaded.resolve(t.path), t.format, t.limit), targets, t.name)
             for t in r.eval.tasks} if targets else {}
     try:
-        out["base_url"] = base_url = serve_app.start(models, r.serve, use_gpu(p), name, adapters)
+        served = serve_app.start(models, r.serve, use_gpu(p), name, adapters, keep_going=True)
+        out["base_url"] = base_url = served.base_url
         for model_id in _in_stage_order(p, [*models, *on], on):
+            if why := served.failed.get(model_id):  # that model's rows say why; the others are scored
+                stage_line("eval", f"[red]cannot serve[/] {model_id}: {why}")
+                out["results"] |= {f"{model_id}/{task.name}": {"failed": why, "metric": metrics_of(task)[0]}
+                                   for task in r.eval.tasks}
+                continue
             for task in r.eval.tasks:
                 res = run_task(*eval_task(p, task), base_url=base_url, model=model_id,
                                settings=r.eval, output=p.stage_dir("eval") / model_id / f"{task.name}.json",

@@ -103,10 +103,7 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
     if space.metric not in reported:
         raise AmaliaError(f"metric '{space.metric}' is not reported by a {stage.objective} stage; it reports "
                           f"{', '.join(sorted(reported))}")
-    tasks = {t.name: t for t in r.eval.tasks}
-    if space.benchmark and space.benchmark.task not in tasks:
-        raise AmaliaError(f"benchmark.task '{space.benchmark.task}' is not an eval task of the recipe; tasks: "
-                          f"{', '.join(tasks) or 'none'}")
+    benchmark = stages.referenced_task(p, space.benchmark.task, "benchmark.task")[0] if space.benchmark else None
 
     p.run(until=previous or "pack")  # what the trials read: packed data, tokenizer, the starting checkpoint
     out = p.run_dir / "sweeps" / sweep_id(trial_stage, space)
@@ -128,12 +125,12 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
         summary = _summarize(results, space, stage, trial_stage, p, out)
         if space.benchmark:
             on = init if adapters_servable(stage) else None
-            _benchmark(p, summary, tasks[space.benchmark.task], space.benchmark.top, out, on)
+            _benchmark(p, summary, benchmark, space.benchmark.top, out, on)
     write_json(out / "sweep.json", summary)
     from amalia_ray.pipeline.report import write_report, write_sweep_report
 
     write_sweep_report(out, summary)
-    write_report(p.run_dir, p.manifest)
+    write_report(p.run_dir, p.manifest, {s.name: s.objective for s in p.recipe.train})
     best = summary["best"]
     stage_line("sweep", f"[green]done[/]: {len(summary['trials'])} trials, best {space.metric} "
                f"{best['metric']:.4g} with {best['config']} — {out}")
@@ -225,9 +222,9 @@ def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path, lora_bas
     r = p.recipe
     name = serve_app.app_name(f"{p.run_name}-sweep-{out.name}")
     try:
-        base_url = serve_app.start(models, r.serve, stages.use_gpu(p), name, adapters)
+        base_url = serve_app.start(models, r.serve, stages.use_gpu(p), name, adapters).base_url
         for t, model_id in zip(finished, ids):
-            res = run_task(*stages.eval_task(p, task), base_url=base_url, model=model_id, settings=r.eval,
+            res = run_task(task, Path(task.path), base_url=base_url, model=model_id, settings=r.eval,
                            output=out / "benchmark" / f"{model_id}.json", api_key=serve_app.api_key(r.serve))
             metric = metrics_of(task)[0]
             t["benchmark"] = {"task": task.name, "metric": metric, "value": res["scores"][metric], "n": res["n"],

@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,7 @@ import httpx
 from amalia_ray.core.config import ServeConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.serve.ingress import build_app, key_digest
+from amalia_ray.serve.readiness import probe_over_http
 
 APP_PREFIX = "amalia-"
 BUILDER = "amalia_ray.serve.ingress:build_app"
@@ -208,11 +210,26 @@ def check_can_serve(cfg: ServeConfig) -> None:
         check_port_free(cfg.host, cfg.port)
 
 
+@dataclass(frozen=True)
+class Served:
+    """A started application: the base URL that answers (…/v1), and the model ids that do not, each with its reason
+    (empty when every model answered)."""
+    base_url: str
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+class ServeFailed(AmaliaError):
+    def __init__(self, failed: dict[str, str]):
+        self.failed = failed
+        super().__init__("; ".join(f"model '{m}' cannot be served: {why}" for m, why in failed.items()))
+
+
 def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
-          adapters: dict[str, dict[str, Path]] | None = None) -> str:
-    """Deploy the application `name` and block until every model answers /v1/models; returns the base URL (…/v1),
-    the one that answers. A start that does not come up deletes what it deployed. `adapters`: per model, the LoRA
-    adapters served on its engine (model ids "MODEL:NAME")."""
+          adapters: dict[str, dict[str, Path]] | None = None, keep_going: bool = False) -> Served:
+    """Deploy the application `name` and block until every model has answered a request (see readiness.py). A
+    model that cannot answer fails the start (ServeFailed, naming each with its reason) unless `keep_going`, when
+    the others are served and the failures are returned. A start that does not come up deletes what it deployed.
+    `adapters`: per model, the LoRA adapters served on its engine (model ids "MODEL:NAME")."""
     require_vllm()
     args = app_args(models, cfg, use_gpu, adapters)  # bad adapters fail here, before Serve starts
     from ray import serve
@@ -235,13 +252,18 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
         serve.run_many([serve.RunTarget(target=build_app(args), name=name,
                                         route_prefix=prefix, logging_config=logging_config(cfg))],
                        wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
-        served = set(models) | {adapter_id(m, a) for m, named in (adapters or {}).items() for a in named}
-        wait_until_serving(base_url, served, cfg.startup_timeout_s)
+        served = [*models, *(adapter_id(m, a) for m, named in (adapters or {}).items() for a in named)]
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        failed = wait_until_serving(base_url, set(served), cfg.startup_timeout_s)
+        failed |= probe_over_http(base_url, [m for m in served if m not in failed], api_key(cfg),
+                                  max(30.0, deadline - time.monotonic()))
+        if failed and not keep_going:
+            raise ServeFailed(failed)
     except BaseException:
         with suppress(Exception):  # the cause, not a failed clean-up, is what the caller hears of
             stop(name)
         raise
-    return base_url
+    return Served(base_url, failed)
 
 
 def _reachable(host: str) -> str:
@@ -249,9 +271,10 @@ def _reachable(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float) -> None:
-    """Until every model's engine answers (the app's /health asks each one; /v1/models alone lists the models as
-    soon as the ingress is up, before any engine has loaded), within `timeout_s` in all."""
+def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float) -> dict[str, str]:
+    """Until every model's engine has answered its first request or failed it (the app's /health asks each one;
+    /v1/models alone lists the models as soon as the ingress is up, before any engine has loaded), within
+    `timeout_s` in all. Returns {model id: reason} for the engines that failed."""
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     health = base_url.removesuffix("/v1") + "/health"
@@ -260,8 +283,10 @@ def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float) -> 
             r = httpx.get(health, timeout=min(10.0, left))
             models = r.json().get("models", {}) if r.headers.get("content-type", "").startswith("application/json") \
                 else {}
-            if r.status_code == 200 and model_ids <= {m for m, state in models.items() if state == "ok"}:
-                return
+            failed = {m: state.removeprefix("failed: ") for m, state in models.items()
+                      if m in model_ids and state.startswith("failed: ")}
+            if r.status_code in (200, 503) and model_ids <= {m for m, s in models.items() if s == "ok"} | set(failed):
+                return failed
             last = f"HTTP {r.status_code}" + (f": {models}" if models else "")
         except (httpx.HTTPError, ValueError) as e:
             last = type(e).__name__

@@ -12,12 +12,18 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import os
 
 from fastapi import status
 from starlette.responses import JSONResponse
 
+from amalia_ray.serve.readiness import probe_engine
+
+logger = logging.getLogger(__name__)
+
 OPEN_PATHS = ("/health",)
+PROBE_TIMEOUT_S = 600  # a first request on a cold engine compiles its kernels
 
 
 def key_digest(api_key: str) -> str:
@@ -168,12 +174,12 @@ def _ingress_class():
         tokenize.__annotations__ = {"body": TokenizeRequest, "request": Request, "return": Response}
 
         async def health(self):
-            """200 when every model's engine answers its health check, 503 naming the ones that do not."""
+            """200 when every model's engine answered its first request and answers its health check, 503 naming
+            the ones that do not ("failed: REASON" for an engine that could not answer at all)."""
             ids = list(self._default_serve_handles)
-            checks = await asyncio.gather(*(self._default_serve_handles[m].check_health.remote() for m in ids),
+            checks = await asyncio.gather(*(self._default_serve_handles[m].readiness.remote() for m in ids),
                                           return_exceptions=True)
-            models = {m: "ok" if not isinstance(c, BaseException) else f"unhealthy: {type(c).__name__}"
-                      for m, c in zip(ids, checks)}
+            models = {m: c if isinstance(c, str) else f"unhealthy: {type(c).__name__}" for m, c in zip(ids, checks)}
             models |= {adapter: models[base] for adapter, base in self._adapters.items()}  # on their base's engine
             healthy = all(v == "ok" for v in models.values())
             return JSONResponse({"status": "ok" if healthy else "unhealthy", "models": models},
@@ -240,6 +246,8 @@ def llm_server_class(adapters: dict[str, str] | None = None):
     loader = local_adapters_class(dict(adapters or {}))
 
     class AmaliaLLMServer(LLMServer):
+        failure: str | None = None  # why the engine could not answer its first request
+
         def _init_multiplex_loader(self, model_downloader_cls=None):
             super()._init_multiplex_loader(model_downloader_cls or loader)
 
@@ -249,6 +257,23 @@ def llm_server_class(adapters: dict[str, str] | None = None):
             if engine is not None and getattr(engine, "_oai_serving_tokenization", True) is None:
                 state = getattr(engine, "_app_state", None)
                 engine._oai_serving_tokenization = getattr(state, "serving_tokenization", None)
+            if engine is not None and getattr(engine, "_engine_client", None) is not None:
+                self.failure = await probe_engine(engine._engine_client, PROBE_TIMEOUT_S)
+                if self.failure:
+                    logger.error("the engine cannot serve %s: %s", self._llm_config.model_id, self.failure)
+
+        async def check_health(self):
+            # an engine that failed its first request stays as it is, reported by readiness(): Serve would
+            # otherwise replace the replica, which loads the model again and fails the same way
+            if self.failure is None:
+                await super().check_health()
+
+        async def readiness(self) -> str:
+            """"ok", or "failed: REASON" for an engine that could not answer; raises where its health check does."""
+            if self.failure is not None:
+                return f"failed: {self.failure}"
+            await super().check_health()
+            return "ok"
 
     return AmaliaLLMServer
 
