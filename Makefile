@@ -5,7 +5,6 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 EXTRA ?= cpu
-export RAY_AUTH_MODE ?= disabled
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

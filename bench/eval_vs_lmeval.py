@@ -102,7 +102,8 @@ def main() -> None:
         export_lm_eval(task, items, tmp / "lm-eval")
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    url = serve_app.start({"bench": args.checkpoint}, ServeConfig(port=args.port), use_gpu=False, name="amalia-bench")
+    url = serve_app.start({"bench": args.checkpoint}, ServeConfig(port=args.port), use_gpu=False,
+                          name="amalia-bench").base_url
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     bin_dir = Path(sys.executable).parent
 

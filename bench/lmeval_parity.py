@@ -74,7 +74,8 @@ def main() -> None:
             runs.append((label, EvalTaskConfig(name=name, path=str(path), format=fmt, max_tokens=6, **extra)))
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    url = serve_app.start({"m": args.checkpoint}, ServeConfig(port=args.port), use_gpu=False, name="amalia-parity")
+    url = serve_app.start({"m": args.checkpoint}, ServeConfig(port=args.port), use_gpu=False,
+                          name="amalia-parity").base_url
     rows = []
     try:
         for label, task in runs:

@@ -107,7 +107,7 @@ def main() -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        ours_url = serve_app.start({"bench": args.checkpoint}, cfg, use_gpu=False, name="amalia-bench")
+        ours_url = serve_app.start({"bench": args.checkpoint}, cfg, use_gpu=False, name="amalia-bench").base_url
         wait_ready(bare_url)
         texts = prompts(args.requests)
         servers = {"ray_serve": ours_url, "bare_vllm": bare_url}

@@ -37,7 +37,7 @@ def one_start(checkpoint: Path, port: int, skip_node_init: bool) -> float:
     cfg = ServeConfig(port=port, engine={"max_model_len": 512, "gpu_memory_utilization": 0.1})
     try:
         t0 = time.perf_counter()
-        url = serve_app.start({"m": checkpoint}, cfg, use_gpu=False, name="bench-start")
+        url = serve_app.start({"m": checkpoint}, cfg, use_gpu=False, name="bench-start").base_url
         r = httpx.post(f"{url}/completions", json={"model": "m", "prompt": "O Debian", "max_tokens": 4}, timeout=120)
         r.raise_for_status()
         return time.perf_counter() - t0

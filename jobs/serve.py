@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-name")
     parser.add_argument("--stage", action="append", help="serve this train stage's checkpoint (repeatable; "
                         "default: every train stage)")
+    parser.add_argument("--allow-no-auth", action="store_true", help="serve off loopback with no API key: anyone "
+                        "who reaches the port may use the models")
     args = parser.parse_args(argv)
     secrets.install_log_masking()
     try:
@@ -49,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             raise AmaliaError(f"no exported checkpoint at {', '.join(missing)}: run the training stages first")
         with ray_session():
             name = serve_app.app_name(f"{pipeline.run_name}-serve")
-            url = serve_app.start(models, pipeline.recipe.serve, cluster_has_gpu(), name, adapters)
+            cfg = pipeline.recipe.serve.model_copy(update={"allow_no_auth": True}) if args.allow_no_auth \
+                else pipeline.recipe.serve
+            url = serve_app.start(models, cfg, cluster_has_gpu(), name, adapters).base_url
         served = [*models, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
     except Exception as e:  # noqa: BLE001 - the job's log is where a user reads why it failed
         return failed(e)

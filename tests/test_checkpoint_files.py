@@ -13,6 +13,8 @@ import torch.multiprocessing as mp
 from amalia_ray.train.checkpoint import CHUNK, TRAIN_STATE, CheckpointFiles, problems, write_checksums
 from tests.conftest import free_port
 
+KEY = "a-test-key"
+
 
 def fake_checkpoint(root: Path, name: str, step: int, world: int = 2) -> Path:
     folder = root / name
@@ -24,7 +26,7 @@ def fake_checkpoint(root: Path, name: str, step: int, world: int = 2) -> Path:
         if rank == 0:
             (rank_dir / TRAIN_STATE).write_text(json.dumps({"step": step, "world_size": world}))
             (rank_dir / ".metadata").write_bytes(b"meta")
-        write_checksums(rank_dir, rank)
+        write_checksums(rank_dir, rank, KEY)
         for f in rank_dir.iterdir():
             f.rename(folder / f.name)
     return folder
@@ -36,13 +38,13 @@ def local(folder: Path) -> CheckpointFiles:
 
 def test_damaged_truncated_or_partial_checkpoints_are_detected(tmp_path):
     folder = fake_checkpoint(tmp_path, "checkpoint_000002", 30)
-    assert problems(local(folder), None) == []
+    assert problems(local(folder), None, 0, KEY) == []
     (folder / "__1_0.distcp").write_bytes(b"\x01" * 10)  # truncated
-    assert problems(local(folder), None) == ["__1_0.distcp does not match its checksum"]
+    assert problems(local(folder), None, 0, KEY) == ["__1_0.distcp does not match its checksum"]
     (folder / "checksums_rank1.json").unlink()  # a rank's files never arrived
-    assert problems(local(folder), None) == ["checksums of rank 1 of 2 missing"]
+    assert problems(local(folder), None, 0, KEY) == ["checksums of rank 1 of 2 missing"]
     (folder / TRAIN_STATE).unlink()
-    assert problems(local(folder), None) == [f"{TRAIN_STATE} missing"]
+    assert problems(local(folder), None, 0, KEY) == [f"{TRAIN_STATE} missing"]
 
 
 def test_files_of_a_checkpoint_in_a_bucket_are_downloaded_only_when_asked_for(tmp_path):
@@ -90,7 +92,7 @@ def _resume(rank: int, world: int, port: int, root: str, out: str) -> None:
         folder = Path(root) / f"checkpoint_{step}"
         mine = Path(root) / f"checkpoint_{step}-rank{rank}"
         mine.mkdir(parents=True)
-        checkpoint.save(mine, model, optimizer, {"step": step})
+        checkpoint.save(mine, model, optimizer, {"step": step}, KEY)
         dist.barrier()
         if rank == 0:
             folder.mkdir()
@@ -113,9 +115,9 @@ def _resume(rank: int, world: int, port: int, root: str, out: str) -> None:
         data[chunk * checkpoint.CHUNK + 3] ^= 0xFF
         newest.write_bytes(bytes(data))
     dist.barrier()
-    found = problems(local(folders[-1]), state, rank)
+    found = problems(local(folders[-1]), state, rank, KEY)
     candidates = [Checkpoint.from_directory(str(f)) for f in reversed(folders)]
-    train_state = checkpoint.restore(candidates, model, optimizer, torch.device("cpu"))
+    train_state = checkpoint.restore(candidates, model, optimizer, torch.device("cpu"), KEY)
     restored = [p.full_tensor() for p in model.parameters()]
     result = {"read": {name: sum(n for _, n in r) for name, r in read.items()}, "problems": found, "step": train_state["step"],
               "weights_of_20": all(torch.equal(a, b) for a, b in zip(restored, weights[1]))}
@@ -134,3 +136,39 @@ def test_each_rank_verifies_what_it_reads_and_all_fall_back_together(tmp_path):
     assert ranks[0]["problems"] == [], "rank 0 does not read rank 1's shard"
     assert ranks[1]["problems"] == ["__1_0.distcp does not match its checksum"]
     assert all(r["step"] == 20 and r["weights_of_20"] for r in ranks), "both ranks resumed from step 20"
+
+
+class _Planted:
+    """What a forged .metadata holds: unpickling it runs code (here: creates a marker file)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_forged_metadata_with_valid_plain_checksums_is_refused_before_it_is_unpickled(tmp_path):
+    """Someone who can write the bucket replaces DCP's .metadata with a pickle that runs code, and rewrites the
+    checksums so their sha256 are right: the checksums are not signed with the key, so the checkpoint is refused
+    and nothing of it is unpickled."""
+    import hashlib
+    import pickle
+
+    folder = fake_checkpoint(tmp_path, "checkpoint_000003", 30)
+    marker = tmp_path / "code-ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    for rank in range(2):  # the forger's checksums: right sha256, the format kept, no key
+        path = folder / f"checksums_rank{rank}.json"
+        listed = json.loads(path.read_text())
+        for name, entry in listed["files"].items():
+            data = (folder / name).read_bytes()
+            entry.update(size=len(data), sha256=[hashlib.sha256(data[i:i + CHUNK]).hexdigest()
+                                                 for i in range(0, len(data), CHUNK)])
+        listed["hmac"] = hashlib.sha256(json.dumps(listed["files"], sort_keys=True).encode()).hexdigest()
+        path.write_text(json.dumps(listed))
+    state = {"model": {"w": torch.zeros(2)}}
+    found = problems(local(folder), state, 0, KEY)
+    assert found and all("not signed with this machine's checkpoint key" in f for f in found), found
+    assert not marker.exists(), "nothing was unpickled"
+    assert problems(local(folder), None, 0, "the forger's guess") != []

@@ -64,6 +64,69 @@ def test_a_decontamination_task_is_an_eval_task_name_or_a_path(tmp_path):
     assert "or a task {name, path, format}" in lines[0] and not (tmp_path / "runs").exists()
 
 
+def test_a_model_that_cannot_be_served_stops_amalia_serve_with_its_reason(tmp_path, monkeypatch):
+    """Without --keep-going, one model whose engine failed its first request (serve_app.start says so: a real one,
+    test_e2e_base_models.py) is one error line naming it and the engine's reason, exit 1."""
+    from contextlib import nullcontext
+
+    from amalia_ray.cluster import local
+    from amalia_ray.serve import app as serve_app
+
+    why = "RuntimeError: Unsupported CPU attention configuration: head_dim=24"
+    asked = {}
+
+    def start(models, cfg, gpu, name, adapters=None, keep_going=False):
+        asked.update(keep_going=keep_going)
+        if not keep_going:
+            raise serve_app.ServeFailed({"heads-24": why})
+        return serve_app.Served("http://127.0.0.1:9/v1", {"heads-24": why})
+
+    monkeypatch.setattr(serve_app, "start", start)
+    monkeypatch.setattr(serve_app, "require_vllm", lambda: None)
+    monkeypatch.setattr(local, "ray_session", lambda *a, **k: nullcontext())
+    monkeypatch.setattr(local, "cluster_has_gpu", lambda: False)
+    monkeypatch.setattr(serve_app, "stop", lambda name: asked.update(stopped=name))
+    code, lines = invoke("serve", str(tmp_path), "--name", "heads-24", "--port", str(free_port()))
+    assert code == 1 and lines[-1] == f"error: model 'heads-24' cannot be served: {why}" and asked == {
+        "keep_going": False}
+    # --keep-going with nothing left to serve: the same error, after taking the application down
+    code, lines = invoke("serve", str(tmp_path), "--name", "heads-24", "--port", str(free_port()), "--keep-going")
+    assert code == 1 and lines[-1] == f"error: model 'heads-24' cannot be served: {why}" and asked["stopped"]
+
+
+def test_an_endpoint_off_loopback_needs_an_api_key(tmp_path, monkeypatch):
+    """`amalia serve --host 0.0.0.0` (and a recipe's serve.host) with no API key is refused before anything
+    starts; an open endpoint is allowed only when asked for by name (--allow-no-auth / serve.allow_no_auth)."""
+    from amalia_ray.core.config import ServeConfig
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.serve.app import check_auth
+
+    monkeypatch.delenv("AMALIA_API_KEY", raising=False)
+    code, lines = invoke("serve", str(tmp_path), "--host", "0.0.0.0")
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith("error: serving on 0.0.0.0, which other machines can reach, with no API key "
+                               "(AMALIA_API_KEY is not set)") and "--allow-no-auth" in lines[0]
+    code, lines = invoke("run", str(write_recipe(tmp_path, **{"serve.host": "10.1.2.3"})))
+    assert code == 1 and lines[0].startswith("error: serving on 10.1.2.3") and not (tmp_path / "runs").exists()
+    for host in ("127.0.0.1", "localhost", "::1"):
+        check_auth(ServeConfig(host=host))
+    check_auth(ServeConfig(host="0.0.0.0", allow_no_auth=True))
+    monkeypatch.setenv("AMALIA_API_KEY", "k")
+    check_auth(ServeConfig(host="0.0.0.0"))
+    monkeypatch.delenv("AMALIA_API_KEY")
+    with pytest.raises(AmaliaError, match="serving on node-7.lab"):
+        check_auth(ServeConfig(host="node-7.lab"))
+
+
+def test_a_secret_is_not_passed_in_a_jobs_environment(tmp_path):
+    """A job's runtime environment is listed to anyone who can list jobs: `amalia submit --env HF_TOKEN=…` is
+    refused before the cluster is contacted, naming where secrets go instead."""
+    code, lines = invoke("submit", str(DEMO_RECIPE), "--address", "http://127.0.0.1:9", "--env", "HF_TOKEN=hf_x",
+                         "--env", "TOKENIZERS_PARALLELISM=false")
+    assert code == 1 and len(lines) == 1 and "hf_x" not in lines[0]
+    assert lines[0].startswith("error: --env HF_TOKEN=…: a job's environment is shown to anyone who can list")
+
+
 def test_port_in_use(tmp_path):
     port = free_port()
     with socket.socket() as busy:

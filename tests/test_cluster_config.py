@@ -145,3 +145,24 @@ def test_the_image_python_satisfies_the_project_and_the_build_context_leaves_loc
     ignored = {ln.strip().rstrip("/") for ln in (ROOT / ".dockerignore").read_text().splitlines()
                if ln.strip() and not ln.startswith("#")}
     assert {".venv", "runs", ".git"} <= ignored, "COPY . must not take the virtualenv, run folders or history"
+
+
+def test_a_jobs_upload_leaves_out_the_repository_history_and_local_secrets(tmp_path):
+    """`amalia submit` uploads the working directory with Ray's own packager: built here with our excludes, the
+    package holds the code and not .git, .env files, keys, runs or environments."""
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    from amalia_ray.cluster.jobs import EXCLUDES
+
+    work = tmp_path / "project"
+    for name in ("amalia_ray/__init__.py", "recipes/demo.yaml", ".git/config", ".git/objects/ab/cd", ".env",
+                 ".env.local", "deploy/key.pem", "runs/demo/manifest.json", ".venv/bin/python"):
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text("x")
+    create_package(str(work), tmp_path / "pkg.zip", include_gitignore=True, excludes=EXCLUDES)
+    names = {n.rstrip("/") for n in zipfile.ZipFile(tmp_path / "pkg.zip").namelist()}
+    assert {"amalia_ray/__init__.py", "recipes/demo.yaml"} <= names
+    assert not {n for n in names if n.split("/")[0] in (".git", ".env", ".env.local", "runs", ".venv")
+                or n.endswith(".pem")}, names

@@ -456,7 +456,8 @@ def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run
     folders = sorted(i.path for i in s3.get_file_info(pafs.FileSelector(ray_runs[0]))
                      if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_"))
     assert len(folders) == 3, folders
-    intact = {f: not checkpoint.problems(checkpoint.CheckpointFiles(s3, f), None) for f in folders}
+    key = checkpoint.signing_key()
+    intact = {f: not checkpoint.problems(checkpoint.CheckpointFiles(s3, f), None, 0, key) for f in folders}
     assert sum(intact.values()) == 2, "the half-written one is detected, the two before it are intact"
     newest = next(f for f in folders if intact[f]
                   and json.loads(s3.open_input_stream(f"{f}/{checkpoint.TRAIN_STATE}").read())["step"] == 4)

@@ -142,6 +142,9 @@ def test_serving_guards_bad_requests_and_keeps_serving(served):
     health = httpx.get(f"{base}/health")
     healthy = {"pre": "ok", "pre:plain": "ok", "pre:sft": "ok"}  # the adapters as healthy as their engine
     assert health.status_code == 200 and health.json() == {"status": "ok", "models": healthy}
+    # /readiness (a failed engine's reason, log text) is behind the key
+    assert httpx.get(f"{base}/readiness").status_code == 401
+    assert httpx.get(f"{base}/readiness", headers=auth).json() == {"status": "ok", "models": healthy}
     assert {m["id"] for m in httpx.get(f"{base}/v1/models", headers=auth).json()["data"]} == set(healthy)
     r = httpx.post(f"{base}/v1/completions", json={**ok, "model": "nope"}, headers=auth)
     assert r.status_code == 404 and "served models: ['pre', 'pre:plain', 'pre:sft']" in r.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 
 import httpx
 import pytest
@@ -37,6 +37,7 @@ class FakeModel:
         self.requests: list[dict] = []
         self.tokenized: list[str] = []
         self.rendered: list[str] = []  # chat contexts rendered by /tokenize, by fake token id
+        self.keys: dict[str, set] = defaultdict(set)  # Authorization headers per host
 
     def logprob(self, token: str) -> float:
         return -0.5 if token.strip(".,") in self.liked else -3.0
@@ -55,6 +56,7 @@ class FakeModel:
                 return httpx.Response(200, json={"count": 1, "tokens": [len(self.rendered) - 1]})
             return httpx.Response(200, json={"count": len(body["prompt"].split()), "tokens": [], "max_model_len": 512})
         self.calls += 1
+        self.keys[request.url.host].add(request.headers.get("authorization"))
         self.attempts[request.content] += 1
         if self.calls <= self.fail_first:
             return httpx.Response(self.status, json={"error": {"message": "try again"}})
@@ -335,6 +337,24 @@ def test_llm_judge_scores_and_counts_unreadable_verdicts(tmp_path):
     judge_requests = [r for r in fake.requests if r.get("model") == "juiz"]
     assert len(judge_requests) == 2 and "Resposta de referência: Uma distribuição." in \
         judge_requests[0]["messages"][0]["content"]
+
+
+@pytest.mark.parametrize("judge, keys", [
+    ({}, {"fake": {"Bearer served-key"}}),  # the run's own server grades: its key
+    ({"base_url": "http://judge/v1"}, {"fake": {"Bearer served-key"}, "judge": {None}}),  # another: not our key
+    ({"base_url": "http://judge/v1", "api_key_env": "JUDGE_KEY"}, {"fake": {"Bearer served-key"},
+                                                                   "judge": {"Bearer judge-key"}}),
+])
+def test_the_judge_gets_only_its_own_key(tmp_path, monkeypatch, judge, keys):
+    monkeypatch.setenv("JUDGE_KEY", "judge-key")
+    fake = FakeModel()
+    path = tmp_path / "judge.jsonl"
+    path.write_text(json.dumps({"prompt": "O que é o Debian?"}))
+    cfg = EvalTaskConfig(name="judge", path=str(path), format="judge")
+    settings = EvalConfig(tasks=[cfg], judge=JudgeConfig(model="juiz", **judge))
+    run_task(cfg, path, base_url="http://fake/v1", model="m", settings=settings, api_key="served-key",
+             transport=httpx.MockTransport(fake))
+    assert dict(fake.keys) == keys
 
 
 @pytest.mark.parametrize("text, score", [("Nota: 5", 5), ("nota = 2.", 2), ("Dou-lhe 3.", 3), ("Nota: 7", None),

@@ -61,7 +61,7 @@ def _train_on_ranks(rank: int, world: int, port: int, folder: str, out: str) -> 
     grads = {plain_name(n): p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    checkpoint.save(out / "dcp" / str(rank), model, optimizer, {"step": 1})
+    checkpoint.save(out / "dcp" / str(rank), model, optimizer, {"step": 1}, "test-key")
     dist.barrier()
     if rank == 0:  # what ray.train.report does: each rank's files into one checkpoint folder
         for part in (out / "dcp").iterdir():

@@ -49,6 +49,60 @@ def test_second_run_skips_unchanged_and_reruns_on_change(pipeline, tmp_path, cap
     assert len(calls) == 2
 
 
+def test_a_skip_checks_the_outputs_are_what_the_run_made(pipeline, tmp_path, capsys):
+    """A completed stage is skipped only while its outputs hash to what it recorded: an output changed on disk
+    (half-written by another process, edited by hand) runs the stage again."""
+    source = tmp_path / "in.txt"
+    source.write_text("olá")
+    calls = []
+    pipeline.execute(make_spec(pipeline, source, calls))
+    (pipeline.stage_dir("thing") / "result.txt").write_text("OLÁ, mexido")
+    again = Pipeline(pipeline.loaded)
+    again.execute(make_spec(again, source, calls))
+    assert len(calls) == 2 and "its output result changed since the completed run" in capsys.readouterr().out
+    assert (pipeline.stage_dir("thing") / "result.txt").read_text() == "OLÁ"
+
+
+def test_a_second_process_on_a_stage_is_refused_naming_the_first(pipeline, tmp_path):
+    """Two `amalia run`s of one run name (or a run and a stage job) never run one stage side by side: the second
+    is refused, naming the process that holds it; once that one exits, the stage runs."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "in.txt"
+    source.write_text("x")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from amalia_ray.pipeline.locks import stage_lock\n"
+        f"with stage_lock(Path({str(pipeline.run_dir)!r}), 'thing'):\n    print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        calls = []
+        with pytest.raises(AmaliaError, match=rf"stage 'thing' of run '{pipeline.run_dir.name}' is being run by "
+                                              rf"another process \(process {holder.pid} on "):
+            pipeline.execute(make_spec(pipeline, source, calls))
+        assert calls == [] and not (pipeline.run_dir / "manifest.d" / "thing.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    pipeline.execute(make_spec(pipeline, source, calls))  # the kernel released the dead holder's lock
+    assert calls == [1]
+
+
+def test_an_unreadable_record_reruns_its_stage_and_keeps_the_others(pipeline, tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("x")
+    calls = []
+    pipeline.execute(make_spec(pipeline, source, calls))
+    (pipeline.run_dir / "manifest.d" / "thing.json").write_text('{"status": "compl')  # cut short
+    (pipeline.run_dir / "manifest.d" / "other.json").write_text(json.dumps({"status": "completed"}))
+    (pipeline.run_dir / "manifest.json").write_text("")
+    again = Pipeline(pipeline.loaded)
+    assert again.manifest.stages["other"].status == "completed" and "thing" not in again.manifest.stages
+    again.execute(make_spec(again, source, calls))
+    assert len(calls) == 2 and "record unreadable" in capsys.readouterr().out
+
+
 def test_failed_stage_is_recorded_then_resumed(pipeline, tmp_path, capsys):
     source = tmp_path / "in.txt"
     source.write_text("x")

@@ -1,6 +1,7 @@
 """Readers for every format: good records become documents, bad ones are quarantined with their location."""
 
 import gzip
+import io
 import json
 
 import pyarrow as pa
@@ -121,3 +122,67 @@ def test_text_paragraphs_and_locations(tmp_path):
     (tmp_path / "t.txt").write_text(f"{TEXT}\n\n\n{TEXT} Dois.\n", encoding="utf-8")
     out = rows(read_file(str(tmp_path / "t.txt"), src("text")))
     assert [r["id"] for r in out] == ["s/t.txt#paragraph 0", "s/t.txt#paragraph 1"]
+
+
+def _zstd_bomb(good_before: list[bytes], bomb_line: bytes, copies: int, good_after: list[bytes]) -> bytes:
+    """A real .zst: good lines, then one line of `bomb_line` × `copies` (a few KB that inflate to hundreds of MB),
+    then good lines again, all in one frame."""
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False) as w:
+        w.write(b"".join(good_before))
+        for _ in range(copies):
+            w.write(bomb_line)
+        w.write(b"\n" + b"".join(good_after))
+    return out.getvalue()
+
+
+GOOD = [json.dumps({"text": f"{TEXT} Parágrafo {i}."}).encode() + b"\n" for i in range(200)]
+
+
+def test_a_zstd_bomb_is_cut_where_it_passes_the_limits_and_what_came_before_is_kept(tmp_path):
+    """A 4 KB-per-100-MB line: by default the expansion limit stops the file as soon as it passes 100× (once past
+    64 MiB), never holding more than a chunk; with no expansion limit, the line is skipped as too large while it is
+    decompressed, and the good lines after it are kept too."""
+    data = _zstd_bomb(GOOD, b"a" * (1 << 20), 160, GOOD[:5])
+    assert len(data) < 64 << 10
+    (tmp_path / "bomb.jsonl.zst").write_bytes(data)
+    out = rows(read_file(str(tmp_path / "bomb.jsonl.zst"), src("jsonl")))
+    assert sum(r["drop_reason"] is None for r in out) == 200
+    (last,) = [r for r in out if r["drop_reason"]]
+    assert last["drop_reason"] == "quarantine:decompression limit" and "over max_expansion=100" in last["metadata"]
+    out = rows(read_file(str(tmp_path / "bomb.jsonl.zst"), src("jsonl", max_expansion=None)))
+    assert sum(r["drop_reason"] is None for r in out) == 205
+    assert [r["drop_reason"] for r in out if r["drop_reason"]] == ["quarantine:record too large"]
+
+
+def test_gzip_and_warc_bombs_stop_at_the_limits(tmp_path):
+    import tests.web_archive as web
+
+    paragraphs = "\n\n".join(f"{TEXT} Número {i}." for i in range(50)).encode()
+    (tmp_path / "t.txt.gz").write_bytes(gzip.compress(paragraphs + b"\n\n" + b"0" * (80 << 20), compresslevel=1))
+    out = rows(read_file(str(tmp_path / "t.txt.gz"), src("text")))
+    assert sum(r["drop_reason"] is None for r in out) == 50
+    assert out[-1]["drop_reason"] == "quarantine:decompression limit"
+    page = web.warc_record("http://exemplo.pt/", "2024-01-01T00:00:00Z", f"<html><body><p>{TEXT}</p></body></html>")
+    bomb = web.warc_record("http://exemplo.pt/b", "2024-01-01T00:00:00Z", "<p>" + "0" * (80 << 20) + "</p>")
+    (tmp_path / "a.warc.gz").write_bytes(gzip.compress(page) + gzip.compress(bomb, compresslevel=1))
+    out = rows(read_file(str(tmp_path / "a.warc.gz"), src("warc")))
+    reasons = [r["drop_reason"] for r in out]  # the record is over max_record_bytes too: skipped, then cut
+    assert reasons[0] is None and reasons[-1] == "quarantine:decompression limit" and len(reasons) <= 3
+    # a file over the per-file cap, however well it compresses
+    out = rows(read_file(str(tmp_path / "t.txt.gz"), src("text", max_inflated_bytes=1 << 20, max_expansion=None)))
+    assert out[-1]["drop_reason"] == "quarantine:decompression limit" and "max_inflated_bytes" in out[-1]["metadata"]
+
+
+def test_a_parquet_value_repeated_by_its_dictionary_is_measured_before_it_is_decoded(tmp_path):
+    """A 20 MB value stored once in a column's dictionary and referenced by 50,000 rows (1 TB decoded) in a file
+    of a few hundred KB: those rows are quarantined as too large without being decoded; the others are kept."""
+    big = "x" * (20 << 20)
+    indices = pa.array([0 if i % 2 else 1 for i in range(50_000)], pa.int32())
+    column = pa.DictionaryArray.from_arrays(indices, pa.array([big, TEXT]))
+    pq.write_table(pa.table({"text": column}), tmp_path / "d.parquet", compression="zstd")
+    assert (tmp_path / "d.parquet").stat().st_size < 2 << 20
+    out = read_file(str(tmp_path / "d.parquet"), src("parquet"))
+    reasons = out.column("drop_reason").to_pylist()
+    assert reasons.count(None) == 25_000 and reasons.count("quarantine:record too large") == 25_000
+    assert max(len(t) for t in out.column("text").to_pylist()) <= 2000

@@ -105,8 +105,15 @@ def test_each_objective_has_its_own_default_learning_rate():
 def test_rewards_and_curriculum_hooks_are_checked_when_the_recipe_loads():
     with pytest.raises(RecipeError, match=r"<recipe>:\d+: train\[1\]\.rewards\[1\]: unknown reward 'exact'"):
         parse_recipe(_post_training(objective="grpo", rewards=["format", "exact"]))
+    trusting = "run:\n  trusted_modules: [no_such_module]\n"
     with pytest.raises(RecipeError, match=r"train\[1\]\.rewards\[0\]: reward 'no_such_module:f' cannot be imported"):
-        parse_recipe(_post_training(objective="dpo", on_policy=True, rewards=["no_such_module:f"]))
+        parse_recipe(_post_training(objective="dpo", on_policy=True, rewards=["no_such_module:f"]).replace(
+            "run:\n", trusting, 1))
+    # a recipe runs the code it names: only from this package's modules and those run.trusted_modules lists
+    for spec in ("builtins:exec", "os:system", "no_such_module_2:f"):
+        with pytest.raises(RecipeError, match=rf"train\[1\]\.rewards\[0\]: '{spec}' names code in module "
+                                              r"'.*', which run.trusted_modules does not list"):
+            parse_recipe(_post_training(objective="grpo", rewards=[spec]))
     parse_recipe(_post_training(objective="grpo", rewards=["amalia_ray.core.rewards:has_number_reward"]))
     data = yaml.safe_load(demo_text())
     data["train"][0]["curriculum"] = {"hook": "amalia_ray.core.shards:no_such_schedule"}

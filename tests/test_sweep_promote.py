@@ -112,8 +112,8 @@ def test_the_benchmarked_trials_are_served_on_one_engine_when_they_are_adapters(
 
     pipeline = Pipeline(load_recipe(write_recipe(tmp_path)))
     started, scored = [], []
-    monkeypatch.setattr(serve_app, "start", lambda models, cfg, gpu, name, adapters=None: started.append(
-        (models, adapters)) or "http://127.0.0.1:1/v1")
+    monkeypatch.setattr(serve_app, "start", lambda models, cfg, gpu, name, adapters=None, keep_going=False:
+                        started.append((models, adapters)) or serve_app.Served("http://127.0.0.1:1/v1"))
     monkeypatch.setattr(serve_app, "stop", lambda name: None)
     monkeypatch.setattr(stages, "use_gpu", lambda p: False)
     monkeypatch.setattr(runner, "run_task", lambda task, path, *, model, **kw: scored.append(model) or {

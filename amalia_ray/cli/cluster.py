@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from amalia_ray.cli.common import DEFAULT_RECIPE, AddressOpt, RecipeArg, app, console, guarded
+
+# environment variable names that hold secrets (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, …), word by word:
+# TOKENIZERS_PARALLELISM is not one
+SECRET_NAME = re.compile(r"(^|_)(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(_|$)", re.IGNORECASE)
+PATH_NAME = re.compile(r"_(PATH|FILE)$|^GOOGLE_APPLICATION_CREDENTIALS$", re.IGNORECASE)  # where a secret is, not it
+
 
 @app.command()
 @guarded
@@ -32,6 +39,10 @@ def submit(
     pairs = [e.split("=", 1) for e in env or []]
     if bad := [e for e, kv in zip(env or [], pairs) if len(kv) != 2 or not kv[0]]:
         raise AmaliaError(f"--env needs KEY=VALUE, got {bad}")
+    if secret := [kv[0] for kv in pairs if SECRET_NAME.search(kv[0]) and not PATH_NAME.search(kv[0])]:
+        raise AmaliaError(f"--env {secret[0]}=…: a job's environment is shown to anyone who can list the cluster's "
+                          "jobs (`ray job list`), so secrets do not go there: set it on the cluster's nodes (KubeRay: "
+                          "a Secret as the pods' environment; docs/cluster.md) and the job reads it from there")
     job_id = jobs.submit(recipe, address=address, until=until, env=dict(pairs), pip=pip, uv=uv,
                          working_dir=working_dir, python=python, upload=upload)
     console.print(job_id)
@@ -124,7 +135,7 @@ def _print_plans(title: list[str], plans: list) -> None:
         for p in plans:
             console.print(f"{p.stage}: " + ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb.items()) + " GB")
         return
-    console.print("\n".join(title), markup=False)
+    console.print("\n".join(title), markup=False, soft_wrap=False)  # a long recipe path wraps, not the figures
     label_width = max(len(c) for c in (*PLAN_COLUMNS, *(k for p in plans for k in p.memory_gb))) + 4
     for p in plans:
         console.print(f"\n[bold]{p.stage}[/]")
@@ -182,6 +193,8 @@ def slurm(
              "of the slowest training stage, planned or measured in the run, plus 60 s; at least 120)")] = None,
     assume_shared: Annotated[bool, typer.Option("--assume-shared", help="skip the check that the run folder is on "
                                                 "a filesystem every node sees")] = False,
+    allow_no_auth: Annotated[bool, typer.Option("--allow-no-auth", help="start Ray without token auth: anyone "
+                                                "who reaches the allocation's nodes can use it")] = False,
 ) -> None:
     """Run a recipe on a Slurm allocation: write the batch script (runs/<name>/slurm/job.sbatch) that starts Ray
     on the allocated nodes and runs the pipeline on it; --submit sends it to sbatch."""
@@ -206,7 +219,8 @@ def slurm(
         cpus_per_node=cpus_per_node, partition=partition, account=account, qos=qos, time=time_limit, until=until,
         sbatch_args=sbatch_arg or [], modules=module or [], setup=setup.resolve() if setup else None,
         venv=(venv.resolve() if venv else slurm_jobs.default_venv()), scratch=scratch, ray_port=ray_port,
-        dashboard_port=dashboard_port, stop_before_s=stop_before)
+        dashboard_port=dashboard_port, stop_before_s=stop_before,
+        token_path=None if allow_no_auth else slurm_jobs.auth_token(pipeline.run_dir / "slurm"))
     if not assume_shared:
         slurm_jobs.check_shared(job)
     script = slurm_jobs.write_script(job)

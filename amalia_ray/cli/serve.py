@@ -38,6 +38,11 @@ def serve(
                                        "delete the application --app)")] = False,
     app_name: Annotated[str, typer.Option("--app", help="the Serve application's name: on a shared cluster each "
                                           "deployment has its own, and --stop deletes only it")] = "amalia-serve",
+    allow_no_auth: Annotated[bool, typer.Option("--allow-no-auth", help="serve on an address off loopback with no "
+                                                "API key: anyone who reaches the port may use the models")] = False,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="serve the models that answer and name the ones "
+                                             "that cannot be served (without it, one such model stops the start: "
+                                             "exit 1)")] = False,
 ) -> None:
     """Serve checkpoints over the OpenAI API with Ray Serve + vLLM. On the embedded local Ray it runs until
     interrupted or `amalia serve --stop`; with --address / RAY_ADDRESS it deploys to the cluster and returns."""
@@ -45,6 +50,7 @@ def serve(
     import time
 
     import yaml
+    from rich.markup import escape
 
     from amalia_ray.cluster.local import cluster_has_gpu, ray_session
     from amalia_ray.core.config import ServeConfig
@@ -69,7 +75,10 @@ def serve(
         raise AmaliaError(f"--device {device}: one of auto, cpu, cuda")
     cfg = ServeConfig(host=host, port=port, min_replicas=min_replicas, max_replicas=max_replicas,
                       target_ongoing_requests=target_ongoing_requests, api_key_env=api_key_env,
-                      gpus_per_replica=gpus_per_replica, pipeline_parallel_size=pipeline_parallel_size)
+                      gpus_per_replica=gpus_per_replica, pipeline_parallel_size=pipeline_parallel_size,
+                      allow_no_auth=allow_no_auth)
+    if not on_cluster or config_out:  # on a cluster, the running Serve's own address is checked as it is joined
+        serve_app.check_auth(cfg)
     models = dict(zip(names, checkpoints))
     adapters = _adapters(lora or [], names)
     if config_out:
@@ -86,9 +95,16 @@ def serve(
         console.print(f"[yellow]no API key[/]: {api_key_env} is not set, so the endpoint is open to anyone who can "
                       f"reach {host}:{port}")
     with ray_session():
-        url = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()), app_name,
-                              adapters).base_url
-        served = [*names, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
+        started = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()),
+                                  app_name, adapters, keep_going=keep_going)
+        url = started.base_url
+        served = [m for m in [*names, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
+                  if m not in started.failed]
+        if not served:
+            serve_app.stop(app_name)
+            raise serve_app.ServeFailed(started.failed)
+        for model_id, why in started.failed.items():
+            console.print(f"[red]cannot serve[/] {escape(f'{model_id}: {why}')}")
         if on_cluster:
             console.print(f"[green]deployed[/] {', '.join(served)} at {url} as Serve application '{app_name}' "
                           f"(stop: amalia serve --stop --app {app_name})")

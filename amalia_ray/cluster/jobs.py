@@ -13,7 +13,9 @@ from pathlib import Path
 from amalia_ray.core.errors import AmaliaError
 
 # never uploaded with the working directory: environments, run outputs, caches
-EXCLUDES = [".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "*.safetensors", "*.distcp"]
+# not uploaded with a job: environments, runs, caches, weights — and the repository's history and local secrets
+EXCLUDES = [".venv", "venv", "runs", "__pycache__", "*.pyc", ".pytest_cache", "*.safetensors", "*.distcp", ".git",
+            ".env", ".env.*", "*.pem", ".netrc"]
 
 
 def job_address(address: str | None) -> str:

@@ -4,6 +4,7 @@ Ray started here and shut down at the end."""
 from __future__ import annotations
 
 import os
+import secrets
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,8 +38,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
         ray.init(address=address, log_to_driver=True)
         mode = f"cluster at {address}"
     else:
-        # Ray 2.60 turns token auth on when ~/.ray/auth_token exists; a private local cluster needs none.
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        embedded_auth()
         # the dashboard (and its job API) answers on loopback only: it runs whatever is submitted to it
         ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=dashboard,
                  dashboard_host="127.0.0.1", log_to_driver=True)
@@ -54,6 +54,30 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
         yield {"mode": mode, "resources": resources, "billable_cpus": billable_cpus()}
     finally:
         ray.shutdown()
+
+
+def embedded_auth() -> None:
+    """Token auth on for an embedded Ray. Ray 2.60's servers (GCS, raylet, workers, object manager) listen on every
+    interface whatever node address they are given (it turns a loopback one into the machine's routable address),
+    so without a token anyone on the same network who finds a port can join the cluster and run code as this user.
+    Unless RAY_AUTH_MODE says otherwise, the cluster gets a random token of its own, held in this process's
+    environment (its Ray processes, workers and replicas inherit it) and in no file; Ray's own ~/.ray/auth_token is
+    used where it exists. RAY_AUTH_MODE=disabled is obeyed, with a warning."""
+    from amalia_ray.core.secrets import remember
+
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode == "disabled":
+        stage_line("ray", "[yellow]token auth off[/] (RAY_AUTH_MODE=disabled): anyone on this machine's network "
+                   "who finds its Ray ports can run code here")
+        return
+    if mode is None:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if not os.environ.get("RAY_AUTH_TOKEN") and not (Path.home() / ".ray" / "auth_token").exists():
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        import ray._raylet
+
+        ray._raylet.Config.initialize("")  # a Ray already imported here reads the mode again
+    remember(os.environ.get("RAY_AUTH_TOKEN"))  # masked wherever it might be printed
 
 
 def _link(link: Path, target: Path) -> None:

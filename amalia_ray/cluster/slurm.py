@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import secrets
 import statistics
 import shlex
 import shutil
@@ -35,6 +36,9 @@ TIME_PATTERN = re.compile(r"^(?:\d+-)?\d+(?::\d{1,2}){0,2}$")  # the formats sba
 SHARED_FILESYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "cifs", "smb3", "wekafs",
                       "fuse.sshfs", "fuse.juicefs", "fuse.ceph", "fuse.glusterfs", "glusterfs", "panfs", "pvfs2",
                       "orangefs", "ocfs2", "gfs2", "virtiofs", "9p"}
+
+
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass
@@ -58,6 +62,7 @@ class SlurmJob:
     dashboard_port: int = 8265
     stop_before_s: int = 120
     join_timeout_s: int = 600
+    token_path: Path | None = None  # Ray's auth token (a file only its owner reads); None: --allow-no-auth
     workdir: Path = field(default_factory=Path.cwd)  # where the job runs, as `amalia run` would have
 
     def __post_init__(self) -> None:
@@ -70,6 +75,14 @@ class SlurmJob:
         for name in ("partition", "account", "qos"):
             if (value := getattr(self, name)) is not None and not re.fullmatch(r"[\w.,-]+", value):
                 raise AmaliaError(f"--{name} {value!r}: letters, digits, '_', '.', ',' and '-' only")
+        # a newline in a value written to the script (an #SBATCH line, a path) would start a line of its own
+        values = {"recipe": self.recipe, "run folder (run.output_dir / run.name)": self.run_dir, "--until": self.until,
+                  "--setup": self.setup, "--venv": self.venv, "--scratch": self.scratch, "--chdir": self.workdir,
+                  **{f"--sbatch-arg {a!r}": a for a in self.sbatch_args}, **{f"--module {m!r}": m for m in self.modules}}
+        for name, value in values.items():
+            if value is not None and CONTROL.search(str(value)):
+                raise AmaliaError(f"{name}: a control character (newline, tab, …) in {str(value)!r}: it would be "
+                                  "written into the batch script")
 
     @property
     def folder(self) -> Path:
@@ -179,10 +192,15 @@ def batch_script(job: SlurmJob) -> str:
     if job.venv:
         setup.append(f"source {q(str(job.venv / 'bin' / 'activate'))}")
     gpus = f" --num-gpus={job.gpus_per_node}" if job.gpus_per_node else " --num-gpus=0"
+    # other users of the allocation's nodes can reach Ray's ports: every Ray process, and each client, holds the
+    # token (a file only this user can read); --allow-no-auth turns that off by name
+    auth = (f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={q(str(job.token_path))}" if job.token_path else
+            "export RAY_AUTH_MODE=disabled  # --allow-no-auth: anyone who reaches these nodes can use this Ray")
     body = f"""
 set -uo pipefail
 say() {{ echo "[amalia $(date +%H:%M:%S)] $*"; }}
 {chr(10).join(setup)}
+{auth}
 nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 head_node=${{nodes[0]}}
 head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" sh -c 'hostname --ip-address || hostname -I' | awk '{{print $1}}')
@@ -227,6 +245,23 @@ wait
 exit "$rc"
 """
     return "\n".join(head) + "\n" + body
+
+
+def auth_token(folder: Path) -> Path:
+    """The Ray auth token of a run's Slurm jobs: the site's where RAY_AUTH_TOKEN_PATH names one, else a random token
+    in `folder/auth_token`, made once, readable by its owner only (the run folder is on a filesystem every node
+    sees, so every node's Ray reads the same)."""
+    if site := os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return Path(site)
+    path = folder / "auth_token"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    except FileExistsError:
+        os.chmod(path, 0o600)
+    return path
 
 
 def write_script(job: SlurmJob) -> Path:

@@ -33,6 +33,10 @@ class RunConfig(Strict):
         default_factory=dict, description="keyword arguments of the storage's filesystem, e.g. {endpoint_override: "
         "http://minio:9000} for an S3-compatible store; credentials come from the environment (AWS_ACCESS_KEY_ID…)")
     seed: int = Field(1234, description="seeds the shuffles, the data split, model initialization and sampling")
+    trusted_modules: list[str] = Field(default_factory=list, description="modules (or packages) whose functions the "
+                                       "recipe may name as rewards or curriculum hooks ('package.module:function'): "
+                                       "a recipe runs the code it names, so any other module is refused; this "
+                                       "package's own are always allowed")
 
 
 class ResourcesConfig(Strict):
@@ -68,6 +72,12 @@ class SourceConfig(Strict):
                           "decode is quarantined")
     max_record_bytes: int = Field(16 << 20, ge=1024, description="a line, row, page or WARC record over this many bytes "
                                   "is quarantined instead of read (one huge record never fills a worker's memory)")
+    max_inflated_bytes: int | None = Field(256 << 30, ge=1024, description="a .gz/.zst file (or one task's range of "
+                                           "it) that decompresses to more than this is cut there: what came before "
+                                           "is kept, the rest quarantined as `decompression limit`; null = no limit")
+    max_expansion: float | None = Field(100, gt=1, description="and one that decompresses to more than this many "
+                                        "times its compressed bytes (once past 64 MiB: a decompression bomb; text "
+                                        "compresses 3–15×); null = no limit")
     range_bytes: int = Field(256 << 20, ge=1024, description="an uncompressed jsonl or a .warc.gz (a gzip member per "
                              "record) over this many bytes is read by several tasks, one per range of about this "
                              "many bytes, cut at lines or members (ids are those of a whole-file read); other "
@@ -736,6 +746,9 @@ class ServeConfig(Strict):
     api_key_env: str = Field("AMALIA_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                              description="environment variable holding the API key; when it is set, every request "
                              "but /health needs 'Authorization: Bearer <key>' (the key itself never goes in a recipe)")
+    allow_no_auth: bool = Field(False, description="serve on an address other machines reach (host off loopback) "
+                                "with no API key set: anyone who reaches the port may use the models (without "
+                                "this, such a start is refused; `amalia serve --allow-no-auth` says the same)")
     max_request_bytes: int = Field(8 << 20, ge=1024, description="larger request bodies are refused with 413")
     access_log: bool = Field(False, description="Serve's per-request access log lines in every replica (costs CPU on "
                              "small machines)")

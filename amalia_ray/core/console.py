@@ -35,7 +35,8 @@ def quiet_output(log_dir: Path) -> Iterator[Path]:
     terminal_err = os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8", errors="replace")
     previous = console._file, err_console._file
     console.file, err_console.file = terminal_out, terminal_err
-    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(log_fd, 0o600)  # what the libraries print may quote anything: the owner reads it, no one else
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)

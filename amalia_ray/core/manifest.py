@@ -66,8 +66,16 @@ class Manifest(BaseModel):
     @classmethod
     def load_or_new(cls, run_dir: Path, run_name: str) -> Manifest:
         path = run_dir / "manifest.json"
-        manifest = (cls.model_validate(json.loads(path.read_text(encoding="utf-8"))) if path.exists()
-                    else cls(run_name=run_name))
+        try:
+            manifest = cls.model_validate(json.loads(path.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            manifest = cls(run_name=run_name)
+        except (OSError, ValueError) as e:  # rebuilt from the stage records, which are what count
+            from amalia_ray.core.console import stage_line
+
+            stage_line("manifest", f"[yellow]unreadable[/] ({path}: {type(e).__name__}): rebuilt from the stage "
+                       "records")
+            manifest = cls(run_name=run_name)
         manifest.stages.update(read_records(run_dir))
         return manifest
 
@@ -87,13 +95,32 @@ class Manifest(BaseModel):
     def stage(self, name: str) -> StageRecord:
         return self.stages.setdefault(name, StageRecord())
 
+    def reload_stage(self, run_dir: Path, name: str) -> None:
+        """Take in the stage's record as its last writer left it (another process may have run it since this
+        manifest was read)."""
+        if (record := _read_record(run_dir / RECORDS / f"{name}.json")) is not None:
+            self.stages[name] = record
+
 
 def read_records(run_dir: Path) -> dict[str, StageRecord]:
-    """The stage records of `manifest.d/`, in the order the stages started."""
+    """The stage records of `manifest.d/`, in the order the stages started. A record that cannot be read (cut short
+    by a crash, edited by hand) is reported and left out: its stage runs again, the others are kept."""
     folder = run_dir / RECORDS
-    records = {f.stem: StageRecord.model_validate(json.loads(f.read_text(encoding="utf-8")))
-               for f in (folder.glob("*.json") if folder.is_dir() else [])}
+    records = {f.stem: record for f in (sorted(folder.glob("*.json")) if folder.is_dir() else [])
+               if (record := _read_record(f)) is not None}
     return dict(sorted(records.items(), key=lambda kv: (kv[1].started_at or "", kv[0])))
+
+
+def _read_record(path: Path) -> StageRecord | None:
+    try:
+        return StageRecord.model_validate(json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not a record (pydantic's ValidationError)
+        from amalia_ray.core.console import stage_line
+
+        stage_line(path.stem, f"[yellow]record unreadable[/] ({path}: {type(e).__name__}): treated as never run")
+        return None
 
 
 @contextmanager

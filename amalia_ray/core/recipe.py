@@ -126,20 +126,36 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     return recipe
 
 
+def untrusted(spec: str, trusted: list[str]) -> str | None:
+    """Why the code `spec` ('package.module:function') may not run, or None: a recipe runs the code it names, so only
+    modules of this package and those `run.trusted_modules` lists (a package covers its modules) are imported."""
+    module = spec.partition(":")[0]
+    if any(module == t or module.startswith(t + ".") for t in ["amalia_ray", *trusted]):
+        return None
+    return (f"'{spec}' names code in module '{module}', which run.trusted_modules does not list: a recipe runs the "
+            "code it names, so list the module (or its package) there to allow it")
+
+
 def check_named_code(recipe: Recipe, source: str, lines: dict[tuple, int]) -> None:
-    """Rewards and curriculum hooks named by the recipe exist and import here, before any stage starts (not in a
-    Ray worker an hour later)."""
+    """Rewards and curriculum hooks named by the recipe come from trusted modules, exist and import here, before
+    any stage starts (not in a Ray worker an hour later)."""
     problems = []
+    trusted = recipe.run.trusted_modules
     for i, stage in enumerate(recipe.train):
         sampled = isinstance(stage, GRPOStage) or (isinstance(stage, DPOStage) and stage.on_policy)
         for j, name in enumerate(stage.rewards if sampled else ()):
+            if ":" in name and (why := untrusted(name, trusted)):
+                problems.append((("train", i, "rewards", j), why))
+                continue
             try:
                 if not callable(get_reward(name)):
                     raise ValueError(f"reward '{name}' is not a function")
             except ValueError as e:
                 problems.append((("train", i, "rewards", j), str(e)))
         hook = stage.curriculum.hook if isinstance(stage, PretrainStage) and stage.curriculum else None
-        if hook:
+        if hook and (why := untrusted(hook, trusted)):
+            problems.append((("train", i, "curriculum", "hook"), why))
+        elif hook:
             try:
                 if not callable(load_hook(hook)):
                     raise ValueError(f"curriculum hook '{hook}' is not a function")

@@ -10,7 +10,14 @@ MASK = "***"
 # a mapping key that holds a secret: access_key, secret_key, session_token, api_key, password, token, credentials …
 # (`*_env` fields name an environment variable and stay readable; max_tokens, tokenizer do not match)
 SECRET_KEY = re.compile(r"(^|_)(api_?key|access_?key(_id)?|secret(_access)?(_?key)?|session_?token|token|password|"
-                        r"passwd|credentials?|account_key|sas_token|client_secret)$", re.I)
+                        r"passwd|credentials?|account_key|sas_token|client_secret|private_?key(_id)?|"
+                        r"connection_?string)$|^(key|secret)$", re.I)  # s3fs's `key` and `secret`; not url_key
+# secrets recognised by their value wherever they are: a URI's user:password@, and the shapes of well-known tokens
+# (Hugging Face, OpenAI-style, AWS access key ids, GitHub, Slack, a PEM private key)
+URI_PASSWORD = re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)(?P<secret>[^/\s@]+)(?=@)", re.I)
+TOKEN_SHAPES = re.compile(r"\b(hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}|"
+                          r"xox[abpr]-[A-Za-z0-9-]{10,})\b|-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?"
+                          r"-----END [A-Z ]*PRIVATE KEY-----")
 _known: set[str] = set()
 
 
@@ -19,20 +26,43 @@ def is_secret_key(key) -> bool:
 
 
 def redact(data):
-    """`data` (parsed YAML/JSON) with the values under secret-looking keys replaced by MASK; those values are also
-    remembered, so the log filter masks them wherever they turn up."""
+    """`data` (parsed YAML/JSON) with secrets replaced by MASK: whatever is under a secret-looking key (a string, or
+    a whole mapping such as a service account's), a URI's password, and values shaped like known tokens. What is
+    masked is also remembered, so the log filter masks it wherever it turns up."""
     if isinstance(data, dict):
         out = {}
         for k, v in data.items():
-            if is_secret_key(k) and isinstance(v, str | int) and str(v):
-                remember(str(v))
+            if is_secret_key(k) and v not in (None, "", {}, []) and not isinstance(v, bool):
+                _remember_leaves(v)
                 out[k] = MASK
             else:
                 out[k] = redact(v)
         return out
     if isinstance(data, list):
         return [redact(v) for v in data]
+    if isinstance(data, str):
+        return _mask_shapes(data)
     return data
+
+
+def _remember_leaves(value) -> None:
+    if isinstance(value, dict):
+        for v in value.values():
+            _remember_leaves(v)
+    elif isinstance(value, list):
+        for v in value:
+            _remember_leaves(v)
+    elif value is not None and not isinstance(value, bool):
+        remember(str(value))
+
+
+def _mask_shapes(text: str) -> str:
+    """Masks (and remembers) a URI's password and anything shaped like a known token."""
+    def hide(match: re.Match) -> str:
+        remember(match.group("secret") if "secret" in match.groupdict() else match.group(0))
+        return (match.group("head") if "head" in match.groupdict() else "") + MASK
+
+    return TOKEN_SHAPES.sub(hide, URI_PASSWORD.sub(hide, text))
 
 
 def remember_in(data) -> None:
@@ -48,18 +78,17 @@ def remember(value: str | None) -> None:
 def mask(text: str) -> str:
     for secret in sorted(_known, key=len, reverse=True):
         text = text.replace(secret, MASK)
-    return text
+    return _mask_shapes(text)
 
 
 class MaskSecrets(logging.Filter):
     """Masks the remembered secrets in a record's final message (arguments included)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if _known:
-            message = record.getMessage()
-            masked = mask(message)
-            if masked != message:
-                record.msg, record.args = masked, None
+        message = record.getMessage()
+        masked = mask(message)
+        if masked != message:
+            record.msg, record.args = masked, None
         return True
 
 

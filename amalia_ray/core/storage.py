@@ -101,10 +101,23 @@ def commit_dir(tmp: Path, path: Path) -> Path:
 
 
 def write_json(path: Path, obj) -> None:
-    # a name of this process's own: two processes writing one file never share (and clobber) a temporary
+    """Replace `path` with `obj` as JSON, whole or not at all: written to a temporary of this process's own (two
+    processes writing one file never share and clobber one), flushed to disk, then renamed into place, and the
+    rename flushed too (a power cut leaves the old file or the new one, never an empty or half-written one)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n", encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    try:  # some filesystems (FUSE mounts) do not sync a folder: the file itself is on disk already
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    except OSError:
+        pass
 
 
 def jsonl_rows(path: Path, what: str):

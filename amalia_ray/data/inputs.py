@@ -218,7 +218,8 @@ def read_sources(sources: list[SourceConfig], listing: list[list[Listed]], ledge
             src = sources[item["source"]]
             end = None if item["end"] < 0 else item["end"]
             file = InputFile(item["path"], src.storage_options, item["start"], end, item["before"],
-                             bounded=is_member_ranged(item["path"]))
+                             bounded=is_member_ranged(item["path"]), max_inflated_bytes=src.max_inflated_bytes,
+                             max_expansion=src.max_expansion)
             records = 0
             try:
                 for table in read_file_tables(file, src, item["name"]):

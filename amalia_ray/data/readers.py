@@ -28,12 +28,13 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import open_filesystem
 from amalia_ray.data.archives import read_warc
 from amalia_ray.data.records import _RAW_LIMIT, Quarantine, Record, decode_html, html_main_text, preview, truncated
-from amalia_ray.data.streams import _CHUNK, InputFile, StorageReadError, is_uri
+from amalia_ray.data.streams import _CHUNK, InflationLimit, InputFile, StorageReadError, is_uri
 
 DOC_SCHEMA = pa.schema([
     ("id", pa.string()), ("source", pa.string()), ("path", pa.string()), ("location", pa.string()),
     ("text", pa.string()), ("metadata", pa.string()), ("drop_reason", pa.string()),
 ])
+_PIECE_BYTES = 8 << 20  # Parquet rows decoded into Python objects at a time
 _TABLE_BYTES = 8 << 20  # the text a read task gathers before handing a table on (its memory is several times it)
 
 
@@ -167,10 +168,14 @@ def read_jsonl(file: InputFile, src: SourceConfig) -> Iterator[Record]:
 
 
 def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
+    """Rows as records, read so that a crafted file cannot inflate past the source's limits: each row group's
+    uncompressed size (from the footer) is checked before it is read; dictionary-encoded columns stay encoded (a
+    1 GB value repeated in every row would otherwise be copied into each), every row's size is measured from the
+    Arrow buffers before it becomes Python objects, a row over max_record_bytes is quarantined unread, and rows
+    are turned into records a few MB at a time."""
     import pyarrow.parquet as pq
 
     path = file.path
-    offset = 0
     try:
         if is_uri(path):  # Parquet reads its footer first: a random-access file, not a stream
             filesystem, inner = open_filesystem(path, src.storage_options)
@@ -178,14 +183,95 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
         else:
             opened = contextlib.nullcontext(path)
         with opened as source:
-            for batch in pq.ParquetFile(source).iter_batches(batch_size=4096):
-                for n, row in enumerate(batch.to_pylist(), start=offset):
-                    yield from _from_mapping(row, src, f"row {n}")
-                offset += batch.num_rows
+            meta = pq.ParquetFile(source).metadata
+            # flat string columns with a dictionary page stay dictionary-encoded (reading them so costs hashing every
+            # value once, about 0.8 s per 100 MB of text here: the price of not decoding a bomb); nested columns and
+            # names with dots, which read_dictionary cannot name, are read as they are
+            encoded = sorted({c.path for j in range(meta.num_columns) for c in [meta.schema.column(j)]
+                              if "." not in c.path and c.physical_type == "BYTE_ARRAY" and c.max_repetition_level == 0
+                              and any(meta.row_group(g).column(j).has_dictionary_page
+                                      for g in range(meta.num_row_groups))})
+            parquet = pq.ParquetFile(source, read_dictionary=encoded, metadata=meta)
+            offset = 0
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)
+                _check_inflation(group, src, f"{path} row group {g}")
+                for batch in parquet.iter_batches(batch_size=4096, row_groups=[g]):
+                    yield from _batch_records(batch, offset, src)
+                    offset += batch.num_rows
     except OSError as e:  # a broken file raises ArrowInvalid (a ValueError); an OSError from storage is the storage's
         if not is_uri(path):
             raise
         raise StorageReadError(f"{path}: {e}") from e
+
+
+def _check_inflation(group, src: SourceConfig, what: str) -> None:
+    """A row group's pages may decompress to what its footer says, within the source's limits."""
+    packed = sum(group.column(j).total_compressed_size for j in range(group.num_columns))
+    unpacked = sum(group.column(j).total_uncompressed_size for j in range(group.num_columns))
+    if src.max_inflated_bytes is not None and unpacked > src.max_inflated_bytes:
+        raise InflationLimit(f"{what} decompresses to {unpacked:,} bytes, over max_inflated_bytes="
+                             f"{src.max_inflated_bytes:,}")
+    if src.max_expansion is not None and unpacked > 64 << 20 and unpacked > src.max_expansion * max(1, packed):
+        raise InflationLimit(f"{what} expands {unpacked / max(1, packed):,.0f}× ({unpacked:,} bytes from {packed:,}), "
+                             f"over max_expansion={src.max_expansion:g}")
+
+
+def _batch_records(batch: pa.RecordBatch, offset: int, src: SourceConfig) -> Iterator[Record]:
+    """The batch's rows as records, sized from the Arrow buffers first: a row over max_record_bytes is quarantined
+    without being decoded; the others become Python objects about _PIECE_BYTES at a time."""
+    import numpy as np
+
+    sizes = np.zeros(batch.num_rows, dtype=np.int64)
+    for column in batch.columns:
+        sizes += _value_sizes(column)
+    n = 0
+    while n < batch.num_rows:
+        if sizes[n] > src.max_record_bytes:
+            yield None, f"row {offset + n}", _head(batch, n, src), {}, Quarantine(
+                "record too large", f"{sizes[n]:,} bytes, over max_record_bytes={src.max_record_bytes}")
+            n += 1
+            continue
+        stop, held = n, 0
+        while stop < batch.num_rows and sizes[stop] <= src.max_record_bytes and \
+                (stop == n or held + sizes[stop] <= _PIECE_BYTES):
+            held, stop = held + sizes[stop], stop + 1
+        for i, row in enumerate(batch.slice(n, stop - n).to_pylist()):
+            yield from _from_mapping(row, src, f"row {offset + n + i}")
+        n = stop
+
+
+def _value_sizes(column: pa.Array):
+    """Each row's bytes in a column as it will be decoded (a dictionary-encoded value at its decoded size; a nested
+    value at the column's mean, as Arrow keeps no per-row size for it)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(column.type):
+        if len(column.dictionary) == 0:  # every value null
+            return np.zeros(len(column), dtype=np.int64)
+        lengths = _value_sizes(column.dictionary)
+        picked = lengths[column.indices.fill_null(0).to_numpy(zero_copy_only=False)]
+        return np.where(column.is_null().to_numpy(zero_copy_only=False), 0, picked)
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or \
+            pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        return pc.binary_length(column).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    return np.full(len(column), -(-column.nbytes // max(1, len(column))), dtype=np.int64)
+
+
+def _head(batch: pa.RecordBatch, n: int, src: SourceConfig) -> str:
+    """The start of an oversized row's text, without decoding the rest of it."""
+    if src.text_field not in batch.schema.names:
+        return ""
+    value = batch.column(src.text_field).slice(n, 1)
+    if pa.types.is_dictionary(value.type):  # its entry in the dictionary, not a copy of it
+        index = value.indices[0].as_py()
+        value = value.dictionary.slice(index if index is not None else 0, 1 if index is not None else 0)
+    if not (pa.types.is_string(value.type) or pa.types.is_large_string(value.type)):
+        return ""
+    import pyarrow.compute as pc
+
+    return (pc.utf8_slice_codeunits(value, 0, _RAW_LIMIT).to_pylist() or [""])[0] or ""
 
 
 def _from_mapping(row, src: SourceConfig, where: str) -> Iterator[Record]:
@@ -253,7 +339,8 @@ def read_file_tables(file: InputFile | str, src: SourceConfig, name: str | None 
     is broken from some point on, is quarantined; any other error fails the stage, naming the file."""
     owned = isinstance(file, str)
     if owned:
-        file = InputFile(file, src.storage_options)
+        file = InputFile(file, src.storage_options, max_inflated_bytes=src.max_inflated_bytes,
+                         max_expansion=src.max_expansion)
     try:
         yield from _file_tables(file, src, name)
     finally:
@@ -298,7 +385,7 @@ def _file_tables(file: InputFile, src: SourceConfig, name: str | None) -> Iterat
             add(*record)
             if held >= _TABLE_BYTES:
                 yield table()
-    except EOFError as e:  # a .gz/.zst cut short: what came before it is kept
+    except (EOFError, InflationLimit) as e:  # a .gz/.zst cut short, or a bomb: what came before it is kept
         add(None, f"after {count} records{after}", "", {}, truncated(e))
     except _unreadable_errors() as e:  # the rest of the file cannot be read: what came before is kept
         add(None, f"after {count} records{after}", "", {},

@@ -20,7 +20,8 @@ Record = tuple[str | None, str, str, dict, Quarantine | None]  # own id, locatio
 
 
 def truncated(error: Exception) -> Quarantine:
-    return Quarantine("truncated file", f"{type(error).__name__}: {error}")
+    """Why the rest of a file is not read: cut short, or (an error that names its own reason) a decompression limit."""
+    return Quarantine(getattr(error, "quarantine_reason", "truncated file"), f"{type(error).__name__}: {error}")
 
 
 def preview(raw: bytes) -> str:

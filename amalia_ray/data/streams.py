@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from amalia_ray.core.filesystem import open_filesystem
 
 _CHUNK = 1 << 20
+_ZSTD_FEED = 2048  # compressed bytes per decompression call: at most 64 MiB out of one
 
 
 def is_uri(path: str) -> bool:
@@ -64,36 +65,106 @@ def _open_at(path: str, options: dict | None, start: int = 0) -> io.RawIOBase:
 
 
 class _ZstdStream(io.RawIOBase):
-    """A .zst file decompressed across frames; unlike zstandard's stream_reader it notices a file cut short."""
+    """A .zst file decompressed across frames; unlike zstandard's stream_reader it notices a file cut short. The
+    decompressor is fed _ZSTD_FEED bytes at a time: one call makes at most ~32,768 times its input (a run-length
+    block of 128 KiB from 4 bytes), so a crafted file never inflates more than _ZSTD_FEED × 32,768 bytes at once."""
 
     def __init__(self, raw):
         import zstandard
 
-        self._zstd, self._raw, self._pending = zstandard, raw, b""
+        self._zstd, self._raw = zstandard, raw
+        self._input, self._in_at = b"", 0
+        self._pending, self._at = b"", 0
         self._dobj, self._started = zstandard.ZstdDecompressor().decompressobj(), False
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        while not self._pending:
-            chunk = self._raw.read(_CHUNK)
-            if not chunk:
-                if self._started and not self._dobj.eof:
-                    raise EOFError("zstd stream ended before the end of its frame")
-                return 0
-            while chunk:
+        while self._at >= len(self._pending):
+            if self._in_at >= len(self._input):
+                self._input, self._in_at = self._raw.read(_CHUNK), 0
+                if not self._input:
+                    if self._started and not self._dobj.eof:
+                        raise EOFError("zstd stream ended before the end of its frame")
+                    return 0
+            piece = self._input[self._in_at:self._in_at + _ZSTD_FEED]
+            self._in_at += len(piece)
+            while piece:
                 if self._dobj.eof:  # the next frame
                     self._dobj = self._zstd.ZstdDecompressor().decompressobj()
                 self._started = True
-                self._pending += self._dobj.decompress(chunk)
-                chunk = self._dobj.unused_data if self._dobj.eof else b""
-        n = min(len(buffer), len(self._pending))
-        buffer[:n], self._pending = self._pending[:n], self._pending[n:]
+                self._pending, self._at = self._dobj.decompress(piece), 0
+                piece = self._dobj.unused_data if self._dobj.eof else b""
+                if piece and self._pending:  # a frame ended inside this piece: hand its end on first
+                    self._in_at -= len(piece)
+                    break
+        n = min(len(buffer), len(self._pending) - self._at)
+        buffer[:n] = self._pending[self._at:self._at + n]  # an offset, not a slice of the rest: no quadratic copying
+        self._at += n
         return n
 
     def close(self) -> None:
         self._raw.close()
+        super().close()
+
+
+class InflationLimit(ValueError):
+    """A compressed input that decompresses past what the source allows: a decompression bomb, or a file to split."""
+
+    quarantine_reason = "decompression limit"
+
+
+class _Counted(io.RawIOBase):
+    """A raw stream's bytes, counted as they are read."""
+
+    def __init__(self, raw):
+        self.raw, self.count = raw, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.raw.readinto(buffer) or 0
+        self.count += n
+        return n
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+class _Inflation(io.RawIOBase):
+    """A decompressed stream held to `max_bytes` in all and, past MIN_RATIO_BYTES, to `max_ratio` times the
+    compressed bytes read: the reader raises InflationLimit at once instead of inflating on."""
+
+    MIN_RATIO_BYTES = 64 << 20  # below this, any ratio: a small file of repeated lines is no threat
+
+    def __init__(self, inner, compressed: _Counted, max_bytes: int | None, max_ratio: float | None, what: str):
+        self.inner, self.compressed, self.out = inner, compressed, 0
+        self.max_bytes, self.max_ratio, self.what = max_bytes, max_ratio, what
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if isinstance(self.inner, io.BufferedIOBase):  # gzip: read1 keeps what came before a cut-short stream
+            data = self.inner.read1(len(buffer))
+            n = len(data)
+            buffer[:n] = data
+        else:
+            n = self.inner.readinto(buffer) or 0
+        self.out += n
+        if self.max_bytes is not None and self.out > self.max_bytes:
+            raise InflationLimit(f"{self.what} decompresses to more than max_inflated_bytes={self.max_bytes:,}")
+        ratio = self.out / max(1, self.compressed.count)
+        if self.max_ratio is not None and self.out > self.MIN_RATIO_BYTES and ratio > self.max_ratio:
+            raise InflationLimit(f"{self.what} expands {ratio:,.0f}× ({self.out:,} bytes from "
+                                 f"{self.compressed.count:,}), over max_expansion={self.max_ratio:g}")
+        return n
+
+    def close(self) -> None:
+        self.inner.close()
         super().close()
 
 
@@ -176,6 +247,8 @@ class InputFile:
     end: int | None = None
     before: int = 0
     bounded: bool = False
+    max_inflated_bytes: int | None = None  # a .gz/.zst: what it may decompress to (the source's limits)
+    max_expansion: float | None = None
     _tap: _Tap | None = field(default=None, repr=False)
 
     @property
@@ -193,12 +266,20 @@ class InputFile:
         return io.BufferedReader(self._tap, buffer_size=_CHUNK)
 
     def open_binary(self) -> io.BufferedIOBase:
-        """The file, transparently decompressed when it ends in .gz or .zst."""
+        """The file, transparently decompressed when it ends in .gz or .zst, within the source's limits on what it
+        may decompress to (max_inflated_bytes, max_expansion)."""
+        if not self.path.endswith((".gz", ".zst")):
+            return self.open_raw()
+        compressed = _Counted(self.open_raw())
         if self.path.endswith(".gz"):
-            return _ClosingGzip(fileobj=self.open_raw(), mode="rb")
-        if self.path.endswith(".zst"):
-            return io.BufferedReader(_ZstdStream(self.open_raw()), buffer_size=_CHUNK)
-        return self.open_raw()
+            inflated = _ClosingGzip(fileobj=io.BufferedReader(compressed, buffer_size=_CHUNK), mode="rb")
+        else:
+            inflated = _ZstdStream(compressed)
+        if self.max_inflated_bytes is None and self.max_expansion is None:
+            return io.BufferedReader(inflated, buffer_size=_CHUNK) if not isinstance(inflated, gzip.GzipFile) \
+                else inflated
+        return io.BufferedReader(_Inflation(inflated, compressed, self.max_inflated_bytes, self.max_expansion,
+                                            self.path), buffer_size=_CHUNK)
 
     def starts_inside_a_line(self) -> bool:
         """Whether the byte before `start` is not a newline: the line under way belongs to the range before."""

@@ -112,7 +112,8 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
             judge_client = None
             if task.format == "judge":
                 j = settings.judge
-                judge_key = os.environ.get(j.api_key_env) if j.api_key_env else api_key
+                # the judge's own key; the served model's key only where the judge is that same server
+                judge_key = os.environ.get(j.api_key_env) if j.api_key_env else None if j.base_url else api_key
                 judge_client = OpenAIClient(j.base_url or base_url, j.model, api_key=judge_key, **client_args)
             try:
                 return list(await _scorer(task, client, judge_client, settings)(items))

@@ -66,14 +66,14 @@ def plot_losses(run_dir: Path, train_stages: list[str], objectives: dict[str, st
         title, left, left_label, right, right_label = LOSS_PANELS[panel]
         twin = ax.twinx() if right and any(right in h for _, stage in curves[panel] for h in stage) else None
         for name, history in curves[panel]:
-            ax.plot([h["step"] for h in history if left in h], [h[left] for h in history if left in h],
-                    label=f"{name} {left}" if twin else f"{name} train")
+            line, = ax.plot([h["step"] for h in history if left in h], [h[left] for h in history if left in h],
+                            label=f"{name} {left}" if twin else f"{name} train")
             val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
             if val and left == "loss":
                 ax.plot(*zip(*val), "o--", label=f"{name} validation")
             if twin:
                 twin.plot([h["step"] for h in history if right in h], [h[right] for h in history if right in h],
-                          ":", color="tab:red", label=f"{name} {right}")
+                          ":", color=line.get_color(), label=f"{name} {right} (right axis)")
         ax.set_title(f"{title} — {run_dir.name}", fontsize=10)
         ax.set_xlabel("optimizer step of the stage")
         ax.set_ylabel(left_label)
@@ -180,7 +180,8 @@ def plot_evaluation(run_dir: Path, results: dict, base: str | None = None) -> Pa
         for i, m in enumerate(series):
             values = [value_of(m, t) for t in tasks]
             errors = [se or 0.0 for _, se in values] if any(se for _, se in values) else None
-            ax.bar([j + i * width for j in range(len(tasks))], [v or 0.0 for v, _ in values], width,
+            ax.bar([j + i * width for j in range(len(tasks))], [float("nan") if v is None else v for v, _ in values],
+                   width,
                    yerr=errors, capsize=3, label=m)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], labels)
         ax.set_ylabel(ylabel)
@@ -233,13 +234,19 @@ def cost_section(manifest: Manifest) -> list[str]:
 
 def _sweep_table(summary: dict) -> str:
     params = list(summary["space"]["parameters"])
-    bench = next((t["benchmark"] for t in summary["trials"] if t.get("benchmark")), None)
+    benched = [t["benchmark"] for t in summary["trials"] if t.get("benchmark")]
+    bench = next((b for b in benched if "metric" in b), benched[0] if benched else None)
+
+    def scored(t: dict):  # a trial the server could not run says why
+        b = t.get("benchmark", {})
+        return f"not served ({b['failed']})" if "failed" in b else b.get("value")
+
     rows = [[t["trial_id"], *(t["config"].get(k) for k in params), t["metric"], t["best_metric"], t["steps"],
              t["status"] + (" (best)" if t["trial_id"] == summary["best"]["trial_id"] else ""),
-             *([t.get("benchmark", {}).get("value")] if bench else [])]
+             *([scored(t)] if bench else [])]
             for t in summary["trials"]]
     return _table(["trial", *params, f"{summary['metric']} (last)", f"{summary['metric']} (best)", "steps", "status",
-                   *([f"{bench['task']} {bench['metric']}"] if bench else [])], rows)
+                   *([f"{bench['task']} {bench.get('metric', '')}".strip()] if bench else [])], rows)
 
 
 def plot_sweep(sweep_dir: Path, summary: dict) -> Path | None:

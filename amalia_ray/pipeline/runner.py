@@ -26,6 +26,7 @@ from amalia_ray.core.storage import hash_paths
 from amalia_ray.core.stop import StageStopped, clear_stop, stop_on_signals, stop_requested
 from amalia_ray.core.tracking import MLFLOW_DIR, NoTracker, Tracker, flatten
 from amalia_ray.pipeline import stages
+from amalia_ray.pipeline.locks import stage_lock
 from amalia_ray.pipeline.report import write_report
 from amalia_ray.pipeline.spec import StageSpec
 
@@ -136,18 +137,28 @@ class Pipeline:
             self.store.push(path, path.relative_to(self.run_dir).as_posix(), skip=("ray",))
 
     def execute(self, spec: StageSpec) -> dict:
+        with stage_lock(self.run_dir, spec.name):  # one process at a time per stage of this run
+            return self._execute(spec)
+
+    def _execute(self, spec: StageSpec) -> dict:
         self.pull_missing(spec.inputs.values())
         if missing := [f"{k} ({p})" for k, p in spec.inputs.items() if not p.exists()]:
             raise AmaliaError(f"stage '{spec.name}' is missing its input(s) {', '.join(missing)}: run the stages "
                               "that make them first (amalia run --until, or python -m jobs.<stage>)")
         fp, cfg, inputs = self.fingerprint(spec)
+        self.manifest.reload_stage(self.run_dir, spec.name)  # what the lock's last holder recorded
         rec = self.manifest.stage(spec.name)
         # completed with the same config and inputs by other code: rerun, unless kept on purpose
         stale = (rec.status == "completed" and rec.fingerprint != fp
                  and rec.fingerprint == fingerprint_of(cfg, inputs, rec.code_hash))
         if not self.force and rec.status == "completed" and (rec.fingerprint == fp or (stale and self.reuse_stale)):
             self.pull_missing(spec.outputs.values())
-            if all(p.exists() for p in spec.outputs.values()):
+            present = {k: p for k, p in spec.outputs.items() if p.exists()}
+            changed = [k for k, h in hash_paths(present).items() if rec.output_hashes.get(k, h) != h]
+            if changed:
+                stage_line(spec.name, f"its output {', '.join(changed)} changed since the completed run: running "
+                           "again")
+            elif len(present) == len(spec.outputs):
                 if stale:
                     stage_line(spec.name, "[yellow]reused[/]: completed by an older version of the code, kept as "
                                "--reuse-stale asks")

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rich.markup import escape
+
 from amalia_ray.cluster.local import cluster_has_gpu, ray_session
 from amalia_ray.core import hf_model
 from amalia_ray.core.console import stage_line
@@ -52,7 +54,7 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
             raise AmaliaError(f"eval.tasks[{i}].fewshot_path: not found: {task.fewshot_path}")
         task_items(task, path)
     for task in decontamination_tasks(p):
-        load_task(Path(task.path), task.format)
+        load_task(p.loaded.resolve(task.path), task.format)
     if r.data.quality_model:
         QualityModel(p.loaded.resolve(r.data.quality_model))  # a missing or foreign model fails here, not in a worker
     if r.model.base:
@@ -241,32 +243,36 @@ def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | N
 
 
 def decontamination_tasks(p: RunContext) -> list:
-    """The tasks the data stage decontaminates against, their paths resolved (see referenced_task)."""
+    """The tasks the data stage decontaminates against (see referenced_task), their paths as the recipe gives them."""
     d = p.recipe.data.decontaminate
-    return [referenced_task(p, t, f"data.decontaminate.tasks[{i}]")[0] for i, t in enumerate(d.tasks if d else [])]
+    tasks = [referenced_task(p, t, f"data.decontaminate.tasks[{i}]") for i, t in enumerate(d.tasks if d else [])]
+    names = [t.name for t in tasks]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise AmaliaError(f"data.decontaminate.tasks: more than one task named {twice} (a task given by its path is "
+                          "named after its file): give those as {name, path, format} with names of their own")
+    return tasks
 
 
 def referenced_task(p: RunContext, ref, where: str):
-    """The task a recipe field refers to, and its path. The rule: a string that names one of eval.tasks is that
+    """The task a recipe field refers to, its path as the recipe gives it (relative to the recipe: a run's
+    fingerprint does not change when the project moves). The rule: a string that names one of eval.tasks is that
     task; any other string is a task file or folder, relative to the recipe, its format told by its fields as
     `amalia eval --task` tells it; a mapping {name, path, format, …} is a task of its own."""
-    if not isinstance(ref, str):
-        task, path = eval_task(p, ref)
-    elif ref in (named := {t.name: t for t in p.recipe.eval.tasks}):
-        task, path = eval_task(p, named[ref])
-    else:
+    named = {t.name: t for t in p.recipe.eval.tasks}
+    task = ref if not isinstance(ref, str) else named.get(ref)
+    if task is None:
         path = p.loaded.resolve(ref)
         if not path.exists():
             raise AmaliaError(f"{where}: '{ref}' is neither the name of one of eval.tasks ({', '.join(named) or 'none'}) "
                               f"nor a task file or folder (nothing at {path}); give one of those, or a task "
                               "{name, path, format}")
         try:
-            task = task_of_file(path)
+            task = task_of_file(path).model_copy(update={"path": ref})
         except AmaliaError as e:
             raise AmaliaError(f"{where}: {e}") from None
-    if not path.exists():
-        raise AmaliaError(f"{where}.path: task file or folder not found: {path}")
-    return task.model_copy(update={"path": str(path)}), path
+    if not p.loaded.resolve(task.path).exists():
+        raise AmaliaError(f"{where}.path: task file or folder not found: {p.loaded.resolve(task.path)}")
+    return task
 
 
 def benchmark_items(p: RunContext, tasks: list) -> dict[str, list[tuple[str, str]]]:
@@ -337,9 +343,11 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
     try:
         served = serve_app.start(models, r.serve, use_gpu(p), name, adapters, keep_going=True)
         out["base_url"] = base_url = served.base_url
+        if served.failed and len(served.failed) == len(models) + len(on):
+            raise serve_app.ServeFailed(served.failed)  # nothing to score
         for model_id in _in_stage_order(p, [*models, *on], on):
             if why := served.failed.get(model_id):  # that model's rows say why; the others are scored
-                stage_line("eval", f"[red]cannot serve[/] {model_id}: {why}")
+                stage_line("eval", f"[red]cannot serve[/] {escape(f'{model_id}: {why}')}")
                 out["results"] |= {f"{model_id}/{task.name}": {"failed": why, "metric": metrics_of(task)[0]}
                                    for task in r.eval.tasks}
                 continue

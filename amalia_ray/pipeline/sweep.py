@@ -103,7 +103,7 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
     if space.metric not in reported:
         raise AmaliaError(f"metric '{space.metric}' is not reported by a {stage.objective} stage; it reports "
                           f"{', '.join(sorted(reported))}")
-    benchmark = stages.referenced_task(p, space.benchmark.task, "benchmark.task")[0] if space.benchmark else None
+    benchmark = stages.referenced_task(p, space.benchmark.task, "benchmark.task") if space.benchmark else None
 
     p.run(until=previous or "pack")  # what the trials read: packed data, tokenizer, the starting checkpoint
     out = p.run_dir / "sweeps" / sweep_id(trial_stage, space)
@@ -222,9 +222,12 @@ def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path, lora_bas
     r = p.recipe
     name = serve_app.app_name(f"{p.run_name}-sweep-{out.name}")
     try:
-        base_url = serve_app.start(models, r.serve, stages.use_gpu(p), name, adapters).base_url
+        served = serve_app.start(models, r.serve, stages.use_gpu(p), name, adapters, keep_going=True)
         for t, model_id in zip(finished, ids):
-            res = run_task(task, Path(task.path), base_url=base_url, model=model_id, settings=r.eval,
+            if why := served.failed.get(model_id):  # that trial cannot be served; the others are scored
+                t["benchmark"] = {"task": task.name, "failed": why, "model": model_id}
+                continue
+            res = run_task(*stages.eval_task(p, task), base_url=served.base_url, model=model_id, settings=r.eval,
                            output=out / "benchmark" / f"{model_id}.json", api_key=serve_app.api_key(r.serve))
             metric = metrics_of(task)[0]
             t["benchmark"] = {"task": task.name, "metric": metric, "value": res["scores"][metric], "n": res["n"],

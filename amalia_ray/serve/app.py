@@ -8,6 +8,7 @@ port are the cluster's, not the recipe's), and an application takes the route pr
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -23,8 +24,9 @@ import httpx
 
 from amalia_ray.core.config import ServeConfig
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.secrets import mask
 from amalia_ray.serve.ingress import build_app, key_digest
-from amalia_ray.serve.readiness import probe_over_http
+from amalia_ray.serve.readiness import error_line, probe_over_http
 
 APP_PREFIX = "amalia-"
 BUILDER = "amalia_ray.serve.ingress:build_app"
@@ -163,6 +165,24 @@ def api_key(cfg: ServeConfig) -> str | None:
     return os.environ.get(cfg.api_key_env) or None
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: whatever it resolves to, other machines may reach it
+        return False
+
+
+def check_auth(cfg: ServeConfig, host: str | None = None) -> None:
+    """An endpoint other machines can reach needs an API key, unless allow_no_auth says an open one is meant."""
+    host = host or cfg.host
+    if not is_loopback(host) and not api_key(cfg) and not cfg.allow_no_auth:
+        raise AmaliaError(f"serving on {host}, which other machines can reach, with no API key ({cfg.api_key_env} is "
+                          "not set): set it, bind to 127.0.0.1, or allow an open endpoint explicitly with "
+                          "--allow-no-auth (in a recipe: serve.allow_no_auth: true)")
+
+
 def app_args(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool,
              adapters: dict[str, dict[str, Path]] | None = None) -> dict:
     """The application builder's args (see ingress.build_app): what `start` runs and the Serve config carries.
@@ -204,9 +224,11 @@ def running_serve() -> dict | None:
 
 
 def check_can_serve(cfg: ServeConfig) -> None:
-    """Before any work: the recipe's port must be free here when Serve is to be started by us; a Serve already
-    running on the cluster is joined instead, on its own port."""
-    if running_serve() is None:
+    """Before any work: the recipe's port must be free here when Serve is to be started by us (a Serve already
+    running on the cluster is joined instead, on its own port), and an address off loopback needs an API key."""
+    running = running_serve()
+    check_auth(cfg, ((running or {}).get("http_options") or {}).get("host"))
+    if running is None:
         check_port_free(cfg.host, cfg.port)
 
 
@@ -236,6 +258,7 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
 
     running = running_serve()
     if running is None:
+        check_auth(cfg)
         check_port_free(cfg.host, cfg.port)
         serve.start(proxy_location=cfg.proxy_location, http_options={"host": cfg.host, "port": cfg.port})
         _started_serve.add(name)
@@ -244,6 +267,7 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
         http = running.get("http_options") or {}
         host, port = http.get("host") or cfg.host, http.get("port") or cfg.port
         taken = {a.get("route_prefix") for n, a in (running.get("applications") or {}).items() if n != name}
+    check_auth(cfg, host)
     prefix = f"/{name}" if "/" in taken else "/"
     base_url = f"http://{_reachable(host)}:{port}{prefix.rstrip('/')}/v1"
     try:
@@ -254,9 +278,9 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
                        wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
         served = [*models, *(adapter_id(m, a) for m, named in (adapters or {}).items() for a in named)]
         deadline = time.monotonic() + cfg.startup_timeout_s
-        failed = wait_until_serving(base_url, set(served), cfg.startup_timeout_s)
-        failed |= probe_over_http(base_url, [m for m in served if m not in failed], api_key(cfg),
-                                  max(30.0, deadline - time.monotonic()))
+        failed = wait_until_serving(base_url, set(served), cfg.startup_timeout_s, name, api_key(cfg))
+        failed |= {m: mask(why) for m, why in probe_over_http(
+            base_url, [m for m in served if m not in failed], api_key(cfg), deadline - time.monotonic()).items()}
         if failed and not keep_going:
             raise ServeFailed(failed)
     except BaseException:
@@ -271,27 +295,52 @@ def _reachable(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float) -> dict[str, str]:
-    """Until every model's engine has answered its first request or failed it (the app's /health asks each one;
+def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float, name: str | None = None,
+                       key: str | None = None) -> dict[str, str]:
+    """Until every model's engine has answered its first request or failed (the app's /health asks each one;
     /v1/models alone lists the models as soon as the ingress is up, before any engine has loaded), within
-    `timeout_s` in all. Returns {model id: reason} for the engines that failed."""
+    `timeout_s` in all. Returns {model id: reason} for the engines that failed: their first request (the reason
+    from /readiness, behind the API key `key`), or their start, where Serve gave up on the application `name`'s
+    deployment of that model."""
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
-    health = base_url.removesuffix("/v1") + "/health"
+    root = base_url.removesuffix("/v1")
     while (left := deadline - time.monotonic()) > 0:
         try:
-            r = httpx.get(health, timeout=min(10.0, left))
+            r = httpx.get(f"{root}/health", timeout=min(10.0, left))
             models = r.json().get("models", {}) if r.headers.get("content-type", "").startswith("application/json") \
                 else {}
-            failed = {m: state.removeprefix("failed: ") for m, state in models.items()
-                      if m in model_ids and state.startswith("failed: ")}
-            if r.status_code in (200, 503) and model_ids <= {m for m, s in models.items() if s == "ok"} | set(failed):
-                return failed
+            failed = {m for m, state in models.items() if m in model_ids and state.startswith("failed")}
+            if r.status_code in (200, 503) and model_ids <= {m for m, s in models.items() if s == "ok"} | failed:
+                return _reasons(root, failed, key) if failed else {}
             last = f"HTTP {r.status_code}" + (f": {models}" if models else "")
         except (httpx.HTTPError, ValueError) as e:
             last = type(e).__name__
+        if name and (given_up := _failed_deployments(name, model_ids)):
+            return given_up
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
     raise AmaliaError(f"serving did not come up within {timeout_s:.0f}s at {base_url} ({last})")
+
+
+def _reasons(root: str, failed: set[str], key: str | None) -> dict[str, str]:
+    r = httpx.get(f"{root}/readiness", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+    states = r.json().get("models", {}) if r.status_code in (200, 503) else {}
+    return {m: mask(states.get(m, "failed").removeprefix("failed").removeprefix(": ") or "failed") for m in failed}
+
+
+def _failed_deployments(name: str, model_ids: set[str]) -> dict[str, str]:
+    """{model id: reason} for the models whose deployment Serve gave up starting (DEPLOY_FAILED: its replicas kept
+    failing to start; adapters share their base's)."""
+    from ray import serve
+
+    app = serve.status().applications.get(name)
+    failed = {}
+    for deployment, status in (app.deployments if app else {}).items():
+        model = deployment.split(":", 1)[-1]
+        if status.status == "DEPLOY_FAILED":
+            failed |= {m: mask(error_line(status.message or "") or "its replicas failed to start")
+                       for m in model_ids if m == model or m.startswith(f"{model}:")}
+    return failed
 
 
 def stop(name: str) -> None:

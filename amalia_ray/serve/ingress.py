@@ -173,19 +173,34 @@ def _ingress_class():
         # the prompt kind only)
         tokenize.__annotations__ = {"body": TokenizeRequest, "request": Request, "return": Response}
 
-        async def health(self):
-            """200 when every model's engine answered its first request and answers its health check, 503 naming
-            the ones that do not ("failed: REASON" for an engine that could not answer at all)."""
+        async def _model_states(self) -> dict[str, str]:
+            """Per model id: "ok", "failed: REASON" (its engine could not answer its first request), or
+            "unhealthy: ERROR" (its health check fails)."""
             ids = list(self._default_serve_handles)
             checks = await asyncio.gather(*(self._default_serve_handles[m].readiness.remote() for m in ids),
                                           return_exceptions=True)
             models = {m: c if isinstance(c, str) else f"unhealthy: {type(c).__name__}" for m, c in zip(ids, checks)}
-            models |= {adapter: models[base] for adapter, base in self._adapters.items()}  # on their base's engine
-            healthy = all(v == "ok" for v in models.values())
-            return JSONResponse({"status": "ok" if healthy else "unhealthy", "models": models},
-                                status_code=200 if healthy else 503)
+            return models | {adapter: models[base] for adapter, base in self._adapters.items()}  # their base's
+
+        async def health(self):
+            """200 when every model's engine answered its first request and answers its health check, 503 naming
+            the ones that do not. Open to all (load balancers probe it), so a failure's reason — log text that may
+            name paths and hosts — is left to /readiness, behind the API key."""
+            models = {m: "failed" if state.startswith("failed") else state
+                      for m, state in (await self._model_states()).items()}
+            return _states_response(models)
+
+        async def readiness(self):
+            """/health with each failed model's reason ("failed: REASON")."""
+            return _states_response(await self._model_states())
 
     return AmaliaIngress
+
+
+def _states_response(models: dict[str, str]) -> JSONResponse:
+    healthy = all(v == "ok" for v in models.values())
+    return JSONResponse({"status": "ok" if healthy else "unhealthy", "models": models},
+                        status_code=200 if healthy else 503)
 
 
 def local_checkpoint_callback():
@@ -258,6 +273,7 @@ def llm_server_class(adapters: dict[str, str] | None = None):
                 state = getattr(engine, "_app_state", None)
                 engine._oai_serving_tokenization = getattr(state, "serving_tokenization", None)
             if engine is not None and getattr(engine, "_engine_client", None) is not None:
+                # a TimeoutError goes up: Serve starts the replica again (slow is not broken)
                 self.failure = await probe_engine(engine._engine_client, PROBE_TIMEOUT_S)
                 if self.failure:
                     logger.error("the engine cannot serve %s: %s", self._llm_config.model_id, self.failure)
@@ -302,7 +318,8 @@ def build_app(args: dict):
     fastapi_app.add_middleware(RequestGuard, api_key_sha256=args.get("api_key_sha256"),
                                max_request_bytes=int(args.get("max_request_bytes", 8 << 20)))
     ingress_cls = _ingress_class()
-    endpoints = {**DEFAULT_ENDPOINTS, "health": lambda a: a.get("/health")}
+    endpoints = {**DEFAULT_ENDPOINTS, "health": lambda a: a.get("/health"),
+                 "readiness": lambda a: a.get("/readiness")}
     ingress = make_fastapi_ingress(ingress_cls, endpoint_map=endpoints, app=fastapi_app)
     return serve.deployment(ingress, **ingress_cls.get_deployment_options(configs)).bind(
         llm_deployments={c.model_id: build_llm_deployment(c) for c in configs},

@@ -19,6 +19,7 @@ import uuid
 
 PROBE_PROMPT = "Olá! Isto é um teste."
 MAX_REASON_CHARS = 300
+MIN_REQUEST_S = 120.0
 LOG_WINDOW_BYTES = 1 << 20  # what is read of the log lines written during a failed probe
 ERROR_LINE = re.compile(r"\b((?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception))): (\S.*?)\s*$")
 WRAPPERS = ("EngineDeadError", "RayTaskError", "EngineGenerateError")  # say that something died, not why
@@ -67,7 +68,8 @@ class OwnLogs:
 
 async def probe_engine(engine_client, timeout_s: float) -> str | None:
     """Generate one token for PROBE_PROMPT with the prompt's log-probabilities on a vLLM engine client (AsyncLLM).
-    None when it answers; else the reason, from the engine's own log lines where it died."""
+    None when it answers; else the reason, from the engine's own log lines where it died. An engine that does not
+    answer in time raises TimeoutError (it may be slow rather than broken: its replica is started again)."""
     from vllm import SamplingParams
 
     logs = OwnLogs()
@@ -81,7 +83,7 @@ async def probe_engine(engine_client, timeout_s: float) -> str | None:
         await asyncio.wait_for(one(), timeout_s)
         return None
     except asyncio.TimeoutError:
-        return f"no answer to a one-token request within {timeout_s:.0f}s"
+        raise TimeoutError(f"no answer to a one-token request within {timeout_s:.0f}s") from None
     except Exception as e:  # noqa: BLE001 - whatever stops the engine is the reason reported
         await asyncio.sleep(1.0)  # the engine's processes write their tracebacks as they go down
         return error_line(logs.since_mark()) or error_line(f"{type(e).__name__}: {e}") or type(e).__name__
@@ -98,15 +100,20 @@ def probe_over_http(base_url: str, model_ids: list[str], api_key: str | None, ti
     for model_id in model_ids:
         body = {"model": model_id, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0, "echo": True,
                 "logprobs": 1}
-        try:
+        try:  # at least MIN_REQUEST_S each: a LoRA adapter loads on its first request
             r = httpx.post(f"{base_url}/completions", json=body, headers=headers,
-                           timeout=max(5.0, deadline - time.monotonic()))
+                           timeout=max(MIN_REQUEST_S, deadline - time.monotonic()))
         except httpx.HTTPError as e:
             failed[model_id] = _short(f"{type(e).__name__}: {e}")
             continue
         if r.status_code != 200:
             failed[model_id] = f"HTTP {r.status_code}: " + (error_line(_message(r)) or _short(_message(r)))
-        elif not (r.json().get("choices") or [{}])[0].get("logprobs"):
+            continue
+        try:
+            answered = bool((r.json().get("choices") or [{}])[0].get("logprobs"))
+        except (ValueError, AttributeError, IndexError, TypeError):
+            answered = False
+        if not answered:
             failed[model_id] = "answered without the prompt's log-probabilities (echo + logprobs)"
     return failed
 

@@ -8,13 +8,22 @@ On resume each rank fetches and verifies only what it reads: the train state, DC
 its own load plan names — not the whole checkpoint, which at scale is far larger than one rank's part and may sit
 in a bucket. If any rank finds a file missing or damaged, all ranks move together to the next newest checkpoint
 Ray Train has registered for the run.
+
+Checksums are keyed (HMAC-SHA256) with a secret that lives outside the run's storage: AMALIA_CHECKPOINT_KEY, else a
+key made once per user in ~/.amalia/checkpoint.key (0600). Restoring unpickles DCP's metadata and small items, so a
+checksum anyone who can write the bucket could recompute would let a planted file run code on every worker: a
+checkpoint whose checksums are not signed with the key is refused before anything of it is unpickled. A machine that
+resumes another's run needs the same key (set AMALIA_CHECKPOINT_KEY on both).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
+import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -50,29 +59,69 @@ class CheckpointWriteError(RuntimeError):
     own that Ray Train registers only once every file is there, so the ones before it are untouched."""
 
 
-def save(folder: Path, model, optimizer, train_state: dict) -> None:
+KEY_ENV = "AMALIA_CHECKPOINT_KEY"
+
+
+def signing_key() -> str:
+    """The key checksums are signed with: AMALIA_CHECKPOINT_KEY, else this user's own, made once (0600)."""
+    if key := os.environ.get(KEY_ENV):
+        return key
+    path = Path(os.environ.get("AMALIA_STATE_DIR") or Path.home() / ".amalia") / "checkpoint.key"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():  # written whole, then linked into place: a process racing this one reads the winner's
+        tmp = path.with_name(f".checkpoint.key.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return path.read_text().strip()
+
+
+def save(folder: Path, model, optimizer, train_state: dict, key: str) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
     rank = dist.get_rank()
     torch.save(torch.get_rng_state(), folder / RNG.format(rank=rank))
     if rank == 0:
         (folder / TRAIN_STATE).write_text(json.dumps({**train_state, "world_size": dist.get_world_size()}, indent=2))
-    write_checksums(folder, rank)
+    write_checksums(folder, rank, key)
 
 
 CHUNK = 16 << 20  # bytes per checksum: a rank verifies (and downloads) only the chunks holding what it reads
 
 
-def write_checksums(folder: Path, rank: int) -> None:
+def write_checksums(folder: Path, rank: int, key: str) -> None:
     """sha256 of every `CHUNK` bytes of each file this rank wrote (each rank saves into its own folder before Ray
-    Train gathers them), so a reader can verify just the parts it reads."""
+    Train gathers them), so a reader can verify just the parts it reads; the list signed with `key`."""
     files = {}
     for f in sorted(folder.iterdir()):
         if f.is_file() and not f.name.startswith("checksums_"):
             with f.open("rb") as src:
                 files[f.name] = {"size": f.stat().st_size,
                                  "sha256": [hashlib.sha256(c).hexdigest() for c in iter(lambda: src.read(CHUNK), b"")]}
-    (folder / CHECKSUMS.format(rank=rank)).write_text(json.dumps(files, indent=1))
+    (folder / CHECKSUMS.format(rank=rank)).write_text(json.dumps({"files": files, "hmac": _sign(key, files)},
+                                                                 indent=1))
+
+
+def _sign(key: str, files: dict) -> str:
+    message = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def _signed_files(text: str, key: str) -> dict | None:
+    """A checksums file's list when it is signed with `key`, else None."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or not isinstance(data.get("hmac"), str):
+        return None
+    return data["files"] if hmac.compare_digest(_sign(key, data["files"]), data["hmac"]) else None
 
 
 class CheckpointFiles:
@@ -133,9 +182,10 @@ def _chunks(ranges: list[tuple[int, int]]) -> list[int]:
     return sorted({c for offset, length in ranges for c in range(offset // CHUNK, (offset + max(length, 1) - 1) // CHUNK + 1)})
 
 
-def problems(files: CheckpointFiles, state: dict | None, rank: int = 0) -> list[str]:
+def problems(files: CheckpointFiles, state: dict | None, rank: int, key: str) -> list[str]:
     """What is wrong with the part of a checkpoint that `rank` reads to load `state` (None: every file of it):
-    missing or damaged files, a writer rank's checksums missing; [] when intact."""
+    missing or damaged files, a writer rank's checksums missing or not signed with `key`; [] when intact. Nothing
+    is unpickled before the checksums it is checked against are known to be signed."""
     train_state = files.get(TRAIN_STATE)
     if train_state is None:
         return [f"{TRAIN_STATE} missing"]
@@ -148,8 +198,11 @@ def problems(files: CheckpointFiles, state: dict | None, rank: int = 0) -> list[
         manifest = files.get(CHECKSUMS.format(rank=writer))
         if manifest is None:
             found.append(f"checksums of rank {writer} of {world} missing")
+        elif (signed := _signed_files(manifest.read_text(), key)) is None:
+            found.append(f"checksums of rank {writer} are not signed with this machine's checkpoint key ({KEY_ENV}): "
+                         "written with another key, or forged")
         else:
-            digests.update(json.loads(manifest.read_text()))
+            digests.update(signed)
     if found:
         return found
     if state is None:
@@ -189,16 +242,18 @@ def _damaged(files: CheckpointFiles, wanted: dict[str, list[int] | None], digest
     return found
 
 
-def restore(candidates: list, model, optimizer, device: torch.device) -> dict:
-    """Load the newest of `candidates` (ray.train.Checkpoint, newest first) whose files every rank finds intact;
-    returns its train state. Every rank takes part in each check (a collective on `device`)."""
+def restore(candidates: list, model, optimizer, device: torch.device, key: str) -> dict:
+    """Load the newest of `candidates` (ray.train.Checkpoint, newest first) whose files every rank finds intact and
+    signed with `key`; returns its train state. Every rank takes part in each check (a collective on `device`)."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
     state = {"model": model_sd, "optim": optim_sd}
     rank = dist.get_rank()
+    first = []
     for checkpoint in candidates:
         files = CheckpointFiles.of(checkpoint)
         try:
-            wrong = problems(files, state, rank)
+            wrong = problems(files, state, rank, key)
+            first = first or wrong
             flag = torch.tensor([1.0 if wrong else 0.0], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item():
@@ -214,7 +269,12 @@ def restore(candidates: list, model, optimizer, device: torch.device) -> dict:
             return json.loads(files.get(TRAIN_STATE).read_text())
         finally:
             files.close()
-    raise RuntimeError(f"no intact checkpoint to resume from among the {len(candidates)} registered (checksums fail)")
+    unsigned = any("not signed" in p for p in first)
+    raise RuntimeError(f"no intact checkpoint to resume from among the {len(candidates)} registered (the newest: "
+                       f"{first[0] if first else 'damaged on another rank'})" + (
+                           f": set {KEY_ENV} to the key they were written with (~/.amalia/checkpoint.key of the "
+                           "user and machine that wrote them), or delete the stage's checkpoints (its ray/ folder) "
+                           "to train it from the start" if unsigned else ""))
 
 
 def registered(latest, reported: list) -> list:

@@ -177,7 +177,8 @@ def train_loop(config: dict) -> None:
     if resumed:
         reported = ray.train.get_all_reported_checkpoints(
             consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
-        train_state = checkpoint.restore(checkpoint.registered(resumed, reported), model, optimizer, device)
+        train_state = checkpoint.restore(checkpoint.registered(resumed, reported), model, optimizer, device,
+                                         config["checkpoint_key"])
         start_step = train_state["step"]
         if "data" in train_state:
             sampler.load_state_dict(train_state["data"])
@@ -258,7 +259,8 @@ def train_loop(config: dict) -> None:
                 try:
                     saving = time.perf_counter()
                     checkpoint.save(Path(tmp), model, optimizer,
-                                    {"step": done, "params": n_params, "data": sampler.state_dict()})
+                                    {"step": done, "params": n_params, "data": sampler.state_dict()},
+                                    config["checkpoint_key"])
                     ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
                     last_save_s = time.perf_counter() - saving
                 except OSError as e:

@@ -101,8 +101,12 @@ def run_train_stage(
 
     from amalia_ray.train.parallel import process_group_backend
 
+    from amalia_ray.core.secrets import remember
+    from amalia_ray.train.checkpoint import signing_key
+
     stage_dir.mkdir(parents=True, exist_ok=True)
     export_dir = stage_dir / "hf"
+    remember(key := signing_key())
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={
@@ -123,6 +127,7 @@ def run_train_stage(
             "seed": seed,
             "stop_file": str(stop_file) if stop_file else None,
             "step_transient": step_transient,
+            "checkpoint_key": key,  # masked wherever it might be printed
         },
         torch_config=TorchConfig(backend=process_group_backend(use_gpu)),
         scaling_config=ScalingConfig(

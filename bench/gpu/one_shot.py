@@ -108,7 +108,7 @@ def serve(work: Path, on_cpu: bool) -> dict:
     models = {"one-shot-sft": work / "sft" / "hf"}
     placement = serve_app.replica_placement(cfg, use_gpu=not on_cpu)
     started = time.monotonic()
-    url = serve_app.start(models, cfg, use_gpu=not on_cpu, name="amalia-bench")
+    url = serve_app.start(models, cfg, use_gpu=not on_cpu, name="amalia-bench").base_url
     try:
         r = httpx.post(f"{url}/completions", timeout=120, json={"model": "one-shot-sft", "prompt": "O Debian é",
                                                                 "max_tokens": 8, "temperature": 0})
