@@ -207,13 +207,15 @@ def test_an_embedded_ray_refuses_anyone_without_its_token(tmp_path):
 def test_secrets_of_every_shape_reach_no_file_of_the_run(tmp_path, monkeypatch, caplog):
     """Secrets known by their key (a service account's whole mapping, a connection string, s3fs's `key` and
     `secret`) or by their value (a URI's password, a Hugging Face token, wherever they are): planted in a recipe's
-    storage options, then the run's recipe copy, MLflow store (its params are the recipe's), a stage's params and
-    the log are scanned for each; the driver log is readable by its owner only. (An offline W&B run is given the
-    same params.)"""
+    storage options, then the run's recipe copy, MLflow store and offline W&B run (their params are the recipe's),
+    a stage's params and the log are scanned for each; the driver log is readable by its owner only."""
     import os
 
+    from amalia_ray.core.config import TrackingConfig, WandbConfig
     from amalia_ray.core.console import quiet_output
     from amalia_ray.core.tracking import Tracker, flatten
+
+    pytest.importorskip("wandb")
 
     pem = uuid.uuid4().hex
     planted = {"private key": pem, "connection string": "AccountKey=" + uuid.uuid4().hex,
@@ -228,7 +230,8 @@ def test_secrets_of_every_shape_reach_no_file_of_the_run(tmp_path, monkeypatch, 
     loaded = load_recipe(write_recipe(tmp_path, **{"data.sources.0.storage_options": options}))
     p = Pipeline(loaded)
     p.write_recipe_copy()
-    tracker = Tracker(loaded.recipe.tracking, p.run_dir, p.run_name,
+    tracking = TrackingConfig(wandb=WandbConfig(project="amalia", mode="offline"))
+    tracker = Tracker(tracking, p.run_dir, p.run_name,
                       flatten(secrets.redact(loaded.recipe.model_dump(mode="json", by_alias=True))))
     secrets.install_log_masking()
     with quiet_output(p.run_dir / "logs") as log, caplog.at_level(logging.INFO):
@@ -238,6 +241,7 @@ def test_secrets_of_every_shape_reach_no_file_of_the_run(tmp_path, monkeypatch, 
         tracker.close(ok=True)
     assert os.stat(log).st_mode & 0o777 == 0o600
     assert list(p.run_dir.rglob("mlflow.db")), "the MLflow store is in the run folder"
+    assert list(p.run_dir.rglob("*.wandb")), "and the offline W&B run"
     blobs = [f.read_bytes() for f in p.run_dir.rglob("*") if f.is_file()] + [caplog.text.encode()]
     for name, value in planted.items():
         assert not [b for b in blobs if value.encode() in b], name

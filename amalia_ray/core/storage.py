@@ -3,6 +3,7 @@ stage outputs."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -86,10 +87,12 @@ class DigestCache:
 
 
 def fresh_dir(path: Path) -> Path:
-    """An empty temporary sibling of `path`; the caller fills it and calls `commit_dir`, so a crash never leaves
-    a half-written output where a finished one is expected."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """An empty temporary sibling of `path`, this attempt's own (named by its process); the caller fills it and
+    calls `commit_dir`, so a crash never leaves a half-written output where a finished one is expected. What
+    earlier attempts left is removed: the stage's lock (pipeline/locks.py) means no other process writes them now."""
+    for stale in path.parent.glob(f"{glob.escape(path.name)}.*tmp") if path.parent.is_dir() else []:
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True)
     return tmp
 
