@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Annotated
 
@@ -11,10 +10,7 @@ import typer
 
 from amalia_ray.cli.common import DEFAULT_RECIPE, AddressOpt, RecipeArg, app, console, guarded
 
-# environment variable names that hold secrets (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, …), word by word:
-# TOKENIZERS_PARALLELISM is not one
-SECRET_NAME = re.compile(r"(^|_)(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(_|$)", re.IGNORECASE)
-PATH_NAME = re.compile(r"_(PATH|FILE)$|^GOOGLE_APPLICATION_CREDENTIALS$", re.IGNORECASE)  # where a secret is, not it
+PATHS_TO_SECRETS = ("GOOGLE_APPLICATION_CREDENTIALS",)  # named like a secret, holding where one is
 
 
 @app.command()
@@ -35,11 +31,12 @@ def submit(
     """Submit a recipe to a Ray cluster as a job (`python -m jobs.pipeline RECIPE`); prints the job id."""
     from amalia_ray.cluster import jobs
     from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.core.secrets import is_secret_key
 
     pairs = [e.split("=", 1) for e in env or []]
     if bad := [e for e, kv in zip(env or [], pairs) if len(kv) != 2 or not kv[0]]:
         raise AmaliaError(f"--env needs KEY=VALUE, got {bad}")
-    if secret := [kv[0] for kv in pairs if SECRET_NAME.search(kv[0]) and not PATH_NAME.search(kv[0])]:
+    if secret := [k for k, _ in pairs if is_secret_key(k) and k.upper() not in PATHS_TO_SECRETS]:
         raise AmaliaError(f"--env {secret[0]}=…: a job's environment is shown to anyone who can list the cluster's "
                           "jobs (`ray job list`), so secrets do not go there: set it on the cluster's nodes (KubeRay: "
                           "a Secret as the pods' environment; docs/cluster.md) and the job reads it from there")

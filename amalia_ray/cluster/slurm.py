@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import secrets
 import statistics
 import shlex
 import shutil
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.secrets import secret_file
 from amalia_ray.core.stop import EXIT_STOPPED, STOP_FILE
 
 SCRIPT = "job.sbatch"
@@ -253,15 +253,7 @@ def auth_token(folder: Path) -> Path:
     sees, so every node's Ray reads the same)."""
     if site := os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return Path(site)
-    path = folder / "auth_token"
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-    except FileExistsError:
-        os.chmod(path, 0o600)
-    return path
+    return secret_file(folder / "auth_token")
 
 
 def write_script(job: SlurmJob) -> Path:

@@ -4,7 +4,10 @@ secret-looking values masked, and every log line of this process has the values 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import secrets
+from pathlib import Path
 
 MASK = "***"
 # a mapping key that holds a secret: access_key, secret_key, session_token, api_key, password, token, credentials …
@@ -100,3 +103,22 @@ def install_log_masking() -> None:
             handler.addFilter(MaskSecrets())
     if not any(isinstance(f, MaskSecrets) for f in root.filters):
         root.addFilter(MaskSecrets())
+
+
+def secret_file(path: Path) -> Path:
+    """A file holding a random secret (64 hex digits), made once and readable by its owner only: written whole,
+    then linked into place, so a process racing this one reads the winner's, never an empty file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    os.chmod(path, 0o600)
+    return path

@@ -28,13 +28,14 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import open_filesystem
 from amalia_ray.data.archives import read_warc
 from amalia_ray.data.records import _RAW_LIMIT, Quarantine, Record, decode_html, html_main_text, preview, truncated
-from amalia_ray.data.streams import _CHUNK, InflationLimit, InputFile, StorageReadError, is_uri
+from amalia_ray.data.streams import _CHUNK, InflationLimit, InputFile, StorageReadError, check_inflation, is_uri
 
 DOC_SCHEMA = pa.schema([
     ("id", pa.string()), ("source", pa.string()), ("path", pa.string()), ("location", pa.string()),
     ("text", pa.string()), ("metadata", pa.string()), ("drop_reason", pa.string()),
 ])
 _PIECE_BYTES = 8 << 20  # Parquet rows decoded into Python objects at a time
+_BATCH_BYTES = 64 << 20  # and read from the file at a time (about)
 _TABLE_BYTES = 8 << 20  # the text a read task gathers before handing a table on (its memory is several times it)
 
 
@@ -185,8 +186,8 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
         with opened as source:
             meta = pq.ParquetFile(source).metadata
             # flat string columns with a dictionary page stay dictionary-encoded (reading them so costs hashing every
-            # value once, about 0.8 s per 100 MB of text here: the price of not decoding a bomb); nested columns and
-            # names with dots, which read_dictionary cannot name, are read as they are
+            # value once: the price of not decoding a bomb); nested columns and names with dots, which
+            # read_dictionary cannot name, are read as they are
             encoded = sorted({c.path for j in range(meta.num_columns) for c in [meta.schema.column(j)]
                               if "." not in c.path and c.physical_type == "BYTE_ARRAY" and c.max_repetition_level == 0
                               and any(meta.row_group(g).column(j).has_dictionary_page
@@ -195,26 +196,18 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
             offset = 0
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
-                _check_inflation(group, src, f"{path} row group {g}")
-                for batch in parquet.iter_batches(batch_size=4096, row_groups=[g]):
+                packed, unpacked = (sum(getattr(group.column(j), f"total_{kind}_size") for j in range(group.num_columns))
+                                    for kind in ("compressed", "uncompressed"))
+                check_inflation(unpacked, packed, src.max_inflated_bytes, src.max_expansion, f"{path} row group {g}")
+                # rows per batch by the row group's bytes: a batch of long rows is decoded before it is measured
+                rows = max(1, min(4096, _BATCH_BYTES * group.num_rows // max(1, unpacked)))
+                for batch in parquet.iter_batches(batch_size=rows, row_groups=[g]):
                     yield from _batch_records(batch, offset, src)
                     offset += batch.num_rows
     except OSError as e:  # a broken file raises ArrowInvalid (a ValueError); an OSError from storage is the storage's
         if not is_uri(path):
             raise
         raise StorageReadError(f"{path}: {e}") from e
-
-
-def _check_inflation(group, src: SourceConfig, what: str) -> None:
-    """A row group's pages may decompress to what its footer says, within the source's limits."""
-    packed = sum(group.column(j).total_compressed_size for j in range(group.num_columns))
-    unpacked = sum(group.column(j).total_uncompressed_size for j in range(group.num_columns))
-    if src.max_inflated_bytes is not None and unpacked > src.max_inflated_bytes:
-        raise InflationLimit(f"{what} decompresses to {unpacked:,} bytes, over max_inflated_bytes="
-                             f"{src.max_inflated_bytes:,}")
-    if src.max_expansion is not None and unpacked > 64 << 20 and unpacked > src.max_expansion * max(1, packed):
-        raise InflationLimit(f"{what} expands {unpacked / max(1, packed):,.0f}× ({unpacked:,} bytes from {packed:,}), "
-                             f"over max_expansion={src.max_expansion:g}")
 
 
 def _batch_records(batch: pa.RecordBatch, offset: int, src: SourceConfig) -> Iterator[Record]:

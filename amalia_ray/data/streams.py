@@ -134,11 +134,23 @@ class _Counted(io.RawIOBase):
         super().close()
 
 
-class _Inflation(io.RawIOBase):
-    """A decompressed stream held to `max_bytes` in all and, past MIN_RATIO_BYTES, to `max_ratio` times the
-    compressed bytes read: the reader raises InflationLimit at once instead of inflating on."""
+MIN_RATIO_BYTES = 64 << 20  # below this, any expansion: a small file of repeated lines is no threat
 
-    MIN_RATIO_BYTES = 64 << 20  # below this, any ratio: a small file of repeated lines is no threat
+
+def check_inflation(out: int, compressed: int, max_bytes: int | None, max_ratio: float | None, what: str) -> None:
+    """`out` bytes decompressed from `compressed`: within `max_bytes`, and past MIN_RATIO_BYTES within `max_ratio`
+    times the compressed bytes (the source's max_inflated_bytes and max_expansion), else InflationLimit."""
+    if max_bytes is not None and out > max_bytes:
+        raise InflationLimit(f"{what} decompresses to more than max_inflated_bytes={max_bytes:,} ({out:,} bytes)")
+    ratio = out / max(1, compressed)
+    if max_ratio is not None and out > MIN_RATIO_BYTES and ratio > max_ratio:
+        raise InflationLimit(f"{what} expands {ratio:,.0f}× ({out:,} bytes from {compressed:,}), over "
+                             f"max_expansion={max_ratio:g}")
+
+
+class _Inflation(io.RawIOBase):
+    """A decompressed stream held to the source's limits (check_inflation) as it is read: the reader raises
+    InflationLimit at once instead of inflating on."""
 
     def __init__(self, inner, compressed: _Counted, max_bytes: int | None, max_ratio: float | None, what: str):
         self.inner, self.compressed, self.out = inner, compressed, 0
@@ -155,12 +167,7 @@ class _Inflation(io.RawIOBase):
         else:
             n = self.inner.readinto(buffer) or 0
         self.out += n
-        if self.max_bytes is not None and self.out > self.max_bytes:
-            raise InflationLimit(f"{self.what} decompresses to more than max_inflated_bytes={self.max_bytes:,}")
-        ratio = self.out / max(1, self.compressed.count)
-        if self.max_ratio is not None and self.out > self.MIN_RATIO_BYTES and ratio > self.max_ratio:
-            raise InflationLimit(f"{self.what} expands {ratio:,.0f}× ({self.out:,} bytes from "
-                                 f"{self.compressed.count:,}), over max_expansion={self.max_ratio:g}")
+        check_inflation(self.out, self.compressed.count, self.max_bytes, self.max_ratio, self.what)
         return n
 
     def close(self) -> None:

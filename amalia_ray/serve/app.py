@@ -267,7 +267,7 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
         http = running.get("http_options") or {}
         host, port = http.get("host") or cfg.host, http.get("port") or cfg.port
         taken = {a.get("route_prefix") for n, a in (running.get("applications") or {}).items() if n != name}
-    check_auth(cfg, host)
+        check_auth(cfg, host)
     prefix = f"/{name}" if "/" in taken else "/"
     base_url = f"http://{_reachable(host)}:{port}{prefix.rstrip('/')}/v1"
     try:
@@ -310,14 +310,14 @@ def wait_until_serving(base_url: str, model_ids: set[str], timeout_s: float, nam
             r = httpx.get(f"{root}/health", timeout=min(10.0, left))
             models = r.json().get("models", {}) if r.headers.get("content-type", "").startswith("application/json") \
                 else {}
-            failed = {m for m, state in models.items() if m in model_ids and state.startswith("failed")}
-            if r.status_code in (200, 503) and model_ids <= {m for m, s in models.items() if s == "ok"} | failed:
-                return _reasons(root, failed, key) if failed else {}
+            given_up = _failed_deployments(name, model_ids) if name else {}
+            failed = {m for m, state in models.items() if m in model_ids and state.startswith("failed")} - set(given_up)
+            done = {m for m, s in models.items() if s == "ok"} | failed | set(given_up)
+            if r.status_code in (200, 503) and model_ids <= done:  # every model answered or failed: the others wait
+                return (_reasons(root, failed, key) if failed else {}) | given_up
             last = f"HTTP {r.status_code}" + (f": {models}" if models else "")
         except (httpx.HTTPError, ValueError) as e:
             last = type(e).__name__
-        if name and (given_up := _failed_deployments(name, model_ids)):
-            return given_up
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
     raise AmaliaError(f"serving did not come up within {timeout_s:.0f}s at {base_url} ({last})")
 

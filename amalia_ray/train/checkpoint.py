@@ -23,7 +23,6 @@ import hmac
 import json
 import logging
 import os
-import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,6 +34,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from amalia_ray.core.secrets import secret_file
 
 
 # what trains: every weight in full training; with LoRA the adapters only (the frozen base comes from its export)
@@ -67,19 +68,7 @@ def signing_key() -> str:
     if key := os.environ.get(KEY_ENV):
         return key
     path = Path(os.environ.get("AMALIA_STATE_DIR") or Path.home() / ".amalia") / "checkpoint.key"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():  # written whole, then linked into place: a process racing this one reads the winner's
-        tmp = path.with_name(f".checkpoint.key.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
-    return path.read_text().strip()
+    return secret_file(path).read_text().strip()
 
 
 def save(folder: Path, model, optimizer, train_state: dict, key: str) -> None:
