@@ -2,7 +2,7 @@
 components) against datatrove's MinHash pipeline, same shingles (5 words), same 14 bands × 8 rows, same corpus and
 machine, in one run. Prints JSON.
 
-    .venv/bin/python bench/dedup_vs_datatrove.py [--docs 40000] [--threshold 0.8]   # datatrove: dev extra
+    .venv/bin/python bench/dedup_vs_datatrove.py [--docs 40000] [--threshold 0.8] [--hash-seeds 1,2,3]
 
 The corpus is made of real Portuguese sentences (Debian's manuals, fortunes-br): each original document is a seeded
 random draw of 3–15 sentences; half of the originals get a copy with words replaced, deleted or inserted at a known
@@ -12,7 +12,9 @@ start to its output on disk: ours `amalia data dedup` (which starts its own Ray)
 four-step MinHash pipeline on its `LocalPipelineExecutor` with as many workers as cores. Both write the kept
 documents as Parquet. Ours runs three times: with Jaccard verification at `--threshold` estimated from the
 signatures (the default), with it computed exactly over the shingle sets (`--similarity exact`), and without
-verification (`--threshold 0`: every LSH candidate pair kept, the same rule datatrove applies).
+verification (`--threshold 0`: every LSH candidate pair kept, the same rule datatrove applies). The two sides
+draw different hash functions, so their F1 differs by chance too: `--hash-seeds` runs both unverified again with
+other seeds and reports the F1 of each. datatrove comes with the dev extra.
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ dt_xxhash.xxhash64 = lambda d: xxhash.xxh64_intdigest(d.encode() if isinstance(d
 dt_xxhash.xxhash32 = lambda d: xxhash.xxh32_intdigest(d.encode() if isinstance(d, str) else d)
 
 if __name__ == "__main__":
-    src, work, workers = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=1)
+    src, work, workers, seed = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=seed)
     LocalPipelineExecutor([JsonlReader(src, glob_pattern="*.jsonl"),
                            MinhashDedupSignature(str(work / "sigs"), config=cfg, language=Whitespace())],
                           tasks=workers, workers=workers, logging_dir=str(work / "logs1")).run()
@@ -127,22 +129,24 @@ def timed(cmd: list[str]) -> float:
     return elapsed
 
 
-def run_ours(path: Path, out: Path, threshold: float, similarity: str = "estimated") -> tuple[float, dict[str, str]]:
+def run_ours(path: Path, out: Path, threshold: float, similarity: str = "estimated", seed: int = 1
+             ) -> tuple[float, dict[str, str]]:
     import pyarrow.parquet as pq
 
     amalia = Path(sys.executable).parent / "amalia"
     elapsed = timed([str(amalia), "data", "dedup", str(path), str(out), "--threshold", str(threshold),
-                     "--similarity", similarity, "--ngram", "5", "--num-perm", "112", "--bands", "14"])
+                     "--similarity", similarity, "--ngram", "5", "--num-perm", "112", "--bands", "14",
+                     "--seed", str(seed)])
     rows = pq.read_table(out / "clusters.parquet").to_pylist()
     return elapsed, {r["id"]: r["cluster_id"] for r in rows}
 
 
-def run_datatrove(path: Path, work: Path, workers: int) -> tuple[float, dict[str, str]]:
+def run_datatrove(path: Path, work: Path, workers: int, seed: int = 1) -> tuple[float, dict[str, str]]:
     import pyarrow.parquet as pq
 
     script = work.parent / "datatrove_minhash.py"
     script.write_text(DATATROVE_SCRIPT)
-    elapsed = timed([sys.executable, str(script), str(path), str(work), str(workers)])
+    elapsed = timed([sys.executable, str(script), str(path), str(work), str(workers), str(seed)])
     found = {}
     for f in list((work / "kept").rglob("*.parquet")) + list((work / "removed").rglob("*.parquet")):
         for doc in pq.read_table(f).to_pylist():
@@ -155,7 +159,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--docs", type=int, default=40000, help="originals + planted copies")
     parser.add_argument("--threshold", type=float, default=0.8, help="ours: Jaccard verification; both: the truth")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the corpus")
+    parser.add_argument("--hash-seeds", default="1", help="comma-separated MinHash seeds: past the first, both "
+                        "sides run again unverified with each, to show how F1 varies with the hash functions")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -186,7 +192,17 @@ def main() -> None:
         lsh_s, lsh = run_ours(path, tmp / "ours-lsh", 0.0)
         (tmp / "dt").mkdir()
         theirs_s, theirs = run_datatrove(path, tmp / "dt", workers=os.cpu_count() or 1)
-    planted = cluster_pairs(origin)
+        planted = cluster_pairs(origin)
+        f1_by_seed = {name: [threshold_scores(cluster_pairs(found), planted, lambda p: p in planted)["f1"]]
+                      for name, found in (("ours_lsh_only", lsh), ("datatrove", theirs))}
+        for seed in [int(s) for s in args.hash_seeds.split(",")][1:]:
+            _, found = run_ours(path, tmp / f"ours-lsh-{seed}", 0.0, seed=seed)
+            f1_by_seed["ours_lsh_only"].append(threshold_scores(cluster_pairs(found), planted,
+                                                                lambda p: p in planted)["f1"])
+            (tmp / f"dt-{seed}").mkdir()
+            _, found = run_datatrove(path, tmp / f"dt-{seed}", workers=os.cpu_count() or 1, seed=seed)
+            f1_by_seed["datatrove"].append(threshold_scores(cluster_pairs(found), planted,
+                                                            lambda p: p in planted)["f1"])
     result = {"benchmark": "dedup_vs_datatrove", "timing": "whole commands, process start to output on disk",
               "documents": len(docs), "megabytes": round(megabytes, 2),
               "shingle_words": 5, "bands": 14, "rows": 8, "threshold": args.threshold, "cores": os.cpu_count(),
@@ -202,6 +218,9 @@ def main() -> None:
                             str(rate): round(len({p for p in planted if rate_of.get(p[1], rate_of.get(p[0])) == rate}
                                                  & pairs) / max(1, sum(1 for c, r in rate_of.items() if r == rate)), 3)
                             for rate in EDIT_RATES}}
+    for name, scores in f1_by_seed.items():  # the first seed's F1 is the one reported above
+        result[name]["f1_by_hash_seed"] = dict(zip(args.hash_seeds.split(","), scores))
+        result[name]["f1_mean_over_hash_seeds"] = round(sum(scores) / len(scores), 4)
     a, b = cluster_pairs(lsh), cluster_pairs(theirs)
     result["pair_agreement_jaccard_lsh_only_vs_datatrove"] = round(len(a & b) / max(1, len(a | b)), 4)
     result["speed_ratio_ours_over_datatrove"] = round(theirs_s / ours_s, 3)

@@ -288,6 +288,47 @@ def test_a_large_jsonl_is_read_in_byte_ranges_with_the_ids_of_a_whole_read(ray_c
     assert sum(e["records"] for e in ledger) == 399
 
 
+def test_a_large_parquet_file_is_read_by_row_groups_across_tasks_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
+    """A Parquet file over `range_bytes` is read by a task per byte range, each reading the row groups whose first
+    page starts in its range: every row exactly once (an oversized one quarantined once), located by the row number
+    a whole-file read gives it, and the ranges' bytes and sha256 tile the file."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    from amalia_ray.core.config import SourceConfig
+    from amalia_ray.data.inputs import ReadLedger, list_sources, read_plan, read_sources
+    from amalia_ray.data.readers import read_file
+
+    rng = random.Random(3)
+    words = "a serra desce ao mar por entre vinhas e socalcos de xisto".split()
+    texts = [" ".join(rng.choices(words, k=rng.randint(5, 80))) for _ in range(300)]
+    texts[77] = "grande " * 2000  # over max_record_bytes
+    path = tmp_path / "dump.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(300)], "text": texts}), path, row_group_size=20,
+                   use_dictionary=["id"])
+    data = path.read_bytes()
+    src = SourceConfig(name="d", paths=[str(path)], format="parquet", range_bytes=4096, max_record_bytes=8192)
+
+    plan = read_plan([src], list_sources([src], Path))
+    assert len(plan) > 3 and [(i["start"], i["end"]) for i in plan] == [
+        (a, min(a + 4096, len(data))) for a in range(0, len(data), 4096)]
+    ledger = ReadLedger()
+    ranged = pa.concat_tables(ray_cluster.get(read_sources([src], list_sources([src], Path), ledger).to_arrow_refs()))
+    whole = read_file(str(path), src.model_copy(update={"range_bytes": 1 << 30}))
+    columns = ("id", "location", "text", "drop_reason", "metadata")
+    rows = sorted(zip(*(ranged[c].to_pylist() for c in columns)))
+    assert rows == sorted(zip(*(whole[c].to_pylist() for c in columns)))
+    assert len(rows) == 300 and [r[3] for r in rows].count("quarantine:record too large") == 1
+    assert "row 77" in {r[1] for r in rows if r[3]}
+
+    ledger.write(tmp_path / "inputs.parquet")
+    entries = sorted(pq.read_table(tmp_path / "inputs.parquet").to_pylist(), key=lambda e: e["start"])
+    assert [(e["start"], e["end"]) for e in entries] == [(i["start"], i["end"]) for i in plan]
+    assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in entries)
+    assert sum(e["records"] for e in entries) == 300 and sum(e["records"] > 0 for e in entries) > 3
+
+
 def test_a_large_warc_gz_is_read_in_ranges_of_whole_members_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
     """A .warc.gz written a gzip member per record, over `range_bytes`: each cut moves to the next member that begins
     a record (gzip magic bytes inside compressed data, or a member that does not start a record, are passed over),

@@ -178,8 +178,10 @@ def test_a_failing_job_prints_its_error_masked(tmp_path, monkeypatch, capsys, er
 
 def test_an_embedded_ray_refuses_anyone_without_its_token(tmp_path):
     """Ray 2.60 listens on every interface whatever node address it is given, so the embedded cluster keeps token
-    auth on with a random token of its own (in no file). Probed from outside, with no token: the GCS, the raylet's
-    node manager and every worker refuse (UNAUTHENTICATED) and no HTTP port takes a job; its own task runs."""
+    auth on with a random token of its own (in no file). Probed from outside, with no token, every port off
+    loopback either refuses (gRPC UNAUTHENTICATED or HTTP 401: the GCS, the raylet's node manager and object
+    manager, every worker, the dashboard agent's log service and job API, the runtime-env agent) or serves only
+    Prometheus metrics (read, nothing accepted); its own task runs."""
     import json
     import os
     import subprocess
@@ -197,18 +199,22 @@ def test_an_embedded_ray_refuses_anyone_without_its_token(tmp_path):
     assert any(p == "gcs_server" for p, _ in answers), answers
     for (process, port), got in answers.items():
         assert "OK" not in got.values() and got["http job"] not in (200, 201), (process, port, got)
-    refused = {process for (process, _), got in answers.items() if "UNAUTHENTICATED" in got.values()}
-    assert {"gcs_server", "raylet"} <= refused, answers
-    assert all("UNAUTHENTICATED" in got.values() for (process, _), got in answers.items()
-               if process.startswith("ray::") and process not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent")), \
-        answers
+        refuses = "UNAUTHENTICATED" in got.values() or 401 in got.values()
+        only_metrics = got["http metrics"] == 200 and got["http job"] == 405  # a Prometheus exporter
+        assert refuses or only_metrics, (process, port, got)
+    refused = {(process, service) for (process, _), got in answers.items() for service, answer in got.items()
+               if answer in ("UNAUTHENTICATED", 401)}
+    assert {("gcs_server", "gcs"), ("raylet", "node manager"), ("raylet", "object manager"),
+            ("ray::DashboardAgent", "agent logs"), ("ray::DashboardAgent", "http job")} <= refused, answers
+    assert any(process.startswith("ray::") and service == "core worker" for process, service in refused), answers
 
 
 def test_secrets_of_every_shape_reach_no_file_of_the_run(tmp_path, monkeypatch, caplog):
     """Secrets known by their key (a service account's whole mapping, a connection string, s3fs's `key` and
     `secret`) or by their value (a URI's password, a Hugging Face token, wherever they are): planted in a recipe's
     storage options, then the run's recipe copy, MLflow store and offline W&B run (their params are the recipe's),
-    a stage's params and the log are scanned for each; the driver log is readable by its owner only."""
+    a stage's params, the records, manifest and report of a stage that failed quoting them and of one whose metrics
+    quote them, and the log are scanned for each; the driver log is readable by its owner only."""
     import os
 
     from amalia_ray.core.config import TrackingConfig, WandbConfig
@@ -239,6 +245,20 @@ def test_secrets_of_every_shape_reach_no_file_of_the_run(tmp_path, monkeypatch, 
         with tracker.stage("data", flatten(secrets.redact({"storage_options": options})), None):
             pass
         tracker.close(ok=True)
+    # a stage that fails quoting them, one whose metrics quote them: its record, the manifest and the report
+    from amalia_ray.pipeline.report import write_report
+    from amalia_ray.pipeline.spec import StageSpec
+
+    quoted = (f"s3://bob:{planted['URI password']}@s3.example.org/crawl {planted['HF token']} "
+              f"{planted['s3 secret']} {planted['connection string']}")
+
+    def fails():
+        raise OSError(f"storage said no: {quoted}")
+
+    with pytest.raises(OSError):
+        p.execute(StageSpec("data", [], {}, {}, fails, {}))
+    p.execute(StageSpec("tokenizer", [], {}, {}, lambda: {"listed_from": quoted}, {}))
+    assert "tokenizer" in write_report(p.run_dir, p.manifest).read_text()
     assert os.stat(log).st_mode & 0o777 == 0o600
     assert list(p.run_dir.rglob("mlflow.db")), "the MLflow store is in the run folder"
     assert list(p.run_dir.rglob("*.wandb")), "and the offline W&B run"

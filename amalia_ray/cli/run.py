@@ -95,7 +95,9 @@ def data_dedup(
         raise AmaliaError(str(e)) from None
     if not input.exists():
         raise AmaliaError(f"dedup input not found: {input}")
-    with ray_session(dashboard=False):
+    # nothing is served here: a logical CPU per core, so no more workers start (a second of imports each) than
+    # there are cores to run them
+    with ray_session(dashboard=False, num_cpus=os.cpu_count() or 1):
         stats = dedup(input, output, params, threshold or None, similarity=similarity)
     console.print_json(json.dumps(stats))
 

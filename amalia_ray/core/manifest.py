@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 import amalia_ray
+from amalia_ray.core import secrets
 from amalia_ray.core.storage import write_json
 
 Status = Literal["pending", "running", "completed", "failed", "stopped", "skipped"]
@@ -85,12 +86,13 @@ class Manifest(BaseModel):
         stages = set(stages)
         (run_dir / RECORDS).mkdir(parents=True, exist_ok=True)
         for name in stages:
-            write_json(run_dir / RECORDS / f"{name}.json", self.stages[name].model_dump(mode="json"))
+            # a stage's metrics and error may quote what it was given (a storage URI with its password …)
+            write_json(run_dir / RECORDS / f"{name}.json", secrets.redact(self.stages[name].model_dump(mode="json")))
         with locked(run_dir / LOCK):
             for name, record in read_records(run_dir).items():
                 if name not in stages:
                     self.stages[name] = record
-            write_json(run_dir / "manifest.json", self.model_dump(mode="json"))
+            write_json(run_dir / "manifest.json", secrets.redact(self.model_dump(mode="json")))
 
     def stage(self, name: str) -> StageRecord:
         return self.stages.setdefault(name, StageRecord())

@@ -8,6 +8,9 @@ a whole-file read locates it.
   is the whole members between two such starts. Its records are located by their offset in the decompressed
   stream, so the decompressed bytes of each range are counted first. A file compressed as one member (or whose
   members do not start records) has no such start past its beginning and stays one range.
+- Parquet: cut every `range_bytes`; a range holds the row groups whose first page starts in it, read from the
+  file's footer (`readers.read_parquet`), which also numbers their rows: nothing is counted first. A file written as
+  one row group stays one task's work however it is cut.
 
 The counting passes run as one Ray task per range, in parallel, reading the file once more (at disk or network
 speed, and inflating the WARC members once more); the scan for member starts reads only until it finds one.
@@ -28,9 +31,12 @@ _PROBE = 64 << 10  # the compressed bytes a member-start candidate is checked wi
 
 
 def splits_into_ranges(path: str, size: int, source: SourceConfig) -> bool:
-    """Whether a file is read in ranges: an uncompressed jsonl or a .warc.gz over the source's range_bytes."""
+    """Whether a file is read in ranges: an uncompressed jsonl, a Parquet file or a .warc.gz over the source's
+    range_bytes."""
     if size <= source.range_bytes:
         return False
+    if source.format == "parquet":
+        return True
     if source.format == "jsonl":
         return not path.endswith((".gz", ".zst"))
     return source.format == "warc" and path.endswith(".warc.gz")
@@ -115,11 +121,12 @@ def plan_ranges(files: list[tuple[str, int, SourceConfig]]) -> list[list[tuple[i
     counts = []
     for (path, _, source), starts in zip(files, cuts):
         count = inflated_bytes if is_member_ranged(path) else newlines
-        counts.append([count.remote(path, source.storage_options, a, b) for a, b in zip(starts[:-2], starts[1:-1])])
+        counts.append([] if source.format == "parquet" else  # its rows are numbered from the footer
+                      [count.remote(path, source.storage_options, a, b) for a, b in zip(starts[:-2], starts[1:-1])])
     plans = []
     for starts, refs in zip(cuts, counts):
         before = [0]
-        for n in ray.get(refs):
+        for n in ray.get(refs) if refs else [0] * (len(starts) - 2):
             before.append(before[-1] + n)
         plans.append(list(zip(starts[:-1], starts[1:], before)))
     return plans

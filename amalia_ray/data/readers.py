@@ -173,7 +173,8 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
     uncompressed size (from the footer) is checked before it is read; dictionary-encoded columns stay encoded (a
     1 GB value repeated in every row would otherwise be copied into each), every row's size is measured from the
     Arrow buffers before it becomes Python objects, a row over max_record_bytes is quarantined unread, and rows
-    are turned into records a few MB at a time."""
+    are turned into records a few MB at a time. From a byte range: the row groups whose first page starts in it,
+    their rows numbered as in the whole file."""
     import pyarrow.parquet as pq
 
     path = file.path
@@ -196,6 +197,9 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
             offset = 0
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
+                if file.is_range and not file.start <= _first_page(group) < file.end:  # another range's group
+                    offset += group.num_rows
+                    continue
                 packed, unpacked = (sum(getattr(group.column(j), f"total_{kind}_size") for j in range(group.num_columns))
                                     for kind in ("compressed", "uncompressed"))
                 check_inflation(unpacked, packed, src.max_inflated_bytes, src.max_expansion, f"{path} row group {g}")
@@ -208,6 +212,12 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
         if not is_uri(path):
             raise
         raise StorageReadError(f"{path}: {e}") from e
+
+
+def _first_page(group) -> int:
+    """The file offset where a row group's first page (a dictionary page, else a data page) begins."""
+    return min(c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
+               for c in (group.column(j) for j in range(group.num_columns)))
 
 
 def _batch_records(batch: pa.RecordBatch, offset: int, src: SourceConfig) -> Iterator[Record]:

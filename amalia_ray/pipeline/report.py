@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from amalia_ray.core import secrets
 from amalia_ray.core.accounting import total_cost
 from amalia_ray.core.manifest import Manifest
 
@@ -394,5 +395,5 @@ def write_report(run_dir: Path, manifest: Manifest, objectives: dict[str, str] |
         parts += evaluation_section(run_dir, ev.metrics)
 
     out = run_dir / "report.md"
-    out.write_text("\n".join(parts), encoding="utf-8")
+    out.write_text(secrets.mask("\n".join(parts)), encoding="utf-8")  # stage metrics may quote what they were given
     return out
