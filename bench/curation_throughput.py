@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--recipe", default="recipes/demo.yaml")
     parser.add_argument("--synthetic-mb", type=int, default=0, help="curate this many MB made from the sources")
     parser.add_argument("--object-store-mb", type=int, default=0, help="Ray object store size (0: Ray's default)")
+    parser.add_argument("--variety-model", help="a variety classifier: its speed is measured beside the cue scorer's "
+                        "and language ID's")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import gzip
@@ -112,6 +114,7 @@ def main() -> None:
     ray.shutdown()
     workdir.cleanup()
     gb = text_bytes / 1e9
+    steps = step_speeds(files, args.variety_model)
     print(json.dumps({
         "benchmark": "curation_throughput", "recipe": args.recipe, "synthetic_mb": args.synthetic_mb,
         "uncompressed_gb": round(gb, 4), "documents_in": stats["documents_in"], "documents_kept": stats["documents_kept"],
@@ -123,7 +126,37 @@ def main() -> None:
         "ray_tree_peak_rss_mb": round(watch.peak_tree_mb, 1), "min_available_system_mb": round(watch.min_available_mb),
         "object_store_mb": round(store_mb), "corpus_over_object_store": round(text_bytes / 2**20 / max(store_mb, 1), 1),
         "spilled_mb": int(spilled.group(1)) if spilled else 0,
+        "steps_docs_per_core_s": steps,
     }, indent=2))
+
+
+def step_speeds(files: list[str], variety_model: str | None, limit: int = 3000) -> dict:
+    """Documents per core-second (this process's CPU time, one thread) of the per-document steps that tell
+    languages and varieties apart, on the same paragraphs of the sources (the first `limit` of 20+ words)."""
+    import gzip
+
+    from amalia_ray.core.variety import score_variety
+    from amalia_ray.core.variety_model import VarietyModel
+    from amalia_ray.data.language import detect_language
+
+    texts = []
+    for f in files:
+        text = (gzip.open(f, "rt", encoding="utf-8", errors="replace") if f.endswith(".gz")
+                else open(f, encoding="utf-8", errors="replace")).read()
+        texts += [p for p in re.split(r"\n\s*\n", text) if len(p.split()) >= 20]
+    texts = texts[:limit]
+    steps = {"language_id": lambda: [detect_language(t) for t in texts],
+             "variety_cue_scorer": lambda: [score_variety(t) for t in texts]}
+    if variety_model:
+        model = VarietyModel(Path(variety_model))
+        steps["variety_model"] = lambda: [model.score(texts[i:i + 1024]) for i in range(0, len(texts), 1024)]
+    detect_language("aquecimento")  # the model's load is not a per-document cost
+    out = {"documents": len(texts), "mean_chars": round(sum(map(len, texts)) / max(1, len(texts)))}
+    for name, run in steps.items():
+        cpu = time.process_time()
+        run()
+        out[name] = round(len(texts) / max(time.process_time() - cpu, 1e-9), 1)
+    return out
 
 
 if __name__ == "__main__":

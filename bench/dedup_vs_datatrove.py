@@ -187,15 +187,16 @@ def main() -> None:
                 for d in docs[k::shards]:
                     f.write(json.dumps(d, ensure_ascii=False) + "\n")
         megabytes = sum(f.stat().st_size for f in path.iterdir()) / 1e6
-        ours_s, ours = run_ours(path, tmp / "ours", args.threshold)
-        exact_s, exact = run_ours(path, tmp / "ours-exact", args.threshold, "exact")
-        lsh_s, lsh = run_ours(path, tmp / "ours-lsh", 0.0)
+        seeds = [int(s) for s in args.hash_seeds.split(",")]
+        ours_s, ours = run_ours(path, tmp / "ours", args.threshold, seed=seeds[0])
+        exact_s, exact = run_ours(path, tmp / "ours-exact", args.threshold, "exact", seed=seeds[0])
+        lsh_s, lsh = run_ours(path, tmp / "ours-lsh", 0.0, seed=seeds[0])
         (tmp / "dt").mkdir()
-        theirs_s, theirs = run_datatrove(path, tmp / "dt", workers=os.cpu_count() or 1)
+        theirs_s, theirs = run_datatrove(path, tmp / "dt", workers=os.cpu_count() or 1, seed=seeds[0])
         planted = cluster_pairs(origin)
         f1_by_seed = {name: [threshold_scores(cluster_pairs(found), planted, lambda p: p in planted)["f1"]]
                       for name, found in (("ours_lsh_only", lsh), ("datatrove", theirs))}
-        for seed in [int(s) for s in args.hash_seeds.split(",")][1:]:
+        for seed in seeds[1:]:
             _, found = run_ours(path, tmp / f"ours-lsh-{seed}", 0.0, seed=seed)
             f1_by_seed["ours_lsh_only"].append(threshold_scores(cluster_pairs(found), planted,
                                                                 lambda p: p in planted)["f1"])

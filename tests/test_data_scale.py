@@ -328,6 +328,14 @@ def test_a_large_parquet_file_is_read_by_row_groups_across_tasks_with_the_ids_of
     assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in entries)
     assert sum(e["records"] for e in entries) == 300 and sum(e["records"] > 0 for e in entries) > 3
 
+    broken = tmp_path / "broken" / "cut.parquet"  # its footer cut off: quarantined once, not once per range
+    broken.parent.mkdir()
+    broken.write_bytes(data[: len(data) // 2])
+    src = src.model_copy(update={"paths": [str(broken)]})
+    rows = pa.concat_tables(ray_cluster.get(read_sources([src], list_sources([src], Path)).to_arrow_refs()))
+    assert len(read_plan([src], list_sources([src], Path))) > 1
+    assert rows["drop_reason"].to_pylist() == ["quarantine:unreadable file"], rows.to_pylist()
+
 
 def test_a_large_warc_gz_is_read_in_ranges_of_whole_members_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
     """A .warc.gz written a gzip member per record, over `range_bytes`: each cut moves to the next member that begins

@@ -2,6 +2,7 @@
 `--help` lists them."""
 
 import amalia_ray.cli.run
+import amalia_ray.cli.variety
 import amalia_ray.cli.serve
 import amalia_ray.cli.cluster
 import amalia_ray.cli.sweep  # noqa: F401 - imported for the commands they register

@@ -203,6 +203,9 @@ def eval_(
     api_key_env: Annotated[str, typer.Option(help="env var holding the server's API key")] = "AMALIA_API_KEY",
     judge_model: Annotated[str | None, typer.Option(help="judge tasks: the served model that grades")] = None,
     judge_base_url: Annotated[str | None, typer.Option(help="judge's base URL (default: --base-url)")] = None,
+    variety_model: Annotated[Path | None, typer.Option(help="variety tasks: a variety classifier (`amalia data "
+                                                       "train-variety`); without one, the cue scorer")] = None,
+    variety_margin: Annotated[float, typer.Option(help="variety tasks: how far from 0.5 a label needs")] = 0.15,
     contamination_of: Annotated[list[Path] | None, typer.Option(
         "--contamination-of", help="a run folder (its curated corpus) or a jsonl/Parquet corpus the model trained on "
         "(repeatable): each item is flagged when it shares a 13-gram with it, and the unseen items are scored "
@@ -243,7 +246,9 @@ def eval_(
                                 temperature=temperature, top_p=top_p, seed=seed, **fewshot)
         judge = JudgeConfig(model=judge_model, base_url=judge_base_url) if judge_model else None
         settings = EvalConfig(tasks=[task_cfg], concurrency=concurrency, prompts_per_request=prompts_per_request,
-                              retries=retries, request_timeout_s=timeout, judge=judge)
+                              retries=retries, request_timeout_s=timeout, judge=judge,
+                              variety={"model": str(variety_model) if variety_model else None,
+                                       "margin": variety_margin})
     except ValidationError as e:
         raise AmaliaError(_options_error(e)) from None
     result = run_task(task_cfg, task, base_url=base_url, model=model, settings=settings, output=output,

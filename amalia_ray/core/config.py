@@ -165,11 +165,18 @@ class LanguageConfig(Strict):
     min_score: float = Field(0.65, ge=0, le=1, description="minimum fastText probability of the kept language")
 
 
-class VarietyConfig(Strict):
+class VarietyScoring(Strict):
+    """How European vs Brazilian Portuguese is told: a pt_pt_score, and a label when it is far enough from 0.5."""
+    margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
+    model: str | None = Field(None, description="a variety classifier trained by `amalia data train-variety` "
+                              "(relative to the recipe): pt_pt_score is its P(pt-PT); null = the cue scorer's "
+                              "share of pt-PT cues")
+
+
+class VarietyConfig(VarietyScoring):
     """European vs Brazilian Portuguese: every document gets a pt_pt_score and a label."""
     keep: list[Literal["pt-PT", "pt-BR", "unknown"]] = Field(
         ["pt-PT", "pt-BR", "unknown"], min_length=1, description="varieties to keep; every document is tagged")
-    margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
 
 
 TaskFormat = Literal["mcq", "pheb", "binary", "cloze", "judge", "variety", "answer", "euroeval"]
@@ -662,6 +669,8 @@ class _SampledStage(_DatasetStage):
     rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="rule-based rewards by name "
                                "(format, exact_answer, has_number) or module:function(completion, task) -> float")
     reward_weights: list[float] | None = Field(None, description="weight of each reward (default all 1)")
+    variety_model: str | None = Field(None, description="the variety classifier the pt_variety reward scores "
+                                      "completions with (relative to the recipe); null = the cue scorer")
     num_generations: int = Field(4, ge=2, description="completions sampled per prompt (the group)")
     max_completion_length: int = Field(64, ge=1, description="most tokens sampled per completion")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
@@ -783,6 +792,8 @@ class EvalConfig(Strict):
     request_timeout_s: float = Field(120, gt=0, description="a request taking longer is retried, then fails the item")
     retries: int = Field(3, ge=0, description="retries of a request on a transient error (connection, 408/429/5xx)")
     judge: JudgeConfig | None = Field(None, description="the model that grades `judge` tasks")
+    variety: VarietyScoring = Field(default_factory=VarietyScoring, description="how `variety` tasks score "
+                                    "generations pt-PT / pt-BR")
     contamination_of: list[str] = Field(
         default_factory=list, description="training text each item is checked against (13-gram overlap): run "
         "folders (their curated corpus) or jsonl/Parquet corpora, relative to the recipe; `this_run` is this run's "

@@ -28,6 +28,8 @@ import amalia_ray
 from amalia_ray.core import secrets
 from amalia_ray.core.storage import write_json
 
+# what decides skips and resumes: compared whole, never masked
+HASHES = frozenset({"fingerprint", "config_hash", "code_hash", "inputs", "output_hashes", "recipe_hash"})
 Status = Literal["pending", "running", "completed", "failed", "stopped", "skipped"]
 RECORDS = "manifest.d"  # one file per stage
 LOCK = ".manifest.lock"
@@ -87,12 +89,13 @@ class Manifest(BaseModel):
         (run_dir / RECORDS).mkdir(parents=True, exist_ok=True)
         for name in stages:
             # a stage's metrics and error may quote what it was given (a storage URI with its password …)
-            write_json(run_dir / RECORDS / f"{name}.json", secrets.redact(self.stages[name].model_dump(mode="json")))
+            write_json(run_dir / RECORDS / f"{name}.json",
+                       secrets.mask_values(self.stages[name].model_dump(mode="json"), HASHES))
         with locked(run_dir / LOCK):
             for name, record in read_records(run_dir).items():
                 if name not in stages:
                     self.stages[name] = record
-            write_json(run_dir / "manifest.json", secrets.redact(self.model_dump(mode="json")))
+            write_json(run_dir / "manifest.json", secrets.mask_values(self.model_dump(mode="json"), HASHES))
 
     def stage(self, name: str) -> StageRecord:
         return self.stages.setdefault(name, StageRecord())

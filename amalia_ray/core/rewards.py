@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from functools import partial
 from typing import Callable
 
 Reward = Callable[[str, dict], float]
@@ -22,8 +23,11 @@ def register(name: str) -> Callable[[Reward], Reward]:
     return add
 
 
-def get_reward(name: str) -> Reward:
-    """A registered reward, or `module:function` imported (what a recipe uses for its own)."""
+def get_reward(name: str, variety_model: str | None = None) -> Reward:
+    """A registered reward, or `module:function` imported (what a recipe uses for its own). `variety_model`: the
+    classifier pt_variety scores with (None: the cue scorer)."""
+    if name == "pt_variety":
+        return partial(pt_variety_reward, model=variety_model)
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
@@ -87,3 +91,13 @@ def has_number_reward(completion: str, example: dict) -> float:
     """1 when the completion contains a number at all: a shaping reward that gives a small model from scratch some
     signal before it can get answers right (weigh it low next to exact_answer)."""
     return 1.0 if _NUMBER.search(completion) else 0.0
+
+
+@register("pt_variety")
+def pt_variety_reward(completion: str, example: dict, model: str | None = None) -> float:
+    """P(pt-PT) of the completion's answer (inside <answer> when tagged) by the variety classifier, or the cue
+    scorer's share of pt-PT cues (0.5 when it finds none): a reward for writing European Portuguese."""
+    from amalia_ray.core.variety_model import pt_pt_scores
+
+    tagged = _ANSWER.findall(completion)
+    return float(pt_pt_scores([tagged[-1] if tagged else completion], model)[0])

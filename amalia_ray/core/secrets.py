@@ -30,9 +30,8 @@ def is_secret_key(key) -> bool:
 
 def redact(data):
     """`data` (parsed YAML/JSON) with secrets replaced by MASK: whatever is under a secret-looking key (a string, or
-    a whole mapping such as a service account's), a URI's password, values shaped like known tokens and the secrets
-    already remembered, wherever they turn up in a string. What is masked is also remembered, so the log filter
-    masks it wherever it turns up."""
+    a whole mapping such as a service account's), a URI's password, and values shaped like known tokens. What is
+    masked is also remembered, so the log filter masks it wherever it turns up."""
     if isinstance(data, dict):
         out = {}
         for k, v in data.items():
@@ -45,13 +44,28 @@ def redact(data):
     if isinstance(data, list):
         return [redact(v) for v in data]
     if isinstance(data, str):
-        return mask(data)
+        return _mask_shapes(data)
     return data
 
 
+def mask_values(data, keep: frozenset[str] = frozenset()):
+    """`data` (JSON-like) with every string masked as a log line is (`mask`: the secrets remembered, URI passwords,
+    token shapes), keys left as they are: for records whose keys are names the user chose (a task called
+    `next_token` is no secret). Values under the keys in `keep` (hashes, fingerprints) are left whole."""
+    if isinstance(data, dict):
+        return {k: v if k in keep else mask_values(v, keep) for k, v in data.items()}
+    if isinstance(data, list):
+        return [mask_values(v, keep) for v in data]
+    return mask(data) if isinstance(data, str) else data
+
+
 def _remember_leaves(value) -> None:
+    """A mapping under a secret key (a service account) has its secret-looking fields remembered (private_key …),
+    not its project, e-mail or URLs, which name buckets and pages in ordinary messages; one with no such field has
+    every leaf remembered."""
     if isinstance(value, dict):
-        for v in value.values():
+        secret = [v for k, v in value.items() if is_secret_key(k)]
+        for v in secret or value.values():
             _remember_leaves(v)
     elif isinstance(value, list):
         for v in value:
@@ -74,8 +88,13 @@ def remember_in(data) -> None:
     redact(data)
 
 
+# values a secret-looking option takes that are modes, not secrets (gcsfs's `token`: anon, cloud, cache, …)
+_NOT_SECRET = {"anon", "cloud", "cache", "browser", "google_default", "true", "false", "none", "null"}
+
+
 def remember(value: str | None) -> None:
-    if value and len(value) >= 4:  # masking 1–3 characters would garble ordinary text
+    # masking a few characters (or a mode word) would garble ordinary text: "canonical" is no leak of "anon"
+    if value and len(value) >= 6 and value.lower() not in _NOT_SECRET:
         _known.add(value)
 
 

@@ -80,11 +80,17 @@ class VarietyScore:
     br_cues: float
 
     def label(self, margin: float = 0.15) -> str:
-        if self.pt_pt >= 0.5 + margin:
-            return "pt-PT"
-        if self.pt_pt <= 0.5 - margin:
-            return "pt-BR"
-        return "unknown"
+        return variety_label(self.pt_pt, margin)
+
+
+def variety_label(pt_pt: float, margin: float) -> str:
+    """pt-PT / pt-BR when a pt-PT score (the cue scorer's share or a model's probability) is at least `margin`
+    away from 0.5 on its side, else unknown."""
+    if pt_pt >= 0.5 + margin:
+        return "pt-PT"
+    if pt_pt <= 0.5 - margin:
+        return "pt-BR"
+    return "unknown"
 
 
 def score_variety(text: str, smoothing: float = 1.0) -> VarietyScore:

@@ -4,7 +4,7 @@ cut into read tasks.
 Paths are local files or globs, or URIs of object storage and other filesystems (s3://, gs://, abfs://, hdfs://,
 any fsspec scheme: `core/filesystem.py`), listed on the driver (one listing per pattern: names, sizes and
 modification times, never content) and streamed by the read tasks. A file is one read task, except an uncompressed
-jsonl or a .warc.gz file over its source's `range_bytes`: it is cut into byte ranges read by separate tasks, a
+jsonl, a Parquet or a .warc.gz file over its source's `range_bytes`: it is cut into byte ranges read by separate tasks, a
 record's location (and with it the document's id) the same however the file is cut (`ranges.py`). Each read task
 records the bytes and sha256 of what it read (`streams.InputFile`) in the stage's input ledger.
 """

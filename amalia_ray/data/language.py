@@ -7,7 +7,7 @@ import pyarrow as pa
 
 from amalia_ray.core.config import LanguageConfig, VarietyConfig
 from amalia_ray.data.steps import add_drop_reasons, already_dropped
-from amalia_ray.core.variety import score_variety
+from amalia_ray.core.variety_model import label_texts
 
 # fastText reads one line; the first few thousand characters decide the language as well as the whole document
 _MAX_CHARS = 4000
@@ -41,16 +41,22 @@ class LanguageID:
 
 
 class VarietyTag:
-    """Adds `pt_variety` (pt-PT / pt-BR / unknown) and `pt_pt_score`; drops varieties the recipe does not keep."""
+    """Adds `pt_variety` (pt-PT / pt-BR / unknown) and `pt_pt_score` (the variety model's P(pt-PT) when `model`
+    names one, loaded once per worker process, else the cue scorer's share); drops varieties the recipe does not
+    keep."""
 
-    def __init__(self, cfg: VarietyConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: VarietyConfig, model: str | None = None):
+        self.cfg, self.model = cfg, model
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         done = already_dropped(batch)
-        scores = [None if d else score_variety(t) for t, d in zip(batch["text"].to_pylist(), done)]
-        labels = [s.label(self.cfg.margin) if s else None for s in scores]
+        texts = batch["text"].to_pylist()
+        live = [i for i, d in enumerate(done) if not d]
+        labels: list[str | None] = [None] * len(texts)
+        scores: list[float | None] = [None] * len(texts)
+        for i, label, score in zip(live, *label_texts([texts[i] for i in live], self.model, self.cfg.margin)):
+            labels[i], scores[i] = label, score
         batch = batch.append_column("pt_variety", pa.array(labels, pa.string()))
-        batch = batch.append_column("pt_pt_score", pa.array([s.pt_pt if s else None for s in scores], pa.float32()))
+        batch = batch.append_column("pt_pt_score", pa.array(scores, pa.float32()))
         return add_drop_reasons(batch, [None if lab is None or lab in self.cfg.keep else f"variety:{lab}"
                                         for lab in labels])

@@ -185,7 +185,12 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
         else:
             opened = contextlib.nullcontext(path)
         with opened as source:
-            meta = pq.ParquetFile(source).metadata
+            try:
+                meta = pq.ParquetFile(source).metadata
+            except _unreadable_errors():
+                if file.is_range and file.start > 0:  # a broken footer is quarantined once, by the first range
+                    return
+                raise
             # flat string columns with a dictionary page stay dictionary-encoded (reading them so costs hashing every
             # value once: the price of not decoding a bomb); nested columns and names with dots, which
             # read_dictionary cannot name, are read as they are
@@ -215,9 +220,14 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
 
 
 def _first_page(group) -> int:
-    """The file offset where a row group's first page (a dictionary page, else a data page) begins."""
-    return min(c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
-               for c in (group.column(j) for j in range(group.num_columns)))
+    """The file offset where a row group's first page (a dictionary page, else a data page) begins. parquet-mr
+    before 1.11 wrote a dictionary offset of 0 into chunks that have none: such an offset is not believed (as
+    Arrow's own reader does not)."""
+    def first(c) -> int:
+        dictionary = c.dictionary_page_offset if c.has_dictionary_page else None
+        return dictionary if dictionary and 0 < dictionary <= c.data_page_offset else c.data_page_offset
+
+    return min(first(group.column(j)) for j in range(group.num_columns))
 
 
 def _batch_records(batch: pa.RecordBatch, offset: int, src: SourceConfig) -> Iterator[Record]:

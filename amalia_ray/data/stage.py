@@ -74,7 +74,8 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     boilerplate = 0
     if any(s.format in URL_FORMATS for s in cfg.sources):  # plain text and HTML files carry no URL
         docs, boilerplate = _web_pages(docs.materialize(), cfg)
-    steps = [*([LanguageID(cfg.language)] if cfg.language else []), *([VarietyTag(cfg.variety)] if cfg.variety else []),
+    variety_model = str(resolve(cfg.variety.model)) if cfg.variety and cfg.variety.model else None
+    steps = [*([LanguageID(cfg.language)] if cfg.language else []), *([VarietyTag(cfg.variety, variety_model)] if cfg.variety else []),
              *quality_steps(cfg.quality)]
     if cfg.quality and not cfg.quality_model:
         steps.append(HeuristicScore(cfg.quality.language))

@@ -9,6 +9,7 @@ import re
 
 from amalia_ray.core.openai_client import OpenAIClient
 from amalia_ray.core.variety import score_variety
+from amalia_ray.core.variety_model import label_texts
 from amalia_ray.evals.tasks import LETTERS, PUNCTUATION, ClozeItem, MCItem, PromptItem, lettered_options
 
 MC_TEMPLATE = "Pergunta: {question}\n{options}\nResponda apenas com a letra da opção correta.\nResposta:"
@@ -126,10 +127,14 @@ async def score_cloze(client: OpenAIClient, item: ClozeItem, *, max_tokens: int,
 
 
 async def score_variety_of_generation(client: OpenAIClient, item: PromptItem, *, max_tokens: int,
-                                      chat: bool, **sampling) -> dict:
+                                      chat: bool, variety_model: str | None = None, variety_margin: float = 0.15,
+                                      **sampling) -> dict:
+    """The generation's final answer labelled pt-PT / pt-BR / unknown by the variety model (or the cue scorer),
+    with the cue counts beside it."""
     text = await generate(client, item.prompt, max_tokens=max_tokens, chat=chat, **sampling)
-    score = score_variety(final_answer(text))
-    label = score.label()
-    return {"id": item.id, "generation": text, "label": label, "pt_pt_score": score.pt_pt,
+    answer = final_answer(text)
+    score = score_variety(answer)
+    (label,), (pt_pt,) = label_texts([answer], variety_model, variety_margin)
+    return {"id": item.id, "generation": text, "label": label, "pt_pt_score": pt_pt,
             "pt_cues": score.pt_cues, "br_cues": score.br_cues, "pt_pt": float(label == "pt-PT"),
             "pt_br": float(label == "pt-BR"), "unknown": float(label == "unknown"), "meta": item.meta}

@@ -54,7 +54,8 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
     elif task.format == "cloze":
         one = partial(generate.score_cloze, client, **gen)
     elif task.format == "variety":
-        one = partial(generate.score_variety_of_generation, client, **gen)
+        one = partial(generate.score_variety_of_generation, client, **gen, variety_model=settings.variety.model,
+                      variety_margin=settings.variety.margin)
     else:
         j = settings.judge
         one = partial(judge.score_judged, client, judge_client, **gen, judge_chat=j.chat,

@@ -15,6 +15,7 @@ from amalia_ray.core import hf_model
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import stop_file
+from amalia_ray.core.variety_model import VarietyModel
 from amalia_ray.data import stage as data_stage
 from amalia_ray.data.quality_model import QualityModel
 from amalia_ray.evals.contamination import seen_items
@@ -57,6 +58,9 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         load_task(p.loaded.resolve(task.path), task.format)
     if r.data.quality_model:
         QualityModel(p.loaded.resolve(r.data.quality_model))  # a missing or foreign model fails here, not in a worker
+    for variety in (r.data.variety, r.eval.variety):
+        if variety and variety.model:
+            VarietyModel(p.loaded.resolve(variety.model))
     if r.model.base:
         check_base_model(r, p.loaded.resolve)
     judge = r.eval.judge
@@ -156,7 +160,9 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         yield StageSpec("data", [r.data, *([[t.model_dump() for t in benchmarks]] if benchmarks else []),
                                  data_stage.input_fingerprints(listing)],
                         {**{f"benchmark:{t.name}": p.loaded.resolve(t.path) for t in benchmarks},
-                         **({"quality_model": p.loaded.resolve(r.data.quality_model)} if r.data.quality_model else {})},
+                         **({"quality_model": p.loaded.resolve(r.data.quality_model)} if r.data.quality_model else {}),
+                         **({"variety_model": p.loaded.resolve(r.data.variety.model)}
+                            if r.data.variety and r.data.variety.model else {})},
                         {"corpus": d("data")},
                         lambda: data_stage.curate(r.data, p.loaded.resolve, d("data"), benchmark_items(p, benchmarks),
                                                   listing),
@@ -291,8 +297,10 @@ def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
     def body() -> dict:
         # same fingerprint -> same Ray Train run name -> Ray resumes from that run's latest checkpoint
         fingerprint = p.manifest.stage(stage.name).fingerprint
+        model = getattr(stage, "variety_model", None)  # the workers get the path as the recipe's folder names it
         return run_train_stage(
-            stage, p.recipe.model,
+            stage.model_copy(update={"variety_model": str(p.loaded.resolve(model))}) if model else stage,
+            p.recipe.model,
             data_dir=p.loaded.resolve(stage.data_path) if stage.data_path else p.stage_dir("pack"),
             tokenizer_dir=p.stage_dir("tokenizer"),
             init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
@@ -338,6 +346,9 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
     out: dict = {"results": {}, "tokens_processed": 0, **({"base_model": p.model_id("base")} if r.model.base else {}),
                  **({"adapters": on} if on else {})}
     targets = [p.run_dir if t == "this_run" else p.loaded.resolve(t) for t in r.eval.contamination_of]
+    variety = r.eval.variety  # its model's path as the recipe's folder names it
+    eval_settings = r.eval.model_copy(update={"variety": variety.model_copy(update={
+        "model": str(p.loaded.resolve(variety.model))})}) if variety.model else r.eval
     seen = {t.name: seen_items(load_task(p.loaded.resolve(t.path), t.format, t.limit), targets, t.name)
             for t in r.eval.tasks} if targets else {}
     try:
@@ -353,7 +364,7 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
                 continue
             for task in r.eval.tasks:
                 res = run_task(*eval_task(p, task), base_url=base_url, model=model_id,
-                               settings=r.eval, output=p.stage_dir("eval") / model_id / f"{task.name}.json",
+                               settings=eval_settings, output=p.stage_dir("eval") / model_id / f"{task.name}.json",
                                api_key=serve_app.api_key(r.serve), contamination_of=targets or None,
                                seen=seen.get(task.name))
                 clean = {"n_seen": res["n_seen"], **{f"{k}_clean": v for k, v in (res["scores_clean"] or {}).items()

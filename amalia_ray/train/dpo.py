@@ -156,7 +156,8 @@ class DPO(Objective):
                         f"completion tokens in seq_len {seq_len}: skipped")
         weights = stage.get("reward_weights") or [1.0] * len(stage["rewards"])
         self.on_policy = {"tasks": [tasks[i] for i in keep], "prompts": [prompts[i] for i in keep],
-                          "rewards": [get_reward(n) for n in stage["rewards"]], "weights": torch.tensor(weights),
+                          "rewards": [get_reward(n, stage.get("variety_model")) for n in stage["rewards"]],
+                          "weights": torch.tensor(weights),
                           "stage": stage, "tokenizer_dir": tokenizer_dir, "work_dir": work_dir, "seed": seed,
                           "use_gpu": use_gpu, "validation_fraction": validation_fraction, "source": tasks_path}
         if not keep:

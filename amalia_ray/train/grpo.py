@@ -70,7 +70,7 @@ class GRPO(Objective):
         self.engine_dtype = getattr(torch, RolloutConfig.model_validate(self.engine_config).resolved_dtype(use_gpu))
         self.sequences = stage["global_batch_size"]
         self.reward_names = list(stage["rewards"])
-        self.rewards = [get_reward(n) for n in self.reward_names]
+        self.rewards = [get_reward(n, stage.get("variety_model")) for n in self.reward_names]
         self.reward_weights = torch.tensor(stage.get("reward_weights") or [1.0] * len(self.rewards))
         self.tasks, self.prompts, dropped = [], [], 0
         for row in read_tasks(data_path):

@@ -1,0 +1,93 @@
+"""A learned pt-PT / pt-BR variety classifier: character n-grams (spelling: -ção / -cção, -ómico / -ômico, "facto"
+/ "fato"), word uni- and bigrams (function words and their order: "pode-se" / "se pode", "estar a" + infinitive /
+the gerund, você / tu) hashed into a fixed number of features, plus the cue scorer's two counts, and a logistic
+regression over them (scikit-learn), trained on separately translated text (`data/variety_training.py`).
+
+The model is a folder holding `variety_model.json` (settings, what it was trained on, its held-out figures) and
+`weights.npz` (the non-zero weights): plain arrays and JSON, nothing executable, so a model from elsewhere is safe
+to load. Its score is P(pt-PT); a label needs the score `margin` away from 0.5, as the cue scorer's does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.variety import score_variety, variety_label
+
+MODEL_FILE = "variety_model.json"
+WEIGHTS_FILE = "weights.npz"
+KIND = "hashed-char-word-ngram-logistic-regression/pt-variety"
+N_CUE_FEATURES = 2
+
+
+def featurize(texts: list[str], n_features: int, char_ngrams: tuple[int, int], word_ngrams: tuple[int, int],
+              max_chars: int):
+    """Sparse rows: hashed character n-grams (within words, space-padded), hashed word n-grams (each block
+    l2-normalized) and log(1 + count) of the cue scorer's pt-PT and pt-BR cues."""
+    from scipy.sparse import csr_matrix, hstack
+    from sklearn.feature_extraction.text import HashingVectorizer
+
+    texts = [t[:max_chars] for t in texts]
+    chars = HashingVectorizer(analyzer="char_wb", ngram_range=tuple(char_ngrams), n_features=n_features,
+                              alternate_sign=False, norm="l2", lowercase=True, dtype=np.float32)
+    words = HashingVectorizer(analyzer="word", ngram_range=tuple(word_ngrams), n_features=n_features,
+                              alternate_sign=False, norm="l2", lowercase=True, token_pattern=r"(?u)\b\w+(?:-\w+)*\b",
+                              dtype=np.float32)
+    cues = np.array([[math.log1p(s.pt_cues), math.log1p(s.br_cues)] for s in map(score_variety, texts)],
+                    np.float32).reshape(len(texts), N_CUE_FEATURES)
+    return hstack([chars.transform(texts), words.transform(texts), csr_matrix(cues)], format="csr")
+
+
+class VarietyModel:
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        meta_path = folder / MODEL_FILE
+        if not meta_path.is_file():
+            raise AmaliaError(f"variety model not found: {meta_path} (train one with `amalia data train-variety`)")
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("kind") != KIND:
+            raise AmaliaError(f"{meta_path}: not a variety model of this kind ({KIND}); kind is "
+                              f"{self.meta.get('kind')!r}")
+        size = 2 * int(self.meta["n_features"]) + N_CUE_FEATURES
+        with np.load(folder / WEIGHTS_FILE, allow_pickle=False) as w:
+            index, value = w["index"], w["value"]
+        if len(index) and (index.min() < 0 or index.max() >= size):
+            raise AmaliaError(f"{folder / WEIGHTS_FILE}: weight indices outside the model's {size} features")
+        self.weights = np.zeros(size, np.float32)
+        self.weights[index] = value
+        self.bias = float(self.meta["intercept"])
+
+    def score(self, texts: list[str]) -> np.ndarray:
+        """P(pt-PT) of each text."""
+        if not texts:
+            return np.empty(0, np.float64)
+        m = self.meta
+        x = featurize(texts, m["n_features"], m["char_ngrams"], m["word_ngrams"], m["max_chars"])
+        z = np.asarray(x @ self.weights, np.float64) + self.bias
+        return 1 / (1 + np.exp(-z))
+
+
+@lru_cache(maxsize=4)
+def load_variety_model(folder: str) -> VarietyModel:
+    """One load per process and folder (a reward or an eval metric scores many texts, one call each)."""
+    return VarietyModel(Path(folder))
+
+
+def pt_pt_scores(texts: list[str], model: str | Path | None = None) -> list[float]:
+    """P(pt-PT) of each text by the model at `model`, else the cue scorer's pt-PT share (0.5 = no evidence)."""
+    if model is None:
+        return [score_variety(t).pt_pt for t in texts]
+    return [float(s) for s in load_variety_model(str(model)).score(texts)]
+
+
+
+def label_texts(texts: list[str], model: str | Path | None, margin: float) -> tuple[list[str], list[float]]:
+    """(pt-PT / pt-BR / unknown, P(pt-PT)) of each text, by the model or the cue scorer."""
+    scores = pt_pt_scores(texts, model)
+    return [variety_label(s, margin) for s in scores], scores

@@ -1,0 +1,242 @@
+"""Training text for the pt-PT / pt-BR variety classifier: the same messages translated separately by the
+Portuguese and the Brazilian teams of free software projects, read straight from Debian packages (`.deb` files, as
+`apt-get download` fetches them; nothing is installed).
+
+- LibreOffice's help (`libreoffice-help-pt` / `-pt-br`): HTML pages whose paragraphs carry the same `id` in both
+  languages, so pairs are aligned by page and paragraph id.
+- Firefox ESR and Thunderbird language packs (`*-l10n-pt-pt` / `-pt-br`): Fluent (`.ftl`) and `.properties`
+  strings aligned by file and message id.
+- gettext message catalogs (`usr/share/locale/{pt,pt_PT,pt_BR}/LC_MESSAGES/*.mo` of any package, LibreOffice's
+  own UI catalogs too): messages aligned by their msgid.
+
+Both sides are cleaned alike (markup, format placeholders and keyboard accelerators removed); pairs that are
+identical once cleaned, shorter than `min_words`, or not Portuguese on both sides (language ID) are dropped. Each
+pair keeps its package and a project group (`groups_of`), so a model can be trained without a whole group and
+tested on it: what is learned is then the variety, not one team's wording or one product's vocabulary.
+"""
+
+from __future__ import annotations
+
+import gettext
+import html
+import io
+import json
+import re
+import tarfile
+import zipfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+from amalia_ray.core.errors import AmaliaError
+
+PT_PT, PT_BR = "pt-PT", "pt-BR"
+# locale folder names of each variety (gettext: pt is Portugal's; Mozilla and LibreOffice spell them out)
+_LOCALE = {"pt": PT_PT, "pt_PT": PT_PT, "pt-PT": PT_PT, "pt_BR": PT_BR, "pt-BR": PT_BR}
+# projects translated by the same teams go together, so a held-out group shares no team with the training text
+GROUPS = {
+    "libreoffice": ("libreoffice",),
+    "mozilla": ("firefox", "thunderbird"),
+    "gnome": ("libgtk", "libglib", "libgdk-pixbuf", "gsettings-desktop-schemas", "nautilus", "gedit", "evince",
+              "gnome-", "totem", "rhythmbox", "file-roller", "at-spi2", "gucharmap", "eog"),
+    "kde": ("konsole", "dolphin", "okular", "kate", "libkf5", "gwenview", "kdeconnect"),
+    "gnu": ("coreutils", "tar", "grep", "sed", "diffutils", "findutils", "make", "gettext", "bash", "wget",
+            "libc-l10n", "xz-utils", "gnupg"),
+    "debian": ("apt", "dpkg", "adduser", "libapt-pkg", "python-apt", "man-db", "debconf", "tasksel"),
+}
+
+
+def group_of(package: str) -> str:
+    for group, prefixes in GROUPS.items():
+        if package.startswith(prefixes):
+            return group
+    return "other"
+
+
+# what the two teams' strings carry besides words: markup, placeholders, accelerators
+_TAG = re.compile(r"<[^>]{0,200}>")
+_PLACEHOLDER = re.compile(r"\{[^{}]{0,80}\}|%(?:\([A-Za-z_]\w*\)|\d+\$)?[-+ #0]*\d*(?:\.\d+)?(?:hh|ll|[hlLqjzt])?"
+                          r"[diouxXeEfFgGcsSpn%]|%\d+|\$[A-Z_]+\$?|&[a-z]+;|&#\d+;")
+_ACCEL = re.compile(r"(?<![\w&])[_&~](?=\w)")
+
+
+def clean_message(text: str) -> str:
+    text = html.unescape(_TAG.sub(" ", text.replace("\\n", " ")))
+    text = _ACCEL.sub("", _PLACEHOLDER.sub(" ", text))
+    return " ".join(text.split())
+
+
+def _deb_members(path: Path, wanted: re.Pattern) -> Iterator[tuple[str, bytes]]:
+    """(path, content) of the files of a .deb's data archive whose path matches `wanted` (an ar archive holding a
+    compressed tar: read with the standard library, so any machine can build the corpus)."""
+    with open(path, "rb") as f:
+        if f.read(8) != b"!<arch>\n":
+            raise AmaliaError(f"{path}: not a Debian package (no ar header)")
+        while header := f.read(60):
+            name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58])
+            if name.startswith("data.tar"):
+                data = f.read(size)
+                if name.endswith(".zst"):
+                    import zstandard
+
+                    data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
+                with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+                    for member in tar:
+                        if member.isfile() and wanted.search(member.name):
+                            yield member.name.removeprefix("./"), tar.extractfile(member).read()
+                return
+            f.seek(size + size % 2, 1)
+    raise AmaliaError(f"{path}: no data archive inside")
+
+
+_WANTED = re.compile(r"/(?:pt|pt_PT|pt_BR)/LC_MESSAGES/[^/]+\.mo$|/help/(?:pt|pt-BR)/text/.+\.html$|"
+                     r"langpack-pt-(?:PT|BR)@[^/]+\.xpi$")
+_PARAGRAPH = re.compile(r"<(p|h[1-6]|td)\b[^>]*\bid=\"([^\"]+)\"[^>]*>(.*?)</\1>", re.S)
+_FTL_MESSAGE = re.compile(r"^(-?[A-Za-z][\w-]*)\s*=(.*)$")
+_FTL_ATTRIBUTE = re.compile(r"^\s+\.([\w-]+)\s*=(.*)$")
+
+
+def _mo_messages(data: bytes) -> dict[str, str]:
+    catalog = gettext.GNUTranslations(io.BytesIO(data))._catalog  # msgid (or (msgid, n)) -> msgstr
+    out = {}
+    for key, value in catalog.items():
+        if not key or not value:  # the header, untranslated entries
+            continue
+        out[repr(key)] = value
+    return out
+
+
+def _help_paragraphs(data: bytes) -> dict[str, str]:
+    return {pid: text for _, pid, text in _PARAGRAPH.findall(data.decode("utf-8", "replace"))}
+
+
+def _ftl_messages(text: str) -> dict[str, str]:
+    """Fluent: `id = value`, continued on indented lines, and `.attribute = value` lines under it."""
+    out, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            current = None if not line.strip() else current
+            continue
+        if m := _FTL_MESSAGE.match(line):
+            current = m.group(1)
+            out[current] = m.group(2).strip()
+        elif current and (m := _FTL_ATTRIBUTE.match(line)):
+            out[f"{current}.{m.group(1)}"] = m.group(2).strip()
+        elif current and line.startswith((" ", "\t")) and not line.strip().startswith(("[", "*", "}")):
+            out[current] = (out[current] + " " + line.strip()).strip()
+    return out
+
+
+def _properties(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "!")) and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _langpack_messages(data: bytes) -> dict[str, str]:
+    out = {}
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for name in z.namelist():
+            if not name.endswith((".ftl", ".properties")):
+                continue
+            where = re.sub(r"pt-(?:PT|BR)", "LOCALE", name)  # the same file in both packs
+            text = z.read(name).decode("utf-8", "replace")
+            messages = _ftl_messages(text) if name.endswith(".ftl") else _properties(text)
+            out.update({f"{where}#{key}": value for key, value in messages.items()})
+    return out
+
+
+def package_messages(deb: Path) -> dict[tuple[str, str], dict[str, dict[str, str]]]:
+    """{(package, unit): {variety: {message key: text}}} of one .deb, a unit being a catalog, a help page or a
+    language pack."""
+    package = deb.name.split("_", 1)[0]
+    found: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
+    for name, data in _deb_members(deb, _WANTED):
+        if name.endswith(".mo"):
+            locale = name.split("/LC_MESSAGES/")[0].rsplit("/", 1)[1]
+            unit, messages = "mo:" + name.rsplit("/", 1)[1], _mo_messages(data)
+        elif name.endswith(".html"):
+            locale = name.split("/help/")[1].split("/", 1)[0]
+            unit, messages = "help:" + name.split("/text/", 1)[1], _help_paragraphs(data)
+        else:
+            locale = "pt-PT" if "pt-PT@" in name else "pt-BR"
+            unit, messages = "langpack:" + name.rsplit("@", 1)[1], _langpack_messages(data)
+        # a language pack or help package holds one variety; both sides meet under the project's name
+        family = re.sub(r"-(?:l10n-)?pt(?:-pt|-br)?$", "", package)
+        found.setdefault((family, unit), {}).setdefault(_LOCALE[locale], {}).update(messages)
+    return found
+
+
+def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list[dict], dict]:
+    """Aligned (pt-PT, pt-BR) pairs from the packages, and what was kept and dropped per source. `detect`: a
+    language-ID function text -> (language, score) (the data stage's fastText by default)."""
+    if detect is None:
+        from amalia_ray.data.language import detect_language as detect
+    units: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
+    versions = {}
+    for deb in sorted(debs):
+        versions[deb.name.split("_", 1)[0]] = deb.name.split("_")[1] if deb.name.count("_") >= 2 else None
+        for key, sides in package_messages(deb).items():
+            for variety, messages in sides.items():
+                units.setdefault(key, {}).setdefault(variety, {}).update(messages)
+    pairs, counts, seen = [], Counter(), set()
+    for (family, unit), sides in sorted(units.items()):
+        if PT_PT not in sides or PT_BR not in sides:
+            continue
+        source = unit.split(":", 1)[0]
+        for key in sorted(sides[PT_PT].keys() & sides[PT_BR].keys()):
+            pt, br = clean_message(sides[PT_PT][key]), clean_message(sides[PT_BR][key])
+            counts[f"{source}:aligned"] += 1
+            if pt.lower() == br.lower():
+                counts[f"{source}:identical"] += 1
+            elif min(len(pt.split()), len(br.split())) < min_words:
+                counts[f"{source}:short"] += 1
+            elif (pt, br) in seen:
+                counts[f"{source}:repeated"] += 1
+            elif detect(pt)[0] != "pt" or detect(br)[0] != "pt":
+                counts[f"{source}:not_portuguese"] += 1
+            else:
+                seen.add((pt, br))
+                counts[f"{source}:kept"] += 1
+                pairs.append({"pair": f"{family}/{unit}#{key}", "package": family, "group": group_of(family),
+                              "source": source, PT_PT: pt, PT_BR: br})
+    summary = {"packages": versions, "counts": dict(sorted(counts.items())),
+               "pairs_by_group": dict(sorted(Counter(p["group"] for p in pairs).items()))}
+    return pairs, summary
+
+
+def write_variety_corpus(debs_dir: Path, out: Path, min_words: int = 3) -> dict:
+    """`amalia data variety-corpus`: OUT/pairs.jsonl (one aligned pair per line) and OUT/summary.json."""
+    debs = sorted(Path(debs_dir).glob("*.deb"))
+    if not debs:
+        raise AmaliaError(f"no .deb files in {debs_dir}: download the packages first (`make variety-model` lists "
+                          "them; `apt-get download NAME` fetches one)")
+    pairs, summary = build_pairs(debs, min_words)
+    if not pairs:
+        raise AmaliaError(f"{debs_dir}: no pt-PT / pt-BR pairs in {len(debs)} packages (each variety's package of "
+                          "a project is needed: e.g. libreoffice-help-pt and libreoffice-help-pt-br)")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "pairs.jsonl", "w", encoding="utf-8") as f:
+        for pair in pairs:
+            f.write(json.dumps(pair, ensure_ascii=False) + "\n")
+    summary["pairs"] = len(pairs)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    return summary
+
+
+def read_pairs(path: Path) -> list[dict]:
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                pair = json.loads(line)
+                if not (isinstance(pair.get(PT_PT), str) and isinstance(pair.get(PT_BR), str)):
+                    raise ValueError(f"needs string fields {PT_PT!r} and {PT_BR!r}")
+            except ValueError as e:
+                raise AmaliaError(f"{path} line {n}: {e}") from None
+            pairs.append(pair)
+    return pairs

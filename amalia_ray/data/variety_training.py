@@ -1,0 +1,126 @@
+"""Training and measuring the pt-PT / pt-BR variety classifier (`core/variety_model.py`) on aligned pairs
+(`variety_corpus.py`). Both sides of a pair go to the same split, so a held-out pair's content was never seen with
+either label; a whole project group can be left out of training and measured on (`exclude_groups`), so what is
+measured is the variety, not one team's wording."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.variety_model import KIND, MODEL_FILE, N_CUE_FEATURES, WEIGHTS_FILE, VarietyModel, featurize
+from amalia_ray.data.steps import unit_hash
+from amalia_ray.data.variety_corpus import PT_BR, PT_PT
+
+MARGINS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45)
+
+
+def coverage_accuracy(scores: list[float], expected: list[str], margins=MARGINS) -> list[dict]:
+    """For each margin: per variety, the share of its texts labelled (coverage) and the share of those labelled
+    right (accuracy); a text is labelled when its P(pt-PT) is at least the margin away from 0.5."""
+    s, truth = np.asarray(scores, np.float64), np.asarray(expected)
+    rows = []
+    for margin in margins:
+        row = {"margin": margin}
+        for variety in (PT_PT, PT_BR):
+            mine = s[truth == variety]
+            pt, br = mine >= 0.5 + margin, mine <= 0.5 - margin
+            if margin == 0:  # every text but one with no evidence either way (exactly 0.5)
+                pt, br = mine > 0.5, mine < 0.5
+            labelled = int(pt.sum() + br.sum())
+            right = int((pt if variety == PT_PT else br).sum())
+            row[variety] = {"texts": int(len(mine)), "coverage": round(labelled / max(1, len(mine)), 4),
+                            "accuracy": round(right / max(1, labelled), 4) if labelled else None}
+        rows.append(row)
+    return rows
+
+
+def smallest_margin(curve: list[dict], accuracy: float) -> float | None:
+    """The smallest margin at which both varieties are labelled at least `accuracy` right (None if none is)."""
+    for row in curve:
+        if all(row[v]["accuracy"] is not None and row[v]["accuracy"] >= accuracy for v in (PT_PT, PT_BR)):
+            return row["margin"]
+    return None
+
+
+def _sides(pairs: list[dict]) -> tuple[list[str], np.ndarray]:
+    texts = [p[PT_PT] for p in pairs] + [p[PT_BR] for p in pairs]
+    return texts, np.array([1] * len(pairs) + [0] * len(pairs))
+
+
+def train_variety_model(out: Path, pairs: list[dict], *, exclude_groups: tuple[str, ...] = (), holdout: float = 0.1,
+                        n_features: int = 1 << 20, char_ngrams: tuple[int, int] = (1, 4),
+                        word_ngrams: tuple[int, int] = (1, 2), max_chars: int = 5000, c: float = 1.0,
+                        seed: int = 0) -> dict:
+    """Fit on the pairs outside `exclude_groups` less a `holdout` share of them (chosen by a hash of the pair's
+    id); measure on the held-out share and on each excluded group; write the model folder. Returns what
+    variety_model.json records."""
+    from sklearn.linear_model import LogisticRegression
+
+    used = [p for p in pairs if p.get("group") not in exclude_groups]
+    held = np.array([unit_hash(f"{seed}:{p.get('pair', i)}") < holdout for i, p in enumerate(used)])
+    train = [p for p, h in zip(used, held) if not h]
+    if len(train) < 50:
+        raise AmaliaError(f"too few pairs to train on: {len(train)} (50 at least) after leaving out "
+                          f"{', '.join(exclude_groups) or 'nothing'} and a {holdout:.0%} held-out share")
+    texts, labels = _sides(train)
+    x = featurize(texts, n_features, char_ngrams, word_ngrams, max_chars)
+    clf = LogisticRegression(C=c, max_iter=3000, solver="liblinear", random_state=seed)
+    clf.fit(x, labels)
+    coef = clf.coef_[0].astype(np.float32)
+    nz = np.flatnonzero(coef)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out / WEIGHTS_FILE, index=nz.astype(np.int64), value=coef[nz])
+    meta = {"kind": KIND, "n_features": n_features, "char_ngrams": list(char_ngrams),
+            "word_ngrams": list(word_ngrams), "max_chars": max_chars, "cue_features": N_CUE_FEATURES,
+            "intercept": float(clf.intercept_[0]), "C": c, "seed": seed, "train_pairs": len(train),
+            "train_pairs_by_group": _by_group(train), "excluded_groups": list(exclude_groups)}
+    (out / MODEL_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    model = VarietyModel(out)
+    measured = {}
+    if held.any():
+        measured["held_out_pairs"] = measure(model, [p for p, h in zip(used, held) if h])
+    for group in exclude_groups:
+        if group_pairs := [p for p in pairs if p.get("group") == group]:
+            measured[f"group:{group}"] = measure(model, group_pairs)
+    meta["measured"] = measured
+    (out / MODEL_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
+    return meta
+
+
+def measure(model: VarietyModel, pairs: list[dict]) -> dict:
+    """Both sides of each pair scored: the coverage/accuracy curve, and accuracy at margin 0 over the pairs whose
+    two sides use the same content words (only the variety's spelling or grammar tells them apart)."""
+    texts, labels = _sides(pairs)
+    scores = model.score(texts)
+    expected = [PT_PT if y else PT_BR for y in labels]
+    same = [i for i, p in enumerate(pairs) if content_words(p[PT_PT]) == content_words(p[PT_BR])]
+    n = len(pairs)
+    right = sum((scores[i] > 0.5) + (scores[n + i] < 0.5) for i in same)
+    return {"pairs": n, "curve": coverage_accuracy(list(scores), expected),
+            "same_content_words": {"pairs": len(same), "accuracy": round(right / (2 * len(same)), 4) if same
+                                   else None}}
+
+
+# closed-class words: articles, prepositions and contractions, pronouns, auxiliaries, conjunctions
+_FUNCTION_WORDS = set("""o a os as um uma uns umas de do da dos das em no na nos nas num numa por pelo pela pelos pelas
+para pra com sem sob sobre ao à aos às e ou mas que se não nem já também como mais menos muito pouco é são foi
+ser estar está estão estava tem têm ter há haver vai vão ir eu tu você vocês ele ela eles elas nós vós me te lhe
+lhes nos vos lo la los las seu sua seus suas meu minha teu tua nosso nossa este esta isto esse essa isso aquele
+aquela aquilo qual quais quando onde""".split())
+
+
+def content_words(text: str) -> frozenset[str]:
+    import re
+
+    return frozenset(w for w in re.findall(r"\w+", text.lower()) if w not in _FUNCTION_WORDS and not w.isdigit())
+
+
+def _by_group(pairs: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in pairs:
+        counts[p.get("group", "other")] = counts.get(p.get("group", "other"), 0) + 1
+    return dict(sorted(counts.items()))

@@ -1,0 +1,221 @@
+"""The learned pt-PT / pt-BR classifier: its training pairs read from Debian packages (built here in the real .deb,
+gettext .mo, HTML help and language-pack formats), training, loading, and its use by the data stage's step and
+the `amalia data variety` command."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import tarfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from typer.testing import CliRunner
+
+from amalia_ray.cli import app
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.variety_model import VarietyModel, label_texts
+from amalia_ray.data.variety_corpus import build_pairs, clean_message, group_of
+from amalia_ray.data.variety_training import coverage_accuracy, smallest_margin, train_variety_model
+
+
+def mo_file(messages: dict[str, str]) -> bytes:
+    """A GNU gettext .mo catalog (what msgfmt writes), with the UTF-8 header entry."""
+    entries = sorted({"": "Content-Type: text/plain; charset=UTF-8\n", **messages}.items())
+    ids = b"".join(k.encode() + b"\0" for k, _ in entries)
+    strs = b"".join(v.encode() + b"\0" for _, v in entries)
+    n, start = len(entries), 28 + 16 * len(entries)
+    id_at, str_at = start, start + len(ids)
+    table_ids, table_strs = b"", b""
+    for k, v in entries:
+        table_ids += struct.pack("<2I", len(k.encode()), id_at)
+        table_strs += struct.pack("<2I", len(v.encode()), str_at)
+        id_at += len(k.encode()) + 1
+        str_at += len(v.encode()) + 1
+    return struct.pack("<7I", 0x950412DE, 0, n, 28, 28 + 8 * n, 0, 0) + table_ids + table_strs + ids + strs
+
+
+def deb(path: Path, files: dict[str, bytes]) -> Path:
+    """A Debian package: an ar archive holding debian-binary and data.tar.xz."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo("./" + name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    out = b"!<arch>\n"
+    for name, data in (("debian-binary", b"2.0\n"), ("data.tar.xz", buf.getvalue())):
+        out += f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode() + data
+        out += b"\n" if len(data) % 2 else b""
+    path.write_bytes(out)
+    return path
+
+
+def help_page(paragraphs: dict[str, str]) -> bytes:
+    body = "".join(f'<p id="{pid}" class="paragraph">{text}</p>' for pid, text in paragraphs.items())
+    return f"<html><body><p>Ajuda do LibreOffice</p>{body}</body></html>".encode()
+
+
+def langpack(locale: str, messages: dict[str, str]) -> bytes:
+    buf = io.BytesIO()
+    ftl = "".join(f"{k} = {v}\n" for k, v in messages.items())
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr(f"localization/{locale}/browser/sample.ftl", "# comment\n" + ftl)
+    return buf.getvalue()
+
+
+PT = ["Não foi possível guardar o ficheiro do utilizador no ecrã", "O utilizador está a descarregar o ficheiro agora",
+      "Escreva o carácter que pretende introduzir no registo"]
+BR = ["Não foi possível salvar o arquivo do usuário na tela", "O usuário está baixando o arquivo agora",
+      "Digite o caractere que você deseja inserir no registro"]
+
+
+def test_pairs_come_aligned_from_help_pages_language_packs_and_catalogs_of_real_debs(tmp_path):
+    debs = tmp_path / "debs"
+    debs.mkdir()
+    deb(debs / "libreoffice-help-pt_7.4_all.deb", {"usr/share/libreoffice/help/pt/text/a.html": help_page(
+        {"par_1": PT[0], "par_2": "Use the <b>Save</b> command to store the document on disk.", "par_3": "Igual aqui",
+         "par_9": "Só deste lado existe"})})
+    deb(debs / "libreoffice-help-pt-br_7.4_all.deb", {"usr/share/libreoffice/help/pt-BR/text/a.html": help_page(
+        {"par_1": BR[0], "par_2": "Use o comando <b>Salvar</b> para guardar o documento no disco.",
+         "par_3": "Igual aqui"})})
+    deb(debs / "firefox-esr-l10n-pt-pt_1_all.deb", {
+        "usr/lib/firefox-esr/browser/extensions/langpack-pt-PT@firefox-esr.mozilla.org.xpi":
+            langpack("pt-PT", {"download-now": PT[1] + " { $name }"})})
+    deb(debs / "firefox-esr-l10n-pt-br_1_all.deb", {
+        "usr/lib/firefox-esr/browser/extensions/langpack-pt-BR@firefox-esr.mozilla.org.xpi":
+            langpack("pt-BR", {"download-now": BR[1] + " { $name }"})})
+    deb(debs / "coreutils_9.1_amd64.deb", {
+        "usr/share/locale/pt/LC_MESSAGES/coreutils.mo": mo_file({"type the %s": "_" + PT[2] + " %s", "ok": "Sim"}),
+        "usr/share/locale/pt_BR/LC_MESSAGES/coreutils.mo": mo_file({"type the %s": "_" + BR[2] + " %s",
+                                                                    "ok": "Sim"})})
+    pairs, summary = build_pairs(sorted(debs.glob("*.deb")))
+    got = {(p["source"], p["group"], p["pt-PT"], p["pt-BR"]) for p in pairs}
+    assert got == {("help", "libreoffice", PT[0], BR[0]), ("langpack", "mozilla", PT[1], BR[1]),
+                   ("mo", "gnu", PT[2], BR[2])}, got
+    counts = summary["counts"]
+    assert counts["help:not_portuguese"] == 1 and counts["help:identical"] == 1 and counts["mo:identical"] == 1
+    assert summary["packages"]["coreutils"] == "9.1"
+    assert (clean_message("<b>_Guardar</b> %(name)s &amp; %1$s {0} ficheiro\\n") == "Guardar & ficheiro"
+            and group_of("libgtk-3-common") == "gnome" and group_of("vlc-l10n") == "other")
+
+    with pytest.raises(AmaliaError, match="not a Debian package"):
+        build_pairs([_not_a_deb(tmp_path)])
+
+
+def _not_a_deb(tmp_path: Path) -> Path:
+    (tmp_path / "fake_1_all.deb").write_bytes(b"PK\x03\x04 not an ar archive")
+    return tmp_path / "fake_1_all.deb"
+
+
+def synthetic_pairs(n: int) -> list[dict]:
+    """Pairs with the varieties' marks around shared content words: only the marks tell the sides apart."""
+    nouns = ["documento", "imagem", "tabela", "mensagem", "pasta", "página", "janela", "conta", "nota", "lista",
+             "rede", "senha nova", "cor", "letra", "linha"]
+    pairs = []
+    for i in range(n):
+        noun, other = nouns[i % len(nouns)], nouns[(i * 7 + 3) % len(nouns)]
+        pt = [f"O utilizador está a abrir a {noun} e a {other}", f"Não foi possível guardar a {noun} no ficheiro",
+              f"Pode-se escolher a {noun} e a {other}", f"Está a descarregar a {noun} do registo"][i % 4]
+        br = [f"O usuário está abrindo a {noun} e a {other}", f"Não foi possível salvar a {noun} no arquivo",
+              f"Se pode escolher a {noun} e a {other}", f"Está baixando a {noun} do registro"][i % 4]
+        pairs.append({"pair": f"p{i}", "group": "gnu" if i % 3 else "gnome", "pt-PT": pt, "pt-BR": br})
+    return pairs
+
+
+def test_a_model_trained_on_pairs_tells_the_varieties_apart_and_loads_as_plain_arrays(tmp_path):
+    pairs = synthetic_pairs(240)
+    meta = train_variety_model(tmp_path / "m", pairs, exclude_groups=("gnome",), holdout=0.2)
+    assert meta["train_pairs_by_group"] == {"gnu": meta["train_pairs"]} and "group:gnome" in meta["measured"]
+    held = meta["measured"]["group:gnome"]
+    assert held["pairs"] == 80 and held["curve"][0]["pt-PT"]["accuracy"] == 1.0
+    assert held["same_content_words"]["pairs"] > 0
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["variety_model.json", "weights.npz"]
+
+    labels, scores = label_texts(["O utilizador está a guardar a imagem no ecrã",
+                                  "O usuário está salvando a imagem na tela", "123"], str(tmp_path / "m"), 0.15)
+    assert labels[:2] == ["pt-PT", "pt-BR"] and scores[0] > 0.65 > 0.35 > scores[1]
+    cues = label_texts(["O utilizador está a guardar a imagem no ecrã"], None, 0.15)
+    assert cues[0] == ["pt-PT"]  # no model: the cue scorer
+
+    with np.load(tmp_path / "m" / "weights.npz") as w:
+        index, value = w["index"], w["value"]
+    np.savez(tmp_path / "m" / "weights.npz", index=index + (1 << 30), value=value)
+    with pytest.raises(AmaliaError, match="outside the model's"):
+        VarietyModel(tmp_path / "m")
+    with pytest.raises(AmaliaError, match="train one with `amalia data train-variety`"):
+        VarietyModel(tmp_path / "none")
+
+
+def test_coverage_and_accuracy_by_margin():
+    curve = coverage_accuracy([0.9, 0.6, 0.45, 0.1, 0.55, 0.3], ["pt-PT"] * 3 + ["pt-BR"] * 3, margins=(0.0, 0.15))
+    assert curve[0]["pt-PT"] == {"texts": 3, "coverage": 1.0, "accuracy": 0.6667}
+    assert curve[1]["pt-PT"] == {"texts": 3, "coverage": 0.3333, "accuracy": 1.0}
+    assert curve[1]["pt-BR"] == {"texts": 3, "coverage": 0.6667, "accuracy": 1.0}
+    assert smallest_margin(curve, 0.97) == 0.15 and smallest_margin(curve[:1], 0.97) is None
+    assert coverage_accuracy([0.5], ["pt-BR"], margins=(0.0,))[0]["pt-BR"]["coverage"] == 0  # no evidence: unknown
+
+
+def test_the_data_step_and_the_command_tag_with_the_model(tmp_path):
+    from amalia_ray.core.config import VarietyConfig
+    from amalia_ray.data.language import VarietyTag
+
+    train_variety_model(tmp_path / "m", synthetic_pairs(120), holdout=0.0)
+    batch = pa.table({"text": ["O utilizador está a guardar a imagem no ecrã", "O usuário está salvando a imagem",
+                               "dropped before"], "drop_reason": [None, None, "too_short"]})
+    out = VarietyTag(VarietyConfig(keep=["pt-PT"], model=str(tmp_path / "m")), str(tmp_path / "m"))(batch)
+    assert out["pt_variety"].to_pylist() == ["pt-PT", "pt-BR", None]
+    assert out["drop_reason"].to_pylist() == [None, "variety:pt-BR", "too_short"]
+
+    runner = CliRunner()
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": BR[0], "id": 7}) + "\n\n" +
+                                       json.dumps({"text": PT[0]}) + "\n", encoding="utf-8")
+    r = runner.invoke(app, ["data", "variety", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"),
+                            "--model", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(r.get("id"), r["pt_variety"]) for r in rows] == [(7, "pt-BR"), (None, "pt-PT")]
+    (tmp_path / "in.txt").write_text(PT[1] + "\n" + BR[1] + "\n", encoding="utf-8")
+    r = runner.invoke(app, ["data", "variety", str(tmp_path / "in.txt"), str(tmp_path / "out2.jsonl")])
+    assert r.exit_code == 0 and json.loads(r.output)["texts"] == 2, r.output  # the cue scorer
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": 1}\n')
+    r = runner.invoke(app, ["data", "variety", str(tmp_path / "bad.jsonl"), str(tmp_path / "o3.jsonl")])
+    assert r.exit_code != 0 and "bad.jsonl line 2" in r.output
+
+
+def test_a_large_input_is_tagged_by_ray_data_in_parts(ray_cluster, tmp_path):
+    from amalia_ray.data.variety_tagging import tag_file
+
+    train_variety_model(tmp_path / "m", synthetic_pairs(120), holdout=0.0)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in (PT + BR) * 20))
+    counts = tag_file(tmp_path / "in.jsonl", tmp_path / "out", tmp_path / "m", 0.15, local_bytes=100)
+    assert counts["texts"] == 120 and counts["pt-PT"] + counts["pt-BR"] + counts["unknown"] == 120
+    rows = [json.loads(line) for f in sorted((tmp_path / "out").glob("*.json*")) for line in f.read_text().splitlines()]
+    assert len(rows) == 120 and {r["pt_variety"] for r in rows} <= {"pt-PT", "pt-BR", "unknown"}
+
+
+def test_the_pt_variety_reward_and_the_eval_metric_score_with_the_model(tmp_path, monkeypatch):
+    import asyncio
+
+    from amalia_ray.core.rewards import get_reward
+    from amalia_ray.evals import generate
+
+    train_variety_model(tmp_path / "m", synthetic_pairs(120), holdout=0.0)
+    reward = get_reward("pt_variety", str(tmp_path / "m"))
+    pt = "<think>…</think><answer>O utilizador está a guardar a imagem no ecrã</answer>"
+    br = "<answer>O usuário está salvando a imagem na tela</answer>"
+    assert reward(pt, {}) > 0.65 > 0.35 > reward(br, {})
+    assert get_reward("pt_variety")(pt, {}) > 0.5  # the cue scorer
+
+    async def fake_generate(client, prompt, **kwargs):
+        return "O usuário está salvando a imagem na tela"
+
+    monkeypatch.setattr(generate, "generate", fake_generate)
+    item = generate.PromptItem(id="1", prompt="Escreva uma frase.", meta={})
+    row = asyncio.run(generate.score_variety_of_generation(None, item, max_tokens=8, chat=False,
+                                                          variety_model=str(tmp_path / "m"), variety_margin=0.15))
+    assert row["label"] == "pt-BR" and row["pt_br"] == 1.0 and row["pt_pt_score"] < 0.35
