@@ -84,7 +84,9 @@ VARIETY_PACKAGES := libreoffice-help-pt libreoffice-help-pt-br libreoffice-l10n-
   okular pidgin-data hexchat-common claws-mail-i18n audacity-data
 variety-model: install
 	@mkdir -p runs/variety-src/debs
-	@cd runs/variety-src/debs && [ -n "$$(ls *.deb 2>/dev/null)" ] || apt-get download $(VARIETY_PACKAGES)
+	@cd runs/variety-src/debs && for p in $(VARIETY_PACKAGES); do \
+	  [ -n "$$(ls $${p}_*.deb 2>/dev/null)" ] || apt-get download -qq $$p 2>/dev/null || echo "not available here: $$p"; \
+	done
 	$(BIN)/amalia data variety-corpus runs/variety-src/debs runs/variety-corpus
 	$(BIN)/amalia data train-variety runs/variety-corpus/pairs.jsonl runs/variety-model
 

@@ -39,16 +39,21 @@ def mo_file(messages: dict[str, str]) -> bytes:
     return struct.pack("<7I", 0x950412DE, 0, n, 28, 28 + 8 * n, 0, 0) + table_ids + table_strs + ids + strs
 
 
-def deb(path: Path, files: dict[str, bytes]) -> Path:
-    """A Debian package: an ar archive holding debian-binary and data.tar.xz."""
+def deb(path: Path, files: dict[str, bytes], zst: bool = False) -> Path:
+    """A Debian package: an ar archive holding debian-binary and data.tar.xz (or data.tar.zst, as Ubuntu's)."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+    with tarfile.open(fileobj=buf, mode="w" if zst else "w:xz") as tar:
         for name, data in files.items():
             info = tarfile.TarInfo("./" + name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+    payload = buf.getvalue()
+    if zst:
+        import zstandard
+
+        payload = zstandard.ZstdCompressor().compress(payload)
     out = b"!<arch>\n"
-    for name, data in (("debian-binary", b"2.0\n"), ("data.tar.xz", buf.getvalue())):
+    for name, data in (("debian-binary", b"2.0\n"), ("data.tar.zst" if zst else "data.tar.xz", payload)):
         out += f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode() + data
         out += b"\n" if len(data) % 2 else b""
     path.write_bytes(out)
@@ -92,13 +97,15 @@ def test_pairs_come_aligned_from_help_pages_language_packs_and_catalogs_of_real_
     deb(debs / "coreutils_9.1_amd64.deb", {
         "usr/share/locale/pt/LC_MESSAGES/coreutils.mo": mo_file({"type the %s": "_" + PT[2] + " %s", "ok": "Sim"}),
         "usr/share/locale/pt_BR/LC_MESSAGES/coreutils.mo": mo_file({"type the %s": "_" + BR[2] + " %s",
-                                                                    "ok": "Sim"})})
+                                                                    "ok": "Sim"}),
+        "usr/share/locale/pt/LC_MESSAGES/broken.mo": b"\x00 not a catalog"}, zst=True)
     pairs, summary = build_pairs(sorted(debs.glob("*.deb")))
     got = {(p["source"], p["group"], p["pt-PT"], p["pt-BR"]) for p in pairs}
     assert got == {("help", "libreoffice", PT[0], BR[0]), ("langpack", "mozilla", PT[1], BR[1]),
                    ("mo", "gnu", PT[2], BR[2])}, got
     counts = summary["counts"]
     assert counts["help:not_portuguese"] == 1 and counts["help:identical"] == 1 and counts["mo:identical"] == 1
+    assert counts["mo:unreadable"] == 1  # counted and left out; the package's other catalogs are kept
     assert summary["packages"]["coreutils"] == "9.1"
     assert (clean_message("<b>_Guardar</b> %(name)s &amp; %1$s {0} ficheiro\\n") == "Guardar & ficheiro"
             and group_of("libgtk-3-common") == "gnome" and group_of("vlc-l10n") == "other")
@@ -219,3 +226,25 @@ def test_the_pt_variety_reward_and_the_eval_metric_score_with_the_model(tmp_path
     row = asyncio.run(generate.score_variety_of_generation(None, item, max_tokens=8, chat=False,
                                                           variety_model=str(tmp_path / "m"), variety_margin=0.15))
     assert row["label"] == "pt-BR" and row["pt_br"] == 1.0 and row["pt_pt_score"] < 0.35
+
+
+def test_a_recipes_variety_models_are_resolved_checked_before_work_and_decide_reruns(tmp_path):
+    """`variety.model` (data), `eval.variety.model` and a sampled stage's `variety_model` are paths relative to the
+    recipe: resolved before they reach workers or the eval client, loaded by the preflight (a missing one fails
+    before any work), and an input of their stages, so a model trained again reruns what scored with it."""
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline import stages
+    from amalia_ray.pipeline.runner import Pipeline
+    from tests.conftest import write_recipe
+
+    train_variety_model(tmp_path / "vm", synthetic_pairs(120), holdout=0.0)
+    p = Pipeline(load_recipe(write_recipe(tmp_path, **{"eval.variety": {"model": "vm", "margin": 0.2},
+                                                       "data.variety.model": "vm"})))
+    settings = stages.with_variety_model(p, p.recipe.eval)
+    assert Path(settings.variety.model) == tmp_path / "vm" and settings.variety.margin == 0.2
+    assert stages.variety_models(p, p.recipe.eval) == {"variety_model": tmp_path / "vm"}
+    p.preflight(until="data")
+
+    p = Pipeline(load_recipe(write_recipe(tmp_path, **{"eval.variety": {"model": "gone"}})))
+    with pytest.raises(AmaliaError, match="variety model not found"):
+        p.preflight(until="data")

@@ -667,7 +667,8 @@ class SFTStage(_DatasetStage):
 class _SampledStage(_DatasetStage):
     """Stages that sample completions from the model through a vLLM rollout engine and score them."""
     rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="rule-based rewards by name "
-                               "(format, exact_answer, has_number) or module:function(completion, task) -> float")
+                               "(format, exact_answer, has_number, pt_variety) or module:function(completion, task) "
+                               "-> float")
     reward_weights: list[float] | None = Field(None, description="weight of each reward (default all 1)")
     variety_model: str | None = Field(None, description="the variety classifier the pt_variety reward scores "
                                       "completions with (relative to the recipe); null = the cue scorer")

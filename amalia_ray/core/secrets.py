@@ -30,8 +30,9 @@ def is_secret_key(key) -> bool:
 
 def redact(data):
     """`data` (parsed YAML/JSON) with secrets replaced by MASK: whatever is under a secret-looking key (a string, or
-    a whole mapping such as a service account's), a URI's password, and values shaped like known tokens. What is
-    masked is also remembered, so the log filter masks it wherever it turns up."""
+    a whole mapping such as a service account's), a URI's password, values shaped like known tokens and the secrets
+    already remembered, wherever they turn up. What is masked is also remembered, so the log filter masks it
+    wherever it turns up."""
     if isinstance(data, dict):
         out = {}
         for k, v in data.items():
@@ -44,7 +45,7 @@ def redact(data):
     if isinstance(data, list):
         return [redact(v) for v in data]
     if isinstance(data, str):
-        return _mask_shapes(data)
+        return mask(data)
     return data
 
 

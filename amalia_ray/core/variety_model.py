@@ -24,6 +24,7 @@ MODEL_FILE = "variety_model.json"
 WEIGHTS_FILE = "weights.npz"
 KIND = "hashed-char-word-ngram-logistic-regression/pt-variety"
 N_CUE_FEATURES = 2
+MAX_FEATURES = 1 << 24  # hashed features per block a model may declare (2^24 float32 weights: 64 MB)
 
 
 def featurize(texts: list[str], n_features: int, char_ngrams: tuple[int, int], word_ngrams: tuple[int, int],
@@ -50,18 +51,37 @@ class VarietyModel:
         meta_path = folder / MODEL_FILE
         if not meta_path.is_file():
             raise AmaliaError(f"variety model not found: {meta_path} (train one with `amalia data train-variety`)")
-        self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("kind") != KIND:
-            raise AmaliaError(f"{meta_path}: not a variety model of this kind ({KIND}); kind is "
-                              f"{self.meta.get('kind')!r}")
-        size = 2 * int(self.meta["n_features"]) + N_CUE_FEATURES
-        with np.load(folder / WEIGHTS_FILE, allow_pickle=False) as w:
-            index, value = w["index"], w["value"]
-        if len(index) and (index.min() < 0 or index.max() >= size):
-            raise AmaliaError(f"{folder / WEIGHTS_FILE}: weight indices outside the model's {size} features")
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            kind = self.meta.get("kind")
+        except (ValueError, AttributeError) as e:
+            raise AmaliaError(f"{meta_path}: not a variety model's settings ({e})") from None
+        if kind != KIND:
+            raise AmaliaError(f"{meta_path}: not a variety model of this kind ({KIND}); kind is {kind!r}")
+        m = self.meta
+        try:  # settings a crafted file could make huge: the weights' size, the n-gram ranges, the text read
+            n, chars, words, max_chars = int(m["n_features"]), m["char_ngrams"], m["word_ngrams"], int(m["max_chars"])
+            bias = float(m["intercept"])
+            ok = (1 <= n <= MAX_FEATURES and 1 <= max_chars <= 1_000_000
+                  and all(len(r) == 2 and 1 <= int(r[0]) <= int(r[1]) <= 8 for r in (chars, words)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise AmaliaError(f"{meta_path}: a setting is missing or malformed ({type(e).__name__}: {e})") from None
+        if not ok:
+            raise AmaliaError(f"{meta_path}: settings out of range (n_features 1..{MAX_FEATURES}, n-grams 1..8, "
+                              "max_chars up to 1,000,000)")
+        size = 2 * n + N_CUE_FEATURES
+        try:
+            with np.load(folder / WEIGHTS_FILE, allow_pickle=False) as w:
+                index, value = np.asarray(w["index"]), np.asarray(w["value"], np.float32)
+        except (OSError, ValueError, KeyError) as e:
+            raise AmaliaError(f"{folder / WEIGHTS_FILE}: not the model's weights ({e})") from None
+        if (index.dtype.kind not in "iu" or index.ndim != 1 or index.shape != value.shape
+                or (len(index) and (index.min() < 0 or index.max() >= size))):
+            raise AmaliaError(f"{folder / WEIGHTS_FILE}: weight indices outside the model's {size} features, or "
+                              "not one integer index per weight")
         self.weights = np.zeros(size, np.float32)
         self.weights[index] = value
-        self.bias = float(self.meta["intercept"])
+        self.bias = bias
 
     def score(self, texts: list[str]) -> np.ndarray:
         """P(pt-PT) of each text."""
@@ -73,9 +93,15 @@ class VarietyModel:
         return 1 / (1 + np.exp(-z))
 
 
-@lru_cache(maxsize=4)
 def load_variety_model(folder: str) -> VarietyModel:
-    """One load per process and folder (a reward or an eval metric scores many texts, one call each)."""
+    """One load per process and model (a reward or an eval metric scores many texts, one call each); a model
+    trained again into the same folder is loaded again."""
+    weights = Path(folder) / WEIGHTS_FILE
+    return _cached_model(folder, weights.stat().st_mtime_ns if weights.exists() else 0)
+
+
+@lru_cache(maxsize=4)
+def _cached_model(folder: str, stamp: int) -> VarietyModel:
     return VarietyModel(Path(folder))
 
 

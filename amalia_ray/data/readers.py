@@ -187,8 +187,8 @@ def read_parquet(file: InputFile, src: SourceConfig) -> Iterator[Record]:
         with opened as source:
             try:
                 meta = pq.ParquetFile(source).metadata
-            except _unreadable_errors():
-                if file.is_range and file.start > 0:  # a broken footer is quarantined once, by the first range
+            except pa.ArrowInvalid:  # a malformed footer (a storage error is raised, whichever range meets it)
+                if file.is_range and file.start > 0:  # it is quarantined once, by the first range
                     return
                 raise
             # flat string columns with a dictionary page stay dictionary-encoded (reading them so costs hashing every

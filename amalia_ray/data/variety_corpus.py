@@ -22,6 +22,7 @@ import html
 import io
 import json
 import re
+import struct
 import tarfile
 import zipfile
 from collections import Counter
@@ -66,32 +67,65 @@ def clean_message(text: str) -> str:
     return " ".join(text.split())
 
 
-def _deb_members(path: Path, wanted: re.Pattern) -> Iterator[tuple[str, bytes]]:
-    """(path, content) of the files of a .deb's data archive whose path matches `wanted` (an ar archive holding a
-    compressed tar: read with the standard library, so any machine can build the corpus)."""
+# one catalog, help page or language pack is far below this; a member over it is counted and left unread
+MAX_MEMBER_BYTES = 64 << 20
+
+
+class _Member(io.RawIOBase):
+    """The next `size` bytes of a file: one ar member, read as a stream."""
+
+    def __init__(self, f, size: int):
+        self.f, self.left = f, size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.f.read(min(len(buffer), self.left))
+        self.left -= len(data)
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def _deb_members(path: Path, wanted: re.Pattern) -> Iterator[tuple[str, bytes | None]]:
+    """(path, content) of the files of a .deb's data archive whose path matches `wanted`, streamed (an ar archive
+    holding a compressed tar, read with the standard library and zstandard, so any machine can build the corpus);
+    content None for a member over MAX_MEMBER_BYTES."""
+    import lzma
+    import zlib
+
+    import zstandard
+
     with open(path, "rb") as f:
         if f.read(8) != b"!<arch>\n":
             raise AmaliaError(f"{path}: not a Debian package (no ar header)")
         while header := f.read(60):
-            name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58])
-            if name.startswith("data.tar"):
-                data = f.read(size)
-                if name.endswith(".zst"):
-                    import zstandard
-
-                    data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
-                with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            try:
+                name, size = header[:16].decode("ascii").strip().rstrip("/"), int(header[48:58])
+            except (UnicodeDecodeError, ValueError):
+                raise AmaliaError(f"{path}: a broken ar member header at byte {f.tell() - len(header)}") from None
+            if not name.startswith("data.tar"):
+                f.seek(size + size % 2, 1)
+                continue
+            raw = io.BufferedReader(_Member(f, size))
+            stream = zstandard.ZstdDecompressor().stream_reader(raw) if name.endswith(".zst") else raw
+            try:
+                with tarfile.open(fileobj=stream, mode="r|*") as tar:
                     for member in tar:
                         if member.isfile() and wanted.search(member.name):
-                            yield member.name.removeprefix("./"), tar.extractfile(member).read()
-                return
-            f.seek(size + size % 2, 1)
+                            name = member.name.removeprefix("./")
+                            yield name, (tar.extractfile(member).read() if member.size <= MAX_MEMBER_BYTES
+                                         else None)
+            except (tarfile.TarError, zstandard.ZstdError, lzma.LZMAError, zlib.error, EOFError, OSError) as e:
+                raise AmaliaError(f"{path}: its data archive cannot be read ({type(e).__name__}: {e})") from None
+            return
     raise AmaliaError(f"{path}: no data archive inside")
 
 
 _WANTED = re.compile(r"/(?:pt|pt_PT|pt_BR)/LC_MESSAGES/[^/]+\.mo$|/help/(?:pt|pt-BR)/text/.+\.html$|"
                      r"langpack-pt-(?:PT|BR)@[^/]+\.xpi$")
-_PARAGRAPH = re.compile(r"<(p|h[1-6]|td)\b[^>]*\bid=\"([^\"]+)\"[^>]*>(.*?)</\1>", re.S)
+_ELEMENT_EDGE = re.compile(r"<(/?)(p|h[1-6]|td)\b([^<>]{0,1000})>", re.I)
+_ID = re.compile(r"\bid=\"([^\"]{1,200})\"")
 _FTL_MESSAGE = re.compile(r"^(-?[A-Za-z][\w-]*)\s*=(.*)$")
 _FTL_ATTRIBUTE = re.compile(r"^\s+\.([\w-]+)\s*=(.*)$")
 
@@ -107,7 +141,18 @@ def _mo_messages(data: bytes) -> dict[str, str]:
 
 
 def _help_paragraphs(data: bytes) -> dict[str, str]:
-    return {pid: text for _, pid, text in _PARAGRAPH.findall(data.decode("utf-8", "replace"))}
+    """The content of each paragraph, heading or cell that has an id (one pass over the tags: a page of unclosed
+    tags costs no more than a well-formed one)."""
+    text, out, opened = data.decode("utf-8", "replace"), {}, None
+    for m in _ELEMENT_EDGE.finditer(text):
+        closing, tag = m.group(1), m.group(2).lower()
+        if not closing:
+            found = _ID.search(m.group(3))
+            opened = (tag, found.group(1), m.end()) if found else None
+        elif opened and opened[0] == tag:
+            out[opened[1]] = text[opened[2]:m.start()]
+            opened = None
+    return out
 
 
 def _ftl_messages(text: str) -> dict[str, str]:
@@ -140,31 +185,46 @@ def _properties(text: str) -> dict[str, str]:
 def _langpack_messages(data: bytes) -> dict[str, str]:
     out = {}
     with zipfile.ZipFile(io.BytesIO(data)) as z:
-        for name in z.namelist():
-            if not name.endswith((".ftl", ".properties")):
+        for info in z.infolist():
+            name = info.filename
+            if not name.endswith((".ftl", ".properties")) or info.file_size > MAX_MEMBER_BYTES:
                 continue
             where = re.sub(r"pt-(?:PT|BR)", "LOCALE", name)  # the same file in both packs
-            text = z.read(name).decode("utf-8", "replace")
+            text = z.read(info).decode("utf-8", "replace")
             messages = _ftl_messages(text) if name.endswith(".ftl") else _properties(text)
             out.update({f"{where}#{key}": value for key, value in messages.items()})
     return out
 
 
-def package_messages(deb: Path) -> dict[tuple[str, str], dict[str, dict[str, str]]]:
+def _unit(name: str, data: bytes) -> tuple[str, str, dict[str, str]]:
+    """(locale folder, unit, messages) of one matching member."""
+    if name.endswith(".mo"):
+        return (name.split("/LC_MESSAGES/")[0].rsplit("/", 1)[1], "mo:" + name.rsplit("/", 1)[1],
+                _mo_messages(data))
+    if name.endswith(".html"):
+        return (name.split("/help/")[1].split("/", 1)[0], "help:" + name.split("/text/", 1)[1],
+                _help_paragraphs(data))
+    return ("pt-PT" if "pt-PT@" in name else "pt-BR", "langpack:" + name.rsplit("@", 1)[1],
+            _langpack_messages(data))
+
+
+def package_messages(deb: Path, problems: Counter | None = None) -> dict[tuple[str, str], dict[str, dict[str, str]]]:
     """{(package, unit): {variety: {message key: text}}} of one .deb, a unit being a catalog, a help page or a
-    language pack."""
+    language pack. A member that cannot be parsed (a catalog in a charset Python lacks, a broken zip) or is too
+    large is counted in `problems` and left out; the package's other members are kept."""
     package = deb.name.split("_", 1)[0]
+    problems = Counter() if problems is None else problems
     found: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
     for name, data in _deb_members(deb, _WANTED):
-        if name.endswith(".mo"):
-            locale = name.split("/LC_MESSAGES/")[0].rsplit("/", 1)[1]
-            unit, messages = "mo:" + name.rsplit("/", 1)[1], _mo_messages(data)
-        elif name.endswith(".html"):
-            locale = name.split("/help/")[1].split("/", 1)[0]
-            unit, messages = "help:" + name.split("/text/", 1)[1], _help_paragraphs(data)
-        else:
-            locale = "pt-PT" if "pt-PT@" in name else "pt-BR"
-            unit, messages = "langpack:" + name.rsplit("@", 1)[1], _langpack_messages(data)
+        kind = name.rsplit(".", 1)[-1]
+        if data is None:
+            problems[f"{kind}:too_large"] += 1
+            continue
+        try:
+            locale, unit, messages = _unit(name, data)
+        except (OSError, LookupError, ValueError, UnicodeError, struct.error, zipfile.BadZipFile, IndexError):
+            problems[f"{kind}:unreadable"] += 1
+            continue
         # a language pack or help package holds one variety; both sides meet under the project's name
         family = re.sub(r"-(?:l10n-)?pt(?:-pt|-br)?$", "", package)
         found.setdefault((family, unit), {}).setdefault(_LOCALE[locale], {}).update(messages)
@@ -178,9 +238,10 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
         from amalia_ray.data.language import detect_language as detect
     units: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
     versions = {}
+    problems: Counter = Counter()
     for deb in sorted(debs):
         versions[deb.name.split("_", 1)[0]] = deb.name.split("_")[1] if deb.name.count("_") >= 2 else None
-        for key, sides in package_messages(deb).items():
+        for key, sides in package_messages(deb, problems).items():
             for variety, messages in sides.items():
                 units.setdefault(key, {}).setdefault(variety, {}).update(messages)
     pairs, counts, seen = [], Counter(), set()
@@ -204,7 +265,7 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
                 counts[f"{source}:kept"] += 1
                 pairs.append({"pair": f"{family}/{unit}#{key}", "package": family, "group": group_of(family),
                               "source": source, PT_PT: pt, PT_BR: br})
-    summary = {"packages": versions, "counts": dict(sorted(counts.items())),
+    summary = {"packages": versions, "counts": dict(sorted((counts + problems).items())),
                "pairs_by_group": dict(sorted(Counter(p["group"] for p in pairs).items()))}
     return pairs, summary
 
@@ -232,9 +293,12 @@ def read_pairs(path: Path) -> list[dict]:
     pairs = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
                 pair = json.loads(line)
-                if not (isinstance(pair.get(PT_PT), str) and isinstance(pair.get(PT_BR), str)):
+                if not (isinstance(pair, dict) and isinstance(pair.get(PT_PT), str)
+                        and isinstance(pair.get(PT_BR), str)):
                     raise ValueError(f"needs string fields {PT_PT!r} and {PT_BR!r}")
             except ValueError as e:
                 raise AmaliaError(f"{path} line {n}: {e}") from None

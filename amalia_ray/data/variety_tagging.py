@@ -4,6 +4,7 @@ Data, the model loaded once per actor, into a folder of jsonl parts."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from pathlib import Path
@@ -53,6 +54,8 @@ def tag_file(path: Path, output: Path, model: Path | None, margin: float, text_f
              local_bytes: int = LOCAL_BYTES) -> dict:
     if not path.is_file():
         raise AmaliaError(f"input not found: {path}")
+    if output.exists() and output.resolve() == path.resolve():
+        raise AmaliaError(f"{output}: the output would overwrite the input; name another file")
     model_dir = str(model) if model is not None else None
     if model_dir is not None:  # a missing or foreign model fails here, before any text is read
         from amalia_ray.core.variety_model import load_variety_model
@@ -64,7 +67,7 @@ def tag_file(path: Path, output: Path, model: Path | None, margin: float, text_f
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w", encoding="utf-8") as out:
         batch: list[tuple[dict, str]] = []
-        for item in [*_records(path, text_field), None]:
+        for item in itertools.chain(_records(path, text_field), [None]):  # None: the end, flush the last batch
             if item is not None:
                 batch.append(item)
             if batch and (item is None or len(batch) >= BATCH):
@@ -86,11 +89,15 @@ def _tag_with_ray_data(path: Path, output: Path, model: str | None, margin: floa
         ds = ray.data.read_text(str(path), drop_empty_lines=True).rename_columns({"text": text_field})
     if text_field not in ds.schema().names:
         raise AmaliaError(f"{path}: needs a string field {text_field!r}; has {ds.schema().names}")
-    tagged = ds.map_batches(TagBatch, fn_constructor_args=(model, margin, text_field), batch_format="pyarrow",
-                            batch_size=BATCH, compute=ray.data.ActorPoolStrategy(min_size=1)).materialize()
-    tagged.write_json(str(output))
-    counts: Counter = Counter()  # summed from each block's own counts: no shuffle for three numbers
-    for table in ray.get(tagged.map_batches(_label_counts, batch_format="pyarrow").to_arrow_refs()):
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise AmaliaError(f"{output}: the parts of a large input go into a new or empty folder")
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    ds.map_batches(TagBatch, fn_constructor_args=(model, margin, text_field), batch_format="pyarrow",
+                   batch_size=BATCH, compute=ray.data.ActorPoolStrategy(min_size=1, max_size=cpus)
+                   ).write_json(str(output))
+    counts: Counter = Counter()  # summed from each written part's own counts: no shuffle for three numbers
+    labels = ray.data.read_json(str(output), lines=True).select_columns(["pt_variety"])
+    for table in ray.get(labels.map_batches(_label_counts, batch_format="pyarrow").to_arrow_refs()):
         counts.update(dict(zip(table["pt_variety"].to_pylist(), table["n"].to_pylist())))
     return {"texts": sum(counts.values()), **{k: counts[k] for k in ("pt-PT", "pt-BR", "unknown")},
             "parts": str(output)}

@@ -60,6 +60,9 @@ def train_variety_model(out: Path, pairs: list[dict], *, exclude_groups: tuple[s
     variety_model.json records."""
     from sklearn.linear_model import LogisticRegression
 
+    if missing := sorted(set(exclude_groups) - {p.get("group") for p in pairs}):
+        raise AmaliaError(f"no pairs of the group(s) to leave out: {', '.join(missing)}; the pairs' groups: "
+                          f"{', '.join(sorted({str(p.get('group')) for p in pairs}))}")
     used = [p for p in pairs if p.get("group") not in exclude_groups]
     held = np.array([unit_hash(f"{seed}:{p.get('pair', i)}") < holdout for i, p in enumerate(used)])
     train = [p for p, h in zip(used, held) if not h]

@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from amalia_ray.cluster.local import cluster_has_gpu, ray_session
 from amalia_ray.core import hf_model
+from amalia_ray.core.config import EvalConfig
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import stop_file
@@ -58,9 +59,10 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         load_task(p.loaded.resolve(task.path), task.format)
     if r.data.quality_model:
         QualityModel(p.loaded.resolve(r.data.quality_model))  # a missing or foreign model fails here, not in a worker
-    for variety in (r.data.variety, r.eval.variety):
-        if variety and variety.model:
-            VarietyModel(p.loaded.resolve(variety.model))
+    # a missing or foreign variety model fails here, not in a worker hours in
+    for model in [*(v.model for v in (r.data.variety, r.eval.variety) if v and v.model),
+                  *(s.variety_model for s in r.train if getattr(s, "variety_model", None))]:
+        VarietyModel(p.loaded.resolve(model))
     if r.model.base:
         check_base_model(r, p.loaded.resolve)
     judge = r.eval.judge
@@ -191,8 +193,8 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
             break
         init = starting_checkpoint(p, index)
         data = {"dataset": p.loaded.resolve(stage.data_path)} if stage.data_path else {"packed": d("pack")}
-        inputs, named = by_content(
-            {**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {})})
+        inputs, named = by_content({**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {}),
+                                    **variety_models(p, stage)})
         gpu = use_gpu(p)
         # a LoRA stage exports its adapter folder, and the merged weights when it merges
         outputs = {**({"adapter": d(stage.name) / "adapter"} if stage.lora else {}),
@@ -215,7 +217,8 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
                       "GPU": replicas if use_gpu(p) else 0}
         served = {**models, **{serve_app.adapter_id(m, a): path for m, named in adapters.items()
                                for a, path in named.items()}}
-        inputs, named = by_content({**{f"model:{k}": v for k, v in served.items()}, **tasks})
+        inputs, named = by_content({**{f"model:{k}": v for k, v in served.items()}, **tasks,
+                                    **variety_models(p, r.eval)})
         yield StageSpec("eval", [r.eval, r.serve, *([named] if named else [])], inputs,
                         {"results": d("eval")}, lambda: _serve_and_evaluate(p, models, adapters),
                         {"replicas": r.serve.min_replicas, "CPU_per_replica": r.serve.cpus_per_replica},
@@ -293,14 +296,29 @@ def _train_held(stage, gpu: bool, billable_cpus: float):
     return held
 
 
+def with_variety_model(p: RunContext, section):
+    """A config section (a sampled train stage, eval settings) with its variety model's path as the recipe's folder
+    names it: the workers and the eval client run elsewhere than the recipe."""
+    if isinstance(section, EvalConfig) and section.variety.model:
+        return section.model_copy(update={"variety": section.variety.model_copy(update={
+            "model": str(p.loaded.resolve(section.variety.model))})})
+    if getattr(section, "variety_model", None):
+        return section.model_copy(update={"variety_model": str(p.loaded.resolve(section.variety_model))})
+    return section
+
+
+def variety_models(p: RunContext, section) -> dict[str, Path]:
+    """The variety model a section scores with, as a stage input (its content decides whether the stage reruns)."""
+    model = section.variety.model if isinstance(section, EvalConfig) else getattr(section, "variety_model", None)
+    return {"variety_model": p.loaded.resolve(model)} if model else {}
+
+
 def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
     def body() -> dict:
         # same fingerprint -> same Ray Train run name -> Ray resumes from that run's latest checkpoint
         fingerprint = p.manifest.stage(stage.name).fingerprint
-        model = getattr(stage, "variety_model", None)  # the workers get the path as the recipe's folder names it
         return run_train_stage(
-            stage.model_copy(update={"variety_model": str(p.loaded.resolve(model))}) if model else stage,
-            p.recipe.model,
+            with_variety_model(p, stage), p.recipe.model,
             data_dir=p.loaded.resolve(stage.data_path) if stage.data_path else p.stage_dir("pack"),
             tokenizer_dir=p.stage_dir("tokenizer"),
             init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
@@ -346,9 +364,7 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
     out: dict = {"results": {}, "tokens_processed": 0, **({"base_model": p.model_id("base")} if r.model.base else {}),
                  **({"adapters": on} if on else {})}
     targets = [p.run_dir if t == "this_run" else p.loaded.resolve(t) for t in r.eval.contamination_of]
-    variety = r.eval.variety  # its model's path as the recipe's folder names it
-    eval_settings = r.eval.model_copy(update={"variety": variety.model_copy(update={
-        "model": str(p.loaded.resolve(variety.model))})}) if variety.model else r.eval
+    eval_settings = with_variety_model(p, r.eval)
     seen = {t.name: seen_items(load_task(p.loaded.resolve(t.path), t.format, t.limit), targets, t.name)
             for t in r.eval.tasks} if targets else {}
     try:

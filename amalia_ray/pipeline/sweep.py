@@ -112,7 +112,7 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
 
     with stages.cluster(p):
         trainable = functools.partial(
-            _trial, base=trial_stage.model_dump(mode="json"),
+            _trial, base=stages.with_variety_model(p, trial_stage).model_dump(mode="json"),
             model=model.model_dump(mode="json", by_alias=True, exclude_unset=True),
             data_dir=str(p.loaded.resolve(stage.data_path) if stage.data_path else p.stage_dir("pack")),
             tokenizer_dir=str(p.stage_dir("tokenizer")),
@@ -227,7 +227,8 @@ def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path, lora_bas
             if why := served.failed.get(model_id):  # that trial cannot be served; the others are scored
                 t["benchmark"] = {"task": task.name, "failed": why, "model": model_id}
                 continue
-            res = run_task(*stages.eval_task(p, task), base_url=served.base_url, model=model_id, settings=r.eval,
+            res = run_task(*stages.eval_task(p, task), base_url=served.base_url, model=model_id,
+                           settings=stages.with_variety_model(p, r.eval),
                            output=out / "benchmark" / f"{model_id}.json", api_key=serve_app.api_key(r.serve))
             metric = metrics_of(task)[0]
             t["benchmark"] = {"task": task.name, "metric": metric, "value": res["scores"][metric], "n": res["n"],
