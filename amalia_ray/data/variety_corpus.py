@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.data.streams import _Limited
 
 PT_PT, PT_BR = "pt-PT", "pt-BR"
 # locale folder names of each variety (gettext: pt is Portugal's; Mozilla and LibreOffice spell them out)
@@ -71,22 +72,6 @@ def clean_message(text: str) -> str:
 MAX_MEMBER_BYTES = 64 << 20
 
 
-class _Member(io.RawIOBase):
-    """The next `size` bytes of a file: one ar member, read as a stream."""
-
-    def __init__(self, f, size: int):
-        self.f, self.left = f, size
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        data = self.f.read(min(len(buffer), self.left))
-        self.left -= len(data)
-        buffer[:len(data)] = data
-        return len(data)
-
-
 def _deb_members(path: Path, wanted: re.Pattern) -> Iterator[tuple[str, bytes | None]]:
     """(path, content) of the files of a .deb's data archive whose path matches `wanted`, streamed (an ar archive
     holding a compressed tar, read with the standard library and zstandard, so any machine can build the corpus);
@@ -107,7 +92,7 @@ def _deb_members(path: Path, wanted: re.Pattern) -> Iterator[tuple[str, bytes | 
             if not name.startswith("data.tar"):
                 f.seek(size + size % 2, 1)
                 continue
-            raw = io.BufferedReader(_Member(f, size))
+            raw = io.BufferedReader(_Limited(f, size))  # this ar member's bytes only, streamed
             stream = zstandard.ZstdDecompressor().stream_reader(raw) if name.endswith(".zst") else raw
             try:
                 with tarfile.open(fileobj=stream, mode="r|*") as tar:
