@@ -5,6 +5,7 @@ shuffle; duplicate graphs of any diameter; ids checked without sorting the docum
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -337,12 +338,13 @@ def test_a_large_parquet_file_is_read_by_row_groups_across_tasks_with_the_ids_of
     assert rows["drop_reason"].to_pylist() == ["quarantine:unreadable file"], rows.to_pylist()
 
 
-def test_a_large_warc_gz_is_read_in_ranges_of_whole_members_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
+def test_a_large_web_archive_is_read_in_ranges_of_whole_records_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
     """A .warc.gz written a gzip member per record, over `range_bytes`: each cut moves to the next member that begins
     a record (gzip magic bytes inside compressed data, or a member that does not start a record, are passed over),
     every record is read once, located at its offset in the decompressed stream as a whole-file read locates it;
     broken and non-HTML records behave as in a whole read. The same records compressed as one member cannot be
-    entered in the middle: one range."""
+    entered in the middle: one range. Uncompressed, each cut moves to the next record start (a version line quoted
+    in a page after a blank line is passed over), located by byte offset."""
     import gzip
     import hashlib
 
@@ -360,11 +362,15 @@ def test_a_large_warc_gz_is_read_in_ranges_of_whole_members_with_the_ids_of_a_wh
                for i in range(120)]
     records[30] = records[30].replace(b"Content-Length: ", b"Content-Length: x", 1)  # broken: quarantined once
     records[31] = warc_record("https://arquivo.pt/img.png", "PNG", content_type="image/png")  # skipped
+    quoted = "\r\n\r\nWARC/1.0\r\nWARC-Type: response\r\nContent-Length: 9\r\n\r\n<p>x</p>\r\n"
+    records[90:100] = [warc_record(f"https://arquivo.pt/q{i}", "<html><body><pre>" + quoted * 20 + f"</pre>{i}"
+                                   "<p>Um registo citado dentro de uma página.</p></body></html>") for i in range(10)]
     members = [gzip.compress(r) for r in records]
     members[60] = gzip.compress(records[60][:50]) + gzip.compress(records[60][50:])  # a member inside a record
     (tmp_path / "crawl.warc.gz").write_bytes(b"".join(members))
     (tmp_path / "whole.warc.gz").write_bytes(gzip.compress(b"".join(records)))
-    src = SourceConfig(name="w", paths=[str(tmp_path / "*.warc.gz")], format="warc", range_bytes=2048)
+    (tmp_path / "plain.warc").write_bytes(b"".join(records))
+    src = SourceConfig(name="w", paths=[str(tmp_path / "*.warc*")], format="warc", range_bytes=2048)
 
     plan = read_plan([src], list_sources([src], Path))
     ranged = [i for i in plan if i["name"] == "crawl.warc.gz"]
@@ -375,19 +381,88 @@ def test_a_large_warc_gz_is_read_in_ranges_of_whole_members_with_the_ids_of_a_wh
     assert all(i["before"] == len(gzip.decompress(data[:i["start"]])) for i in ranged[1:])
     inner = sum(len(m) for m in members[:60]) + len(gzip.compress(records[60][:50]))
     assert inner not in {i["start"] for i in ranged}, "a member that does not begin a record is no cut"
+    plain = [i for i in plan if i["name"] == "plain.warc"]
+    record_starts = {sum(len(r) for r in records[:k]) for k in range(len(records))}
+    assert len(plain) > 10 and {i["start"] for i in plain} <= record_starts
+    assert all(i["before"] == i["start"] for i in plain)
 
     ledger = ReadLedger()
     docs = pa.concat_tables(ray_cluster.get(read_sources([src], list_sources([src], Path), ledger).to_arrow_refs()))
-    for name in ("crawl.warc.gz", "whole.warc.gz"):
+    for name in ("crawl.warc.gz", "whole.warc.gz", "plain.warc"):
         whole = read_file(str(tmp_path / name), src.model_copy(update={"range_bytes": 1 << 30}), name)
         mine = docs.filter(pa.compute.equal(docs["path"], str(tmp_path / name)))
         cols = ("id", "text", "drop_reason")
         assert sorted(zip(*(mine[c].to_pylist() for c in cols))) == sorted(zip(*(whole[c].to_pylist() for c in cols)))
         assert len(mine) == 119 and mine["drop_reason"].to_pylist().count("quarantine:broken WARC record") == 1
     ledger.write(tmp_path / "inputs.parquet")
-    ledger = [e for e in pq.read_table(tmp_path / "inputs.parquet").to_pylist() if e["path"].endswith("crawl.warc.gz")]
-    assert sorted((e["start"], e["end"]) for e in ledger) == [(i["start"], i["end"]) for i in ranged]
-    assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in ledger)
+    entries = pq.read_table(tmp_path / "inputs.parquet").to_pylist()
+    for name, items in (("crawl.warc.gz", ranged), ("plain.warc", plain)):
+        data = (tmp_path / name).read_bytes()
+        ledger = [e for e in entries if e["path"].endswith(name)]
+        assert sorted((e["start"], e["end"]) for e in ledger) == [(i["start"], i["end"]) for i in items]
+        assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in ledger)
+
+
+def test_a_large_text_file_is_read_in_ranges_of_whole_documents_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
+    """A plain text file over `range_bytes` (paragraphs or separator blocks; UTF-8 or a one-byte encoding) is read
+    by a task per range of whole documents: each cut moves to the end of the next boundary found on the bytes by the
+    reader's own rule (runs of blank lines with spaces, a separator line only at a line start, a boundary right
+    after a document over max_record_bytes), and every document is read once, numbered as a whole-file read numbers
+    it. Text in UTF-16 cannot be cut on its bytes: one task."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    from amalia_ray.core.config import SourceConfig
+    from amalia_ray.data.inputs import ReadLedger, list_sources, read_plan, read_sources
+    from amalia_ray.data.readers import read_file
+
+    rng = random.Random(5)
+    words = "à beira do Tejo a luz da manhã cai sobre os telhados e as gaivotas".split()
+    docs = [" ".join(rng.choices(words, k=rng.randint(3, 120))) for _ in range(300)]
+    docs[40] = "comprido " * 1200  # spans several ranges
+    docs[90] = "enorme " * 3000  # over max_record_bytes: quarantined once, the boundary after it still found
+    gaps = [rng.choice(["\n\n", "\n  \n\t\n", "\n\n\n\n", "\n \n"]) for _ in docs]
+    paragraphs = "".join(d + g for d, g in zip(docs, gaps)).encode()
+    blocks = "".join(d.replace(" e ", "\n%% e\n", 1) + ("\n%\n" if i % 7 else "\n% \t\n%\n")
+                     for i, d in enumerate(docs)).encode("latin-1")
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "book.txt").write_bytes(paragraphs)
+    (tmp_path / "p" / "wide.txt").write_bytes(paragraphs.decode().encode("utf-16"))
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "fortunes").write_bytes(blocks)
+    para = SourceConfig(name="p", paths=[str(tmp_path / "p" / "*")], format="text", range_bytes=1024,
+                        max_record_bytes=16384)
+    wide = para.model_copy(update={"paths": [str(tmp_path / "p" / "wide.txt")], "encoding": "utf-16"})
+    para = para.model_copy(update={"paths": [str(tmp_path / "p" / "book.txt")]})
+    sep = SourceConfig(name="s", paths=[str(tmp_path / "s" / "*")], format="text", split="separator",
+                       encoding="latin-1", range_bytes=1024, max_record_bytes=16384)
+
+    sources = [para, sep, wide]
+    plan = read_plan(sources, list_sources(sources, Path))
+    assert [i["end"] for i in plan if i["name"] == "wide.txt"] == [-1], "UTF-16: read whole"
+    for source, data in ((0, paragraphs), (1, blocks)):
+        ranges = [i for i in plan if i["source"] == source]
+        assert len(ranges) > 20 and ranges[0]["start"] == 0 and ranges[-1]["end"] == len(data)
+        assert all(a["end"] == b["start"] for a, b in zip(ranges, ranges[1:])), "the ranges tile the file"
+        ends = {m.end() for m in re.finditer(rb"\n(?:[ \t]*\n)+" if source == 0 else rb"(?m)^%[ \t\r]*\n", data)}
+        assert {i["start"] for i in ranges[1:]} <= ends, "every cut ends a boundary"
+    ledger = ReadLedger()
+    read = pa.concat_tables(ray_cluster.get(read_sources(sources, list_sources(sources, Path), ledger).to_arrow_refs()))
+    cols = ("id", "location", "text", "drop_reason")
+    for source, path in ((para, "p/book.txt"), (sep, "s/fortunes"), (wide, "p/wide.txt")):
+        whole = read_file(str(tmp_path / path), source.model_copy(update={"range_bytes": 1 << 30}))
+        mine = read.filter(pa.compute.equal(read["path"], str(tmp_path / path)))
+        assert sorted(zip(*(mine[c].to_pylist() for c in cols))) == sorted(zip(*(whole[c].to_pylist() for c in cols)))
+        assert len(mine) == 300, path
+        assert mine["drop_reason"].to_pylist().count("quarantine:record too large") == 1
+        assert source.split + " 90" in mine.filter(pa.compute.is_valid(mine["drop_reason"]))["location"].to_pylist()
+    ledger.write(tmp_path / "inputs.parquet")
+    entries = pq.read_table(tmp_path / "inputs.parquet").to_pylist()
+    for path, data in ((para.paths[0], paragraphs), (sep.paths[0].replace("*", "fortunes"), blocks)):
+        mine = sorted((e for e in entries if e["path"] == path), key=lambda e: e["start"])
+        assert [(e["start"], e["end"]) for e in mine] == [(i["start"], i["end"]) for i in plan if i["path"] == path]
+        assert all(e["sha256"] == "sha256:" + hashlib.sha256(data[e["start"]:e["end"]]).hexdigest() for e in mine)
 
 
 def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeypatch):

@@ -155,6 +155,21 @@ def test_a_zstd_bomb_is_cut_where_it_passes_the_limits_and_what_came_before_is_k
     assert [r["drop_reason"] for r in out if r["drop_reason"]] == ["quarantine:record too large"]
 
 
+def test_the_boundary_after_a_document_over_the_limit_is_found_when_a_read_block_cuts_it(tmp_path, monkeypatch):
+    """A document over max_record_bytes keeps only its head, but the blank line or separator line after it is kept
+    whole even when a read block ends inside it: the next document is not swallowed by the oversized one."""
+    from amalia_ray.data import readers
+
+    monkeypatch.setattr(readers, "_CHUNK", 256)
+    for split, boundary in (("paragraph", "\n \n"), ("separator", "\n%\n")):
+        for cut in range(1, len(boundary)):  # where in the boundary the block ends
+            text = "a" * (2560 - cut) + boundary + "o documento seguinte\n"
+            (tmp_path / "t.txt").write_text(text)
+            out = rows(read_file(str(tmp_path / "t.txt"), src("text", split=split, max_record_bytes=1024)))
+            assert [(r["drop_reason"], r["text"][:5]) for r in out] == [
+                ("quarantine:record too large", "aaaaa"), (None, "o doc")], (split, cut)
+
+
 def test_gzip_and_warc_bombs_stop_at_the_limits(tmp_path):
     import tests.web_archive as web
 

@@ -78,10 +78,12 @@ class SourceConfig(Strict):
     max_expansion: float | None = Field(100, gt=1, description="and one that decompresses to more than this many "
                                         "times its compressed bytes (once past 64 MiB: a decompression bomb; text "
                                         "compresses 3–15×); null = no limit")
-    range_bytes: int = Field(256 << 20, ge=1024, description="an uncompressed jsonl, a Parquet file or a .warc.gz (a "
-                             "gzip member per record) over this many bytes is read by several tasks, one per range "
-                             "of about this many bytes, cut at lines, row groups or members (ids are those of a "
-                             "whole-file read); other files are one task each")
+    range_bytes: int = Field(256 << 20, ge=1024, description="an uncompressed jsonl or .warc, a Parquet file, a "
+                             ".warc.gz (a gzip member per record) or uncompressed text split into paragraphs or "
+                             "separator blocks (UTF-8 or a one-byte encoding) over this many bytes is read by "
+                             "several tasks, one per range of about this many bytes, cut at lines, row groups, "
+                             "members, records or documents (ids are those of a whole-file read); other files "
+                             "(compressed jsonl and text, ARC, HTML) are one task each")
     url_field: str = Field("url", description="jsonl/parquet: the field holding the page's URL, if any (web "
                            "archives: WARC-Target-URI); data.captures keeps one capture per URL")
     date_field: str = Field("date", description="jsonl/parquet: the field holding the capture's date, if any (ISO "

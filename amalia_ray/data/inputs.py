@@ -24,7 +24,7 @@ import ray
 from amalia_ray.core.config import SourceConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import open_filesystem
-from amalia_ray.data.ranges import is_member_ranged, plan_ranges
+from amalia_ray.data.ranges import plan_ranges, reads_to_range_end
 from amalia_ray.data.readers import read_file_tables
 from amalia_ray.data.streams import InputFile, is_uri
 
@@ -218,7 +218,7 @@ def read_sources(sources: list[SourceConfig], listing: list[list[Listed]], ledge
             src = sources[item["source"]]
             end = None if item["end"] < 0 else item["end"]
             file = InputFile(item["path"], src.storage_options, item["start"], end, item["before"],
-                             bounded=is_member_ranged(item["path"]), max_inflated_bytes=src.max_inflated_bytes,
+                             bounded=reads_to_range_end(item["path"], src), max_inflated_bytes=src.max_inflated_bytes,
                              max_expansion=src.max_expansion)
             records = 0
             try:

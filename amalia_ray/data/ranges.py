@@ -3,47 +3,84 @@ a whole-file read locates it.
 
 - Uncompressed jsonl: cut every `range_bytes`; a range holds the lines that start in it (`readers._lines`). Its
   records are located by line number, so the newlines of each range are counted first.
+- Uncompressed text split into paragraphs or separator blocks (in UTF-8 or a one-byte ASCII-compatible encoding,
+  where a blank line or a separator line is the same bytes wherever it stands): each cut moves to the end of the
+  first document boundary after it, found on the bytes with the reader's own rule, and a range is the whole
+  documents between two such boundaries. Documents are located by their number, so each range's are counted first.
 - .warc.gz written a gzip member per record (as crawlers write them, so that any record can be read from its
   offset): each cut moves to the first gzip member at or after it whose content begins a WARC record, and a range
   is the whole members between two such starts. Its records are located by their offset in the decompressed
   stream, so the decompressed bytes of each range are counted first. A file compressed as one member (or whose
   members do not start records) has no such start past its beginning and stays one range.
+- Uncompressed .warc: each cut moves to the first record start after it, a `WARC/1.x` line after a blank line whose
+  record reads cleanly and ends where another record (or the file) begins; its records are located by their byte
+  offset, which needs no counting.
 - Parquet: cut every `range_bytes`; a range holds the row groups whose first page starts in it, read from the
   file's footer (`readers.read_parquet`), which also numbers their rows: nothing is counted first. A file written as
   one row group stays one task's work however it is cut.
 
-The counting passes run as one Ray task per range, in parallel, reading the file once more (at disk or network
-speed, and inflating the WARC members once more); the scan for member starts reads only until it finds one.
+Compressed jsonl and text (one gzip or zstd stream cannot be entered in the middle), ARC files, HTML and text read
+one document per file stay one task per file.
+
+The scans and counting passes run as one Ray task per range, in parallel, reading the file once more (at disk or
+network speed, inflating the WARC members or decoding the text once more); a scan for a record start reads only
+until it finds one.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
+import re
 import zlib
 
 import ray
 
 from amalia_ray.core.config import SourceConfig
-from amalia_ray.data.streams import _CHUNK, open_range
+from amalia_ray.data.streams import _CHUNK, InputFile, open_range
 
 _GZIP_MAGIC = b"\x1f\x8b\x08"
 _PROBE = 64 << 10  # the compressed bytes a member-start candidate is checked with
+_LOOKAHEAD = 64  # bytes past a boundary's end that tell whether it is complete (a WARC version line fits)
+_WARC_START = re.compile(rb"\n\r?\n(?=WARC/\d\.\d+\r?\n)")  # a blank line, then a version line: ends at the record
+
+
+def _cut_by(path: str, source: SourceConfig) -> str | None:
+    """What a file of this source is cut at when it is large: lines, documents, members, records or row groups; None
+    when it is read whole however large."""
+    compressed = path.endswith((".gz", ".zst"))
+    if source.format == "parquet":
+        return "row groups"
+    if source.format == "jsonl":
+        return None if compressed else "lines"
+    if source.format == "warc":
+        return "members" if path.endswith(".warc.gz") else "records" if path.endswith(".warc") else None
+    if source.format == "text" and source.split != "file" and not compressed and _bytes_are_ascii(source.encoding):
+        return "documents"
+    return None
+
+
+def _bytes_are_ascii(encoding: str) -> bool:
+    """Whether a newline, a blank or a separator line is the same bytes wherever it stands in text of this encoding:
+    UTF-8 (no byte of a multi-byte character is ASCII), or a one-byte encoding that extends ASCII."""
+    if codecs.lookup(encoding).name in ("utf-8", "utf-8-sig"):
+        return True
+    try:
+        ascii_ok = bytes(range(128)).decode(encoding) == bytes(range(128)).decode("ascii")
+        return ascii_ok and len(bytes(range(256)).decode(encoding, "surrogateescape")) == 256
+    except (UnicodeDecodeError, LookupError):  # not a one-byte encoding (UTF-16, ...)
+        return False
 
 
 def splits_into_ranges(path: str, size: int, source: SourceConfig) -> bool:
-    """Whether a file is read in ranges: an uncompressed jsonl, a Parquet file or a .warc.gz over the source's
-    range_bytes."""
-    if size <= source.range_bytes:
-        return False
-    if source.format == "parquet":
-        return True
-    if source.format == "jsonl":
-        return not path.endswith((".gz", ".zst"))
-    return source.format == "warc" and path.endswith(".warc.gz")
+    """Whether a file is read in ranges: one over the source's range_bytes that can be entered in the middle."""
+    return size > source.range_bytes and _cut_by(path, source) is not None
 
 
-def is_member_ranged(path: str) -> bool:
-    return path.endswith(".warc.gz")
+def reads_to_range_end(path: str, source: SourceConfig) -> bool:
+    """Whether a range of this file holds whole records and nothing past its end is read (members, WARC records,
+    text documents), rather than the lines or row groups that start in it."""
+    return _cut_by(path, source) in ("members", "records", "documents")
 
 
 def _starts_a_record(data: bytes, at: int) -> bool:
@@ -57,10 +94,10 @@ def _starts_a_record(data: bytes, at: int) -> bool:
 
 
 @ray.remote(num_cpus=1)
-def first_member(path: str, options: dict, start: int, end: int) -> int | None:
+def first_member(path: str, source: SourceConfig, start: int, end: int) -> int | None:
     """The offset of the first gzip member in [start, end) that begins a WARC record, or None."""
     buffer, at, eof = b"", start, False
-    with open_range(path, options, start) as f:
+    with open_range(path, source.storage_options, start) as f:
         while True:
             while not eof and len(buffer) < 2 * _PROBE:
                 chunk = f.read(_CHUNK)
@@ -78,11 +115,71 @@ def first_member(path: str, options: dict, start: int, end: int) -> int | None:
             buffer, at = buffer[checked:], at + checked
 
 
+def _first_boundary(path: str, options: dict, start: int, end: int, boundary: re.Pattern) -> int | None:
+    """The end of the first match of `boundary` that begins at or after `start` and ends before `end`, or None.
+    The byte before `start` is read too, so a boundary that needs a line start (`^`) finds one only after a real
+    newline; a match is taken only once the bytes after it are read (a greedy run of blank lines ends where a
+    whole-file read ends it)."""
+    at = max(start - 1, 0)
+    buffer, pos, eof = b"", start - at, False
+    with open_range(path, options, at) as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            eof, buffer = not chunk, buffer + chunk
+            complete = len(buffer) if eof else len(buffer) - _LOOKAHEAD
+            if (match := boundary.search(buffer, pos)) and match.end() <= complete:
+                return at + match.end() if at + match.end() < end else None
+            if eof or at + complete >= end:
+                return None
+            # keep one byte before where the search goes on (a line start stays one); a run of blank lines longer
+            # than two chunks is entered at a later newline of it, which ends where the whole run ends
+            keep = max(min(pos, complete), len(buffer) - 2 * _CHUNK) - 1
+            buffer, at, pos = buffer[keep:], at + keep, max(pos - keep, 1)
+
+
+def _boundary_pattern(source: SourceConfig) -> re.Pattern:
+    """The bytes that end a document in a text file: the reader's own rule (`readers._text_documents`)."""
+    if source.split == "separator":
+        return re.compile(rb"(?m)^" + re.escape(source.separator.encode(source.encoding)) + rb"[ \t\r]*\n")
+    return re.compile(rb"\n(?:[ \t]*\n)+")
+
+
 @ray.remote(num_cpus=1)
-def newlines(path: str, options: dict, start: int, end: int) -> int:
+def first_document(path: str, source: SourceConfig, start: int, end: int) -> int | None:
+    """Where the first document that begins in (start, end) of a text file begins, or None."""
+    return _first_boundary(path, source.storage_options, start, end, _boundary_pattern(source))
+
+
+@ray.remote(num_cpus=1)
+def first_record(path: str, source: SourceConfig, start: int, end: int) -> int | None:
+    """Where the first WARC record that begins in [start, end) of an uncompressed WARC file begins, or None: a
+    version line after a blank line from which the records read cleanly, each ending where the next begins, for
+    `range_bytes` (or to the end of the file). A WARC quoted inside a page's payload is passed over unless its
+    quoted records run on for more than that; a broken record is passed over with every start whose walk meets it."""
+    from amalia_ray.data.archives import warc_records
+
+    def broken_at(offset: int) -> int | None:
+        with open_range(path, source.storage_options, offset) as f:
+            for at, _, _, problem in warc_records(f, source.max_record_bytes):
+                if problem is not None:
+                    return offset + at
+                if at >= source.range_bytes:
+                    return None
+        return None
+
+    candidate = start
+    while (candidate := _first_boundary(path, source.storage_options, candidate, end, _WARC_START)) is not None:
+        if (broken := broken_at(candidate)) is None:
+            return candidate
+        candidate = broken + 1
+    return None
+
+
+@ray.remote(num_cpus=1)
+def newlines(path: str, source: SourceConfig, start: int, end: int) -> int:
     """The newlines in bytes [start, end) of a file."""
     count, left = 0, end - start
-    with open_range(path, options, start, end - start) as f:
+    with open_range(path, source.storage_options, start, end - start) as f:
         while left > 0 and (chunk := f.read(min(_CHUNK, left))):
             count += chunk.count(b"\n")
             left -= len(chunk)
@@ -90,12 +187,12 @@ def newlines(path: str, options: dict, start: int, end: int) -> int:
 
 
 @ray.remote(num_cpus=1)
-def inflated_bytes(path: str, options: dict, start: int, end: int) -> int:
+def inflated_bytes(path: str, source: SourceConfig, start: int, end: int) -> int:
     """The decompressed size of the gzip members in bytes [start, end) of a file (up to a broken member: what a
     reader of the range gets before it quarantines the rest)."""
     size = 0
     try:
-        with open_range(path, options, start, end - start) as raw, gzip.GzipFile(fileobj=raw) as f:
+        with open_range(path, source.storage_options, start, end - start) as raw, gzip.GzipFile(fileobj=raw) as f:
             while chunk := f.read1(_CHUNK):
                 size += len(chunk)
     except (EOFError, OSError, zlib.error):
@@ -103,30 +200,49 @@ def inflated_bytes(path: str, options: dict, start: int, end: int) -> int:
     return size
 
 
+@ray.remote(num_cpus=1)
+def documents(path: str, source: SourceConfig, start: int, end: int) -> int:
+    """The documents a reader of bytes [start, end) of a text file numbers."""
+    from amalia_ray.data.readers import read_text
+
+    file = InputFile(path, source.storage_options, start, end, bounded=True)
+    try:
+        return sum(1 for _ in read_text(file, source))
+    finally:
+        file.close()
+
+
+_SCANS = {"members": first_member, "records": first_record, "documents": first_document}
+_COUNTS = {"lines": newlines, "members": inflated_bytes, "documents": documents}  # records, row groups: none
+
+
 def plan_ranges(files: list[tuple[str, int, SourceConfig]]) -> list[list[tuple[int, int, int]]]:
     """The ranges each file is read in, as (start, end, what precedes start): [(0, size, 0)] for a file read whole.
     All files' scans, then all their counts, run as parallel tasks."""
-    cuts, scans = [], []
+    cuts, scans, kinds = [], [], []
     for path, size, source in files:
-        if not splits_into_ranges(path, size, source):
+        kinds.append(_cut_by(path, source) if splits_into_ranges(path, size, source) else None)
+        if kinds[-1] is None:
             cuts.append([0, size])
             continue
         cuts.append(list(range(0, size, source.range_bytes)) + [size])
-        if is_member_ranged(path):  # each cut moves to the next member that starts a record
-            scans.append((len(cuts) - 1, [first_member.remote(path, source.storage_options, a, b)
+        if scan := _SCANS.get(kinds[-1]):  # each cut moves to the next record start
+            scans.append((len(cuts) - 1, [scan.remote(path, source, a, b)
                                           for a, b in zip(cuts[-1][1:], cuts[-1][2:])]))
     for index, refs in scans:
         size = cuts[index][-1]
         cuts[index] = [0, *sorted({m for m in ray.get(refs) if m is not None}), size]
     counts = []
-    for (path, _, source), starts in zip(files, cuts):
-        count = inflated_bytes if is_member_ranged(path) else newlines
-        counts.append([] if source.format == "parquet" else  # its rows are numbered from the footer
-                      [count.remote(path, source.storage_options, a, b) for a, b in zip(starts[:-2], starts[1:-1])])
+    for (path, _, source), starts, kind in zip(files, cuts, kinds):
+        count = _COUNTS.get(kind)
+        counts.append([count.remote(path, source, a, b) for a, b in zip(starts[:-2], starts[1:-1])] if count else None)
     plans = []
-    for starts, refs in zip(cuts, counts):
-        before = [0]
-        for n in ray.get(refs) if refs else [0] * (len(starts) - 2):
-            before.append(before[-1] + n)
+    for starts, refs, kind in zip(cuts, counts, kinds):
+        if refs is None:  # located by byte offset (a WARC record: what precedes is the start) or by the footer
+            before = list(starts[:-1]) if kind == "records" else [0] * (len(starts) - 1)
+        else:
+            before = [0]
+            for n in ray.get(refs):
+                before.append(before[-1] + n)
         plans.append(list(zip(starts[:-1], starts[1:], before)))
     return plans

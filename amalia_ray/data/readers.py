@@ -94,7 +94,7 @@ def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, b
             start, oversized = match.end(), False
         pending = pending[start:]
         if len(pending) > src.max_record_bytes:  # keep the head for the preview, count the rest as cut
-            pending, oversized = pending[:_RAW_LIMIT], True
+            pending, oversized = pending[:_RAW_LIMIT] + _boundary_under_way(pending, src), True
         if error is not None:
             yield pending, oversized, error
             return
@@ -102,10 +102,22 @@ def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, b
     yield last, oversized, None
 
 
+def _boundary_under_way(pending: str, src: SourceConfig) -> str:
+    """The end of a document cut over max_record_bytes that may begin the boundary after it (the whitespace after
+    its last line break, or its last line, up to 64 KiB), kept so that the boundary is still found."""
+    if src.split == "separator":
+        cut = pending.rfind("\n")
+    else:
+        rest = len(pending.rstrip(" \t\n"))
+        cut = pending.find("\n", rest)
+    return "" if cut < 0 or len(pending) - cut > 65536 else pending[max(cut, _RAW_LIMIT):]
+
+
 def read_text(file: InputFile, src: SourceConfig) -> Iterator[Record]:
-    n = 0
+    """Documents numbered from the file's start (a range's numbering goes on from the documents before it)."""
+    n = file.before
     for doc, oversized, error in _text_documents(file, src):
-        if not doc.strip() and not (error is not None and n == 0):
+        if not doc.strip() and not (error is not None and n == file.before):
             continue
         where = f"{src.split} {n}" if doc.strip() else "file"
         n += 1

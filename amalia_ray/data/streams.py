@@ -244,9 +244,10 @@ class _Limited(io.RawIOBase):
 @dataclass
 class InputFile:
     """One read task's input: a file or object, or bytes [start, end) of it. An uncompressed jsonl range holds the
-    records whose first byte lies in it (the last one read past `end`); a .warc.gz range holds whole gzip members
-    (`bounded`: nothing past `end` is read). `before`: what precedes the range in the unit its records are located
-    by (newlines, decompressed bytes), so every record keeps the location a whole-file read gives it."""
+    records whose first byte lies in it (the last one read past `end`); a .warc.gz, .warc or text range holds whole
+    gzip members, records or documents (`bounded`: nothing past `end` is read). `before`: what precedes the range
+    in the unit its records are located by (newlines, decompressed bytes, bytes, documents), so every record keeps
+    the location a whole-file read gives it (`ranges.plan_ranges`)."""
 
     path: str
     options: dict = field(default_factory=dict)
