@@ -40,7 +40,7 @@ def main() -> None:
             "agent logs": lambda ch: reporter_pb2_grpc.LogServiceStub(ch).ListLogs(
                 reporter_pb2.ListLogsRequest(glob_filter="*"), timeout=5),
         }
-        tree = {p.pid: p.name() for p in psutil.Process().children(recursive=True)}
+        tree = {p.pid: _name(p) for p in psutil.Process().children(recursive=True)}
         ports = []
         for c in psutil.net_connections("inet"):
             if c.status != "LISTEN" or c.pid not in tree or c.laddr.ip in ("127.0.0.1", "::1"):
@@ -66,6 +66,12 @@ def main() -> None:
             ports.append({"process": tree[c.pid], "ip": c.laddr.ip, "port": c.laddr.port, "answers": answers})
     print(json.dumps({"task": task, "host": socket.gethostname(), "mode": os.environ.get("RAY_AUTH_MODE"),
                       "ports": ports}))
+
+
+def _name(process: psutil.Process) -> str:
+    """The process's name, or for a Python process the script it runs (dashboard.py, monitor.py)."""
+    scripts = [os.path.basename(a) for a in process.cmdline()[1:] if a.endswith(".py")]
+    return scripts[0] if process.name().startswith("python") and scripts else process.name()
 
 
 if __name__ == "__main__":

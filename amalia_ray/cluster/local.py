@@ -41,7 +41,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
         embedded_auth()
         # the dashboard (and its job API) answers on loopback only: it runs whatever is submitted to it
         ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=dashboard,
-                 dashboard_host="127.0.0.1", log_to_driver=True)
+                 dashboard_host="127.0.0.1", log_to_driver=True, _system_config=embedded_system_config())
         mode = "embedded local Ray"
         if logs_link:
             _link(logs_link, Path(ray._private.worker._global_node.get_logs_dir_path()))
@@ -54,6 +54,15 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
         yield {"mode": mode, "resources": resources, "billable_cpus": billable_cpus()}
     finally:
         ray.shutdown()
+
+
+def embedded_system_config() -> dict:
+    """Ray settings of an embedded cluster. Its Prometheus exporter is off: it would answer anyone on the network
+    (it takes no token) with the names of the run's tasks, actors and deployments, and a laptop or a single node has
+    no Prometheus scraping it. RAY_enable_metrics_collection=1 in the environment turns it back on."""
+    if os.environ.get("RAY_enable_metrics_collection", "").lower() in ("1", "true"):
+        return {}
+    return {"enable_metrics_collection": False}
 
 
 def embedded_auth() -> None:
