@@ -42,7 +42,8 @@ def _train_on_ranks(rank: int, world: int, port: int, folder: str, out: str) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from amalia_ray.train import checkpoint, lora
-    from amalia_ray.train.hf_weights import export_hf, plain_name
+    from amalia_ray.train.hf_weights import export_hf
+    from amalia_ray.train.weight_names import plain_name
     from amalia_ray.train.model import base_config, build, config_from_dict
     from amalia_ray.train.parallel import apply_fsdp
     from amalia_ray.core.config import ModelConfig
@@ -98,7 +99,7 @@ def _train_on_ranks(rank: int, world: int, port: int, folder: str, out: str) -> 
 
 def _first_pretrain_step(model, packed: Path) -> dict:
     """The pretrain objective's loss and adapter gradients on the packed split's first rows (gradients cleared)."""
-    from amalia_ray.train.hf_weights import plain_name
+    from amalia_ray.train.weight_names import plain_name
     from amalia_ray.train.objectives import Pretrain
 
     pretrain = Pretrain(packed)
@@ -191,7 +192,7 @@ def test_a_resumed_run_takes_the_next_step_exactly_as_the_uninterrupted_one(trai
 def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(trained):
     import torch.distributed.checkpoint as dcp
 
-    from amalia_ray.train.hf_weights import plain_name
+    from amalia_ray.train.weight_names import plain_name
 
     _, out, ours = trained
     metadata = dcp.FileSystemReader(str(out / "dcp" / "0")).read_metadata()

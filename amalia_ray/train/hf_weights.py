@@ -15,19 +15,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.train.lora import base_name, is_adapter
+from amalia_ray.train.lora_merge import merged, scalings
+from amalia_ray.train.weight_names import base_name, is_adapter, plain_name
 
 INDEX = "model.safetensors.index.json"
 # activation checkpointing's and torch.compile's wrappers: part of the training module's names, not a checkpoint's
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def plain_name(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def checkpoint_tensors(model) -> dict[str, torch.Tensor]:
     """The model's tensors a checkpoint holds, by their name there: without the wrappers' prefixes and, in a model
     with LoRA adapters, the base weights by their own names (the adapters are not in it)."""
@@ -184,8 +176,6 @@ def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path, generation_c
               dtype: str | None = None) -> None:
     """Gather the full weights (a collective: every rank calls this) and let rank 0 write a HF checkpoint that
     transformers and vLLM load (write_hf); a model with LoRA adapters is written merged."""
-    from amalia_ray.train.lora import merged, scalings
-
     state = gather_full(model)
     if state is not None:
         if layers := scalings(model):

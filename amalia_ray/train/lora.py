@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-ADAPTER_MARK = ".lora_"  # lora_A, lora_B, lora_dropout, lora_embedding_A, ...
-BASE_LAYER = ".base_layer"
-ADAPTER_NAME = "default"
+from amalia_ray.train.hf_weights import fill_local, gather_full, write_hf
+from amalia_ray.train.weight_names import ADAPTER_NAME, is_adapter, plain_name
+
 
 
 def peft_config(cfg: dict, base: str | None = None):
@@ -26,15 +26,6 @@ def peft_config(cfg: dict, base: str | None = None):
     return LoraConfig(r=cfg["r"], lora_alpha=cfg["alpha"], lora_dropout=cfg["dropout"],
                       target_modules=cfg["target_modules"], modules_to_save=cfg["modules_to_save"] or None,
                       task_type=TaskType.CAUSAL_LM, base_model_name_or_path=base)
-
-
-def is_adapter(name: str) -> bool:
-    return ADAPTER_MARK in name
-
-
-def base_name(name: str) -> str:
-    """The checkpoint name of a base weight inside a LoRA layer."""
-    return name.replace(BASE_LAYER, "")
 
 
 def trainable(name: str, cfg: dict) -> bool:
@@ -61,8 +52,6 @@ def init_adapters(model, seed: int) -> None:
     shard."""
     from torch.distributed.tensor import DTensor
 
-    from amalia_ray.train.hf_weights import fill_local, plain_name
-
     for name, param in model.named_parameters():
         if not is_adapter(name):
             continue
@@ -77,56 +66,6 @@ def init_adapters(model, seed: int) -> None:
             fill_local(param, full)
         else:
             param.copy_(full.to(param.device))
-
-
-def scalings(model) -> dict[str, float]:
-    """Each LoRA layer's scale (PEFT's alpha / r) by the layer's name without the wrappers' prefixes; empty for a
-    model without adapters."""
-    from amalia_ray.train.hf_weights import plain_name
-
-    return {plain_name(name): float(module.scaling[ADAPTER_NAME]) for name, module in model.named_modules()
-            if isinstance(getattr(module, "scaling", None), dict) and ADAPTER_NAME in module.scaling}
-
-
-class Merger:
-    """Turns the adapted model's tensors, fed one at a time in any order, into the merged model's, as PEFT's
-    `merge_and_unload` computes them: each LoRA layer's base weight plus scale · B · A under the base weight's own
-    name, its bias renamed likewise, everything else as it is. A layer comes out once its three parts are in, so a
-    stream (the rollout engine's weight push) holds at most a layer's worth."""
-
-    def __init__(self, layer_scalings: dict[str, float]):
-        self.scalings = layer_scalings
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
-
-    def feed(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if ".lora_embedding_" in name or ".lora_magnitude_vector" in name:
-            raise NotImplementedError(f"merging {name}: only LoRA on linear layers is merged on the fly")
-        if BASE_LAYER not in name and not is_adapter(name):
-            return [(name, tensor)]
-        if name.endswith(BASE_LAYER + ".bias"):
-            return [(base_name(name), tensor)]
-        layer, part = (name.removesuffix(BASE_LAYER + ".weight"), "W") if name.endswith(BASE_LAYER + ".weight") else (
-            name.split(ADAPTER_MARK)[0], "A" if ".lora_A." in name else "B")
-        got = self.pending.setdefault(layer, {})
-        got[part] = tensor
-        if len(got) < 3:
-            return []
-        del self.pending[layer]
-        delta = (got["B"].float() @ got["A"].float()) * self.scalings[layer]
-        return [(layer + ".weight", (got["W"].float() + delta).to(got["W"].dtype))]
-
-    def close(self) -> None:
-        if self.pending:
-            raise RuntimeError(f"LoRA layers left without all their parts: {sorted(self.pending)[:5]}")
-
-
-def merged(state: dict[str, torch.Tensor], layer_scalings: dict[str, float]) -> dict[str, torch.Tensor]:
-    """A whole adapted state dict merged (see Merger)."""
-    merger, out = Merger(layer_scalings), {}
-    for name, tensor in state.items():
-        out.update(merger.feed(name, tensor))
-    merger.close()
-    return out
 
 
 @contextmanager
@@ -152,7 +91,6 @@ def export(model, hf_config, cfg: dict, adapter_dir: Path, merged_dir: Path | No
     merge only the trained weights are gathered: the base stays where it is."""
     import shutil
 
-    from amalia_ray.train.hf_weights import gather_full, write_hf
 
     state = gather_full(model, trained_only=merged_dir is None)
     if state is None:

@@ -201,8 +201,8 @@ def push_weights(model, engine, dtype: torch.dtype, bucket_bytes: int = PUSH_BUC
     layer merged on rank 0 once its base weight and adapters are in."""
     from torch.distributed.tensor import DTensor
 
-    from amalia_ray.train.hf_weights import plain_name
-    from amalia_ray.train.lora import Merger, scalings
+    from amalia_ray.train.lora_merge import Merger, scalings
+    from amalia_ray.train.weight_names import plain_name
 
     first = dist.get_rank() == 0
     if torch.cuda.is_available():  # what the trainer's allocator caches goes back before the engine wakes beside it
