@@ -8,7 +8,9 @@ The corpus is made of real Portuguese sentences (Debian's manuals, fortunes-br):
 random draw of 3–15 sentences; half of the originals get a copy with words replaced, deleted or inserted at a known
 rate (1, 2, 3, 5, 10 or 20%). The truth is the planted pairs, known by construction and independent of both tools'
 similarity measures; recall is also given per edit rate. Each side runs as a whole command, timed from process
-start to its output on disk: ours `amalia data dedup` (which starts its own Ray), datatrove a script running its
+start to its output on disk: ours `amalia data dedup` (with `--executor auto`: in this process for an input of up to
+256 MB, else on a Ray it starts; when it ran in-process, the verified run is repeated on Ray and reported as
+`ours_on_ray`), datatrove a script running its
 four-step MinHash pipeline on its `LocalPipelineExecutor` with as many workers as cores. Both write the kept
 documents as Parquet. Ours runs three times: with Jaccard verification at `--threshold` estimated from the
 signatures (the default), with it computed exactly over the shingle sets (`--similarity exact`), and without
@@ -119,26 +121,27 @@ if __name__ == "__main__":
 """
 
 
-def timed(cmd: list[str]) -> float:
+def timed(cmd: list[str]) -> tuple[float, str]:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd[:4])} … failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return elapsed
+    return elapsed, proc.stdout
 
 
-def run_ours(path: Path, out: Path, threshold: float, similarity: str = "estimated", seed: int = 1
-             ) -> tuple[float, dict[str, str]]:
+def run_ours(path: Path, out: Path, threshold: float, similarity: str = "estimated", seed: int = 1,
+             executor: str = "auto") -> tuple[float, dict[str, str], str]:
+    """(seconds, cluster of each id, the executor the command chose or was given)."""
     import pyarrow.parquet as pq
 
     amalia = Path(sys.executable).parent / "amalia"
-    elapsed = timed([str(amalia), "data", "dedup", str(path), str(out), "--threshold", str(threshold),
-                     "--similarity", similarity, "--ngram", "5", "--num-perm", "112", "--bands", "14",
-                     "--seed", str(seed)])
+    elapsed, printed = timed([str(amalia), "data", "dedup", str(path), str(out), "--threshold", str(threshold),
+                              "--similarity", similarity, "--ngram", "5", "--num-perm", "112", "--bands", "14",
+                              "--seed", str(seed), "--executor", executor])
     rows = pq.read_table(out / "clusters.parquet").to_pylist()
-    return elapsed, {r["id"]: r["cluster_id"] for r in rows}
+    return elapsed, {r["id"]: r["cluster_id"] for r in rows}, re.search(r'"executor": "([^"]+)"', printed)[1]
 
 
 def run_datatrove(path: Path, work: Path, workers: int, seed: int = 1) -> tuple[float, dict[str, str]]:
@@ -146,7 +149,7 @@ def run_datatrove(path: Path, work: Path, workers: int, seed: int = 1) -> tuple[
 
     script = work.parent / "datatrove_minhash.py"
     script.write_text(DATATROVE_SCRIPT)
-    elapsed = timed([sys.executable, str(script), str(path), str(work), str(workers), str(seed)])
+    elapsed, _ = timed([sys.executable, str(script), str(path), str(work), str(workers), str(seed)])
     found = {}
     for f in list((work / "kept").rglob("*.parquet")) + list((work / "removed").rglob("*.parquet")):
         for doc in pq.read_table(f).to_pylist():
@@ -188,16 +191,19 @@ def main() -> None:
                     f.write(json.dumps(d, ensure_ascii=False) + "\n")
         megabytes = sum(f.stat().st_size for f in path.iterdir()) / 1e6
         seeds = [int(s) for s in args.hash_seeds.split(",")]
-        ours_s, ours = run_ours(path, tmp / "ours", args.threshold, seed=seeds[0])
-        exact_s, exact = run_ours(path, tmp / "ours-exact", args.threshold, "exact", seed=seeds[0])
-        lsh_s, lsh = run_ours(path, tmp / "ours-lsh", 0.0, seed=seeds[0])
+        ours_s, ours, executor = run_ours(path, tmp / "ours", args.threshold, seed=seeds[0])
+        exact_s, exact, _ = run_ours(path, tmp / "ours-exact", args.threshold, "exact", seed=seeds[0])
+        lsh_s, lsh, _ = run_ours(path, tmp / "ours-lsh", 0.0, seed=seeds[0])
+        # the same verified run on a Ray cluster started by the command, when the command chose to run in-process
+        on_ray = run_ours(path, tmp / "ours-ray", args.threshold, seed=seeds[0], executor="ray") \
+            if executor != "ray" else None
         (tmp / "dt").mkdir()
         theirs_s, theirs = run_datatrove(path, tmp / "dt", workers=os.cpu_count() or 1, seed=seeds[0])
         planted = cluster_pairs(origin)
         f1_by_seed = {name: [threshold_scores(cluster_pairs(found), planted, lambda p: p in planted)["f1"]]
                       for name, found in (("ours_lsh_only", lsh), ("datatrove", theirs))}
         for seed in seeds[1:]:
-            _, found = run_ours(path, tmp / f"ours-lsh-{seed}", 0.0, seed=seed)
+            _, found, _ = run_ours(path, tmp / f"ours-lsh-{seed}", 0.0, seed=seed)
             f1_by_seed["ours_lsh_only"].append(threshold_scores(cluster_pairs(found), planted,
                                                                 lambda p: p in planted)["f1"])
             (tmp / f"dt-{seed}").mkdir()
@@ -205,12 +211,13 @@ def main() -> None:
             f1_by_seed["datatrove"].append(threshold_scores(cluster_pairs(found), planted,
                                                             lambda p: p in planted)["f1"])
     result = {"benchmark": "dedup_vs_datatrove", "timing": "whole commands, process start to output on disk",
-              "documents": len(docs), "megabytes": round(megabytes, 2),
+              "documents": len(docs), "megabytes": round(megabytes, 2), "ours_executor": executor,
               "shingle_words": 5, "bands": 14, "rows": 8, "threshold": args.threshold, "cores": os.cpu_count(),
               "truth": "the planted pairs", "planted_pairs": len(planted),
               "planted_pairs_at_or_above_threshold": sum(similarity(p) >= args.threshold for p in planted)}
-    for name, secs, found in (("ours", ours_s, ours), ("ours_exact_jaccard", exact_s, exact),
-                              ("ours_lsh_only", lsh_s, lsh), ("datatrove", theirs_s, theirs)):
+    runs = [("ours", ours_s, ours), ("ours_exact_jaccard", exact_s, exact), ("ours_lsh_only", lsh_s, lsh),
+            ("datatrove", theirs_s, theirs)] + ([("ours_on_ray", on_ray[0], on_ray[1])] if on_ray else [])
+    for name, secs, found in runs:
         pairs = cluster_pairs(found)
         result[name] = {"wall_s": round(secs, 2), "docs_per_s": round(len(docs) / secs, 1),
                         "mb_per_s": round(megabytes / secs, 3),
@@ -227,6 +234,8 @@ def main() -> None:
     result["speed_ratio_ours_over_datatrove"] = round(theirs_s / ours_s, 3)
     result["speed_ratio_ours_exact_jaccard_over_datatrove"] = round(theirs_s / exact_s, 3)
     result["speed_ratio_ours_lsh_only_over_datatrove"] = round(theirs_s / lsh_s, 3)
+    if on_ray:
+        result["speed_ratio_ours_on_ray_over_datatrove"] = round(theirs_s / on_ray[0], 3)
     print(json.dumps(result, indent=2))
 
 

@@ -152,9 +152,12 @@ def test_dedup_cli_contract_on_planted_duplicates(ray_cluster, planted):
 
     folder, docs, truth = planted
     outputs = []
-    for run in ("a", "b"):
-        result = CliRunner().invoke(app, ["data", "dedup", str(folder / "docs.jsonl"), str(folder / run)])
+    for run, executor in (("a", "auto"), ("b", "ray"), ("c", "in-process")):
+        result = CliRunner().invoke(app, ["data", "dedup", str(folder / "docs.jsonl"), str(folder / run),
+                                          "--executor", executor])
         assert result.exit_code == 0, result.output
+        assert re.search(r'"executor": "([^"]+)"', result.output)[1] == (
+            "in-process" if executor == "in-process" else "ray"), "auto: on the Ray cluster this process is on"
         outputs.append(folder / run)
     clusters = pq.read_table(outputs[0] / "clusters.parquet")
     assert clusters.column_names == ["id", "cluster_id", "cluster_size"]
@@ -182,16 +185,24 @@ def test_dedup_cli_contract_on_planted_duplicates(ray_cluster, planted):
     kept = pq.read_table(outputs[0] / "kept")
     assert sorted(kept["id"].to_pylist()) == sorted(sizes), "one kept document per cluster: its smallest id"
     assert {"text", "source", "cluster_size"} <= set(kept.column_names), "kept rows keep their columns"
-    again = pq.read_table(outputs[1] / "clusters.parquet")
-    assert again.equals(clusters), "same input and seed give the same clusters"
+    for again in outputs[1:]:
+        assert pq.read_table(again / "clusters.parquet").equals(clusters), \
+            "same input and seed give the same clusters, on Ray or in this process"
+        assert pq.read_table(again / "kept").sort_by("id").equals(kept.sort_by("id"))
 
     from amalia_ray.data.dedup import dedup
+    from amalia_ray.data.dedup_in_process import dedup_in_process
 
     dedup(folder / "docs.jsonl", folder / "shuffled", MinHashParams(), 0.8, broadcast_rows=0)
     assert pq.read_table(folder / "shuffled" / "clusters.parquet").equals(clusters), \
         "joins by shuffle (large lookup tables) give what joins by broadcast give"
     assert sorted(pq.read_table(folder / "shuffled" / "kept")["id"].to_pylist()) == sorted(kept["id"].to_pylist())
     assert np.all(np.array(kept["cluster_size"].to_pylist()) >= 1)
+    for threshold, similarity in ((None, "estimated"), (0.8, "exact")):  # unverified, verified exactly
+        on_ray = dedup(folder / "docs.jsonl", folder / "r", MinHashParams(), threshold, similarity=similarity)
+        here = dedup_in_process(folder / "docs.jsonl", folder / "p", MinHashParams(), threshold, similarity)
+        assert here["duplicate_pairs"] == on_ray["duplicate_pairs"] and here["kept"] == on_ray["kept"]
+        assert pq.read_table(folder / "p" / "clusters.parquet").equals(pq.read_table(folder / "r" / "clusters.parquet"))
 
 
 def test_dedup_cli_rejects_bad_input(tmp_path):
@@ -203,6 +214,17 @@ def test_dedup_cli_rejects_bad_input(tmp_path):
     assert result.exit_code == 1 and "dedup input not found" in result.output
     result = CliRunner().invoke(app, ["data", "dedup", str(tmp_path), str(tmp_path / "o"), "--num-perm", "100"])
     assert result.exit_code == 1 and "not a multiple of bands" in result.output
+    result = CliRunner().invoke(app, ["data", "dedup", str(tmp_path), str(tmp_path / "o"), "--executor", "spark"])
+    assert result.exit_code == 1 and "--executor must be auto, ray or in-process" in result.output
+    (tmp_path / "twice.jsonl").write_text('{"id": "a", "text": "um"}\n{"id": "b", "text": "dois"}\n'
+                                          '{"id": "a", "text": "três"}\n')
+    (tmp_path / "bare.jsonl").write_text('{"text": "sem id"}\n')
+    for name, error in (("twice.jsonl", "ids must be unique; 'a' appears more than once"),
+                        ("bare.jsonl", "missing column(s) ['id']")):
+        result = CliRunner().invoke(app, ["data", "dedup", str(tmp_path / name), str(tmp_path / "o"),
+                                          "--executor", "in-process"])
+        assert result.exit_code == 1 and error in result.output, result.output
+    assert not (tmp_path / "o" / "clusters.parquet").exists(), "nothing written for a refused input"
 
 
 @pytest.mark.e2e

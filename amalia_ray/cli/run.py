@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -78,11 +79,14 @@ def data_dedup(
     bands: Annotated[int, typer.Option(help="LSH bands (rows = num_perm / bands)")] = 14,
     ngram: Annotated[int, typer.Option(help="words per shingle")] = 5,
     seed: int = 1,
+    executor: Annotated[str, typer.Option(
+        help="ray: on a Ray cluster (RAY_ADDRESS, else one started here); in-process: in this process, the input "
+        "held in memory; auto: in-process for an input of up to 256 MB when no cluster is given, else ray")
+    ] = "auto",
 ) -> None:
     """Near-duplicate removal with MinHash-LSH and distributed connected components."""
     from amalia_ray.cluster.local import ray_session
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.dedup import dedup
     from amalia_ray.data.minhash import MinHashParams
 
     if not 0 <= threshold <= 1:
@@ -93,13 +97,27 @@ def data_dedup(
         params = MinHashParams(ngram=ngram, num_perm=num_perm, bands=bands, seed=seed)
     except ValueError as e:
         raise AmaliaError(str(e)) from None
+    if executor not in ("auto", "ray", "in-process"):
+        raise AmaliaError(f"--executor must be auto, ray or in-process, got {executor!r}")
     if not input.exists():
         raise AmaliaError(f"dedup input not found: {input}")
-    # nothing is served here: a logical CPU per core, so no more workers start (a second of imports each) than
-    # there are cores to run them
-    with ray_session(dashboard=False, num_cpus=os.cpu_count() or 1):
-        stats = dedup(input, output, params, threshold or None, similarity=similarity)
-    console.print_json(json.dumps(stats))
+    if executor == "auto":
+        from amalia_ray.data.dedup_in_process import fits_in_process
+
+        on_cluster = os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+        executor = "ray" if on_cluster or not fits_in_process(input) else "in-process"
+    if executor == "in-process":
+        from amalia_ray.data.dedup_in_process import dedup_in_process
+
+        stats = dedup_in_process(input, output, params, threshold or None, similarity=similarity)
+    else:
+        from amalia_ray.data.dedup import dedup
+
+        # nothing is served here: a logical CPU per core, so no more workers start (a second of imports each) than
+        # there are cores to run them
+        with ray_session(dashboard=False, num_cpus=os.cpu_count() or 1):
+            stats = dedup(input, output, params, threshold or None, similarity=similarity)
+    console.print_json(json.dumps({**stats, "executor": executor}))
 
 
 @data_app.command("train-quality")

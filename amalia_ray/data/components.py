@@ -37,8 +37,8 @@ def connected_components(edges: ray.data.Dataset, local_edges: int = LOCAL_EDGES
     return _star_contraction(edges)
 
 
-@ray.remote
-def _local_components(*blocks: pa.Table) -> pa.Table:
+def local_components(*blocks: pa.Table) -> pa.Table:
+    """Edges (`src`, `dst`) in one process -> `node`, `label` for every node on an edge."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components as scipy_components
 
@@ -54,6 +54,9 @@ def _local_components(*blocks: pa.Table) -> pa.Table:
     _, component = scipy_components(graph, directed=False)
     df = pl.DataFrame({"node": pl.from_arrow(nodes), "component": component})
     return to_arrow(df.with_columns(label=pl.col("node").min().over("component")).select("node", "label"), LABELS)
+
+
+_local_components = ray.remote(local_components)
 
 
 def _star_contraction(edges: ray.data.Dataset) -> tuple[ray.data.Dataset, int]:

@@ -9,6 +9,7 @@ vectorized pyarrow/polars inside."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import polars as pl
@@ -36,10 +37,8 @@ BROADCAST_ROWS = 5_000_000
 HASH_BATCH_ROWS = 8_192
 
 
-def read_documents(path: Path) -> ray.data.Dataset:
-    """jsonl (plain or .gz) or Parquet, file or folder, with at least `id` (as a string) and `text`. One Ray task
-    per file streams it in tables of about READ_TABLE_BYTES (pyarrow's readers): a file of any size is held a part at
-    a time, and a corpus of small files reads in a fraction of what Ray Data's datasource start costs."""
+def input_files(path: Path) -> list[str]:
+    """The jsonl (plain or .gz) or Parquet files of a dedup input, a file or a folder (one kind only)."""
     if not path.exists():
         raise AmaliaError(f"dedup input not found: {path}")
     files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
@@ -48,22 +47,32 @@ def read_documents(path: Path) -> ray.data.Dataset:
     if not (parquet or jsonl) or (parquet and jsonl):
         raise AmaliaError(f"dedup input {path}: expected .jsonl[.gz] or .parquet files, found "
                           f"{len(parquet)} Parquet and {len(jsonl)} jsonl")
-    readers = [_read_tables.remote(f) for f in parquet or jsonl]  # all started before any is waited on
-    refs = [ref for reader in readers for ref in reader]
-    if not refs:
-        raise AmaliaError(f"dedup input {path}: its files hold no documents")
-    names = ray.get(_column_names.remote(refs[0]))
+    return parquet or jsonl
+
+
+def check_columns(path: Path, names: list[str]) -> None:
     missing = {"id", "text"} - set(names)
     if missing:
         raise AmaliaError(f"dedup input {path}: missing column(s) {sorted(missing)}; have {names}")
+
+
+def read_documents(path: Path) -> ray.data.Dataset:
+    """jsonl (plain or .gz) or Parquet, file or folder, with at least `id` (as a string) and `text`. One Ray task
+    per file streams it in tables of about READ_TABLE_BYTES (pyarrow's readers): a file of any size is held a part at
+    a time, and a corpus of small files reads in a fraction of what Ray Data's datasource start costs."""
+    readers = [_read_tables.remote(f) for f in input_files(path)]  # all started before any is waited on
+    refs = [ref for reader in readers for ref in reader]
+    if not refs:
+        raise AmaliaError(f"dedup input {path}: its files hold no documents")
+    check_columns(path, ray.get(_column_names.remote(refs[0])))
     return ray.data.from_arrow_refs(refs)
 
 
 READ_TABLE_BYTES = 64 << 20
 
 
-@ray.remote(num_returns="streaming")
-def _read_tables(path: str):
+def read_tables(path: str):
+    """A jsonl or Parquet file's documents as tables of about READ_TABLE_BYTES, `id` as a string."""
     import pyarrow.json as pj
 
     if path.endswith(".parquet"):
@@ -79,6 +88,9 @@ def _read_tables(path: str):
             held, size = [], 0
     if held:
         yield _as_string_id(pa.Table.from_batches(held))
+
+
+_read_tables = ray.remote(num_returns="streaming")(read_tables)
 
 
 def _as_string_id(batch: pa.Table) -> pa.Table:
@@ -99,16 +111,8 @@ def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, thres
     their signatures or exact over their shingle sets (`similarity`). Duplicate graphs of more than `local_edges`
     edges are split into components on many tasks."""
 
-    band_keys = BandKeys(params)
-
-    def band_rows(batch: pa.Table) -> pa.Table:
-        """A batch of documents -> one (key, id) row per document and band."""
-        keyed = band_keys(batch)
-        keys = pa.concat_arrays([keyed[f"key_{b}"].combine_chunks() for b in range(params.bands)])
-        ids = pa.concat_arrays([keyed["id"].combine_chunks()] * params.bands)
-        return pa.table({"key": keys, "id": ids})
-
-    star_edges = exchange(map_blocks(docs, band_rows, HASH_BATCH_ROWS), "key", _bucket_edges)
+    star_edges = exchange(map_blocks(docs, partial(band_rows, band_keys=BandKeys(params)), HASH_BATCH_ROWS), "key",
+                          bucket_edges)
     if threshold is not None:
         # a pair found in several bands comes once per band here; verification keeps each pair once
         candidates = star_edges.materialize()
@@ -117,20 +121,29 @@ def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, thres
                  if stats["candidate_edges"] else candidates)
     else:
         # one more keyed shuffle (by src) keeps each pair once
-        edges = exchange(star_edges, "src", _unique_edges).materialize()
+        edges = exchange(star_edges, "src", unique_edges).materialize()
         stats = {"candidate_edges": edges.count()}
     stats["duplicate_pairs"] = edges.count()
     if not stats["duplicate_pairs"]:
         return ray.data.from_arrow(CLUSTER_SCHEMA.empty_table()), {**stats, "cc_rounds": 0}
     labels, stats["cc_rounds"] = connected_components(edges, local_edges)
-    return exchange(labels, "label", _cluster_sizes), stats
+    return exchange(labels, "label", cluster_sizes), stats
+
+
+def band_rows(batch: pa.Table, band_keys: BandKeys) -> pa.Table:
+    """A batch of documents -> one (key, id) row per document and band."""
+    keyed = band_keys(batch)
+    bands = band_keys.params.bands
+    keys = pa.concat_arrays([keyed[f"key_{b}"].combine_chunks() for b in range(bands)])
+    ids = pa.concat_arrays([keyed["id"].combine_chunks()] * bands)
+    return pa.table({"key": keys, "id": ids})
 
 
 def _collect(ds: ray.data.Dataset) -> pa.Table:
     return pa.concat_tables([t for t in ray.get(ds.to_arrow_refs()) if len(t)] or [ds.schema().base_schema.empty_table()])
 
 
-def _bucket_edges(group: pa.Table) -> pa.Table:
+def bucket_edges(group: pa.Table) -> pa.Table:
     """Rows (key, id) of one part -> star edges from each bucket's smallest id to its other members."""
     df = pl.from_arrow(group.select(["key", "id"]))
     roots = df.group_by("key").agg(src=pl.col("id").min(), n=pl.len()).filter(pl.col("n") > 1)
@@ -139,7 +152,7 @@ def _bucket_edges(group: pa.Table) -> pa.Table:
     return to_arrow(edges, EDGES)
 
 
-def _unique_edges(group: pa.Table) -> pa.Table:
+def unique_edges(group: pa.Table) -> pa.Table:
     return to_arrow(pl.from_arrow(group.select(["src", "dst"])).unique().sort("src", "dst"), EDGES)
 
 
@@ -151,54 +164,66 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
     task, only those documents are hashed and shuffled."""
     wanted = None
     if 2 * candidates.count() <= broadcast_rows:  # their ids (not the pairs) are few enough to go to every task
-
-        def endpoints(batch: pa.Table) -> pa.Table:
-            ids = pa.concat_arrays([batch["src"].combine_chunks(), batch["dst"].combine_chunks()])
-            return pa.table({"id": pc.unique(ids)})
-
         wanted = pc.unique(_collect(map_blocks(candidates, endpoints))["id"].combine_chunks())
-    values_of = ShingleSets(params) if similarity == "exact" else SignatureSets(params)
-
-    def doc_rows(batch: pa.Table) -> pa.Table:
-        if wanted is not None:
-            batch = batch.filter(pc.is_in(batch["id"], value_set=wanted))
-        batch = values_of(batch)
-        n = len(batch)
-        return pa.table({"id": batch["id"], "values": batch["values"], "src": pa.nulls(n, pa.string()),
-                         "dst": pa.nulls(n, pa.string()), "side": pa.nulls(n, pa.int8())}, schema=VERIFY)
-
-    def side_rows(batch: pa.Table) -> pa.Table:
-        n = len(batch)
-        sides = []
-        for side, key in ((0, "src"), (1, "dst")):
-            sides.append(pa.table({"id": batch[key], "values": pa.nulls(n, VERIFY.field("values").type),
-                                   "src": batch["src"], "dst": batch["dst"], "side": pa.array([side] * n, pa.int8())},
-                                  schema=VERIFY))
-        return pa.concat_tables(sides)
-
-    def attach_values(group: pa.Table) -> pa.Table:
-        is_side = pc.is_valid(group["side"])
-        docs, sides = group.filter(pc.invert(is_side)), group.filter(is_side)
-        sides = pl.from_arrow(sides).unique(["src", "dst", "side"]).sort("src", "dst", "side").to_arrow().cast(VERIFY)
-        found = pc.index_in(sides["id"], value_set=docs["id"])
-        return sides.set_column(sides.schema.get_field_index("values"), "values", docs["values"].take(found))
-
-    attached = exchange([map_blocks(docs, doc_rows, HASH_BATCH_ROWS), map_blocks(candidates, side_rows)], "id",
+    values = partial(value_rows, values_of=pair_values(params, similarity), wanted=wanted)
+    attached = exchange([map_blocks(docs, values, HASH_BATCH_ROWS), map_blocks(candidates, side_rows)], "id",
                         attach_values)
-
-    def keep_similar(group: pa.Table) -> pa.Table:
-        df = pl.from_arrow(group.select(["src", "dst", "side", "values"]))
-        pairs = (df.filter(pl.col("side") == 0).join(df.filter(pl.col("side") == 1), on=["src", "dst"])
-                 .sort("src", "dst"))
-        if not len(pairs):
-            return EDGES.empty_table()
-        similar = pair_jaccard(pairs["values"].to_arrow(), pairs["values_right"].to_arrow(), similarity) >= threshold
-        return to_arrow(pairs.filter(pl.Series(similar)).select("src", "dst"), EDGES)
-
-    return exchange(attached, "src", keep_similar)
+    return exchange(attached, "src", partial(keep_similar, threshold=threshold, similarity=similarity))
 
 
-def _cluster_sizes(group: pa.Table) -> pa.Table:
+def endpoints(batch: pa.Table) -> pa.Table:
+    """The ids of a batch of pairs, each once."""
+    ids = pa.concat_arrays([batch["src"].combine_chunks(), batch["dst"].combine_chunks()])
+    return pa.table({"id": pc.unique(ids)})
+
+
+def pair_values(params: MinHashParams, similarity: str) -> ShingleSets | SignatureSets:
+    """What a pair's Jaccard is computed from: shingle sets (`exact`) or signatures."""
+    return ShingleSets(params) if similarity == "exact" else SignatureSets(params)
+
+
+def value_rows(batch: pa.Table, values_of: ShingleSets | SignatureSets, wanted: pa.Array | None) -> pa.Table:
+    """Verification rows of documents (those in `wanted`, if given): their id and values."""
+    if wanted is not None:
+        batch = batch.filter(pc.is_in(batch["id"], value_set=wanted))
+    batch = values_of(batch)
+    n = len(batch)
+    return pa.table({"id": batch["id"], "values": batch["values"], "src": pa.nulls(n, pa.string()),
+                     "dst": pa.nulls(n, pa.string()), "side": pa.nulls(n, pa.int8())}, schema=VERIFY)
+
+
+def side_rows(batch: pa.Table) -> pa.Table:
+    """Verification rows of pairs: each side keyed by its document's id."""
+    n = len(batch)
+    sides = []
+    for side, key in ((0, "src"), (1, "dst")):
+        sides.append(pa.table({"id": batch[key], "values": pa.nulls(n, VERIFY.field("values").type),
+                               "src": batch["src"], "dst": batch["dst"], "side": pa.array([side] * n, pa.int8())},
+                              schema=VERIFY))
+    return pa.concat_tables(sides)
+
+
+def attach_values(group: pa.Table) -> pa.Table:
+    """Each pair side with its document's values."""
+    is_side = pc.is_valid(group["side"])
+    docs, sides = group.filter(pc.invert(is_side)), group.filter(is_side)
+    sides = pl.from_arrow(sides).unique(["src", "dst", "side"]).sort("src", "dst", "side").to_arrow().cast(VERIFY)
+    found = pc.index_in(sides["id"], value_set=docs["id"])
+    return sides.set_column(sides.schema.get_field_index("values"), "values", docs["values"].take(found))
+
+
+def keep_similar(group: pa.Table, threshold: float, similarity: str) -> pa.Table:
+    """The pairs whose two sides' Jaccard is >= threshold, each once."""
+    df = pl.from_arrow(group.select(["src", "dst", "side", "values"]))
+    pairs = (df.filter(pl.col("side") == 0).join(df.filter(pl.col("side") == 1), on=["src", "dst"])
+             .sort("src", "dst"))
+    if not len(pairs):
+        return EDGES.empty_table()
+    similar = pair_jaccard(pairs["values"].to_arrow(), pairs["values_right"].to_arrow(), similarity) >= threshold
+    return to_arrow(pairs.filter(pl.Series(similar)).select("src", "dst"), EDGES)
+
+
+def cluster_sizes(group: pa.Table) -> pa.Table:
     df = (pl.from_arrow(group.select(["node", "label"]))
           .with_columns(cluster_size=pl.len().over("label").cast(pl.Int64))
           .select(id="node", cluster_id="label", cluster_size="cluster_size"))
@@ -212,7 +237,7 @@ def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, broadcast_
     documents) in one keyed exchange, and each block sets its rows' clusters (`decide`)."""
     if clusters.count() <= broadcast_rows:
         table = _collect(clusters)
-        return docs.map_batches(lambda b: _attach(b, table), batch_format="pyarrow")
+        return docs.map_batches(lambda b: attach_clusters(b, table), batch_format="pyarrow")
     schema = pa.schema([*CLUSTER_SCHEMA, pa.field(ROW, pa.int64())])
 
     def id_rows(batch: pa.Table) -> pa.Table:
@@ -244,7 +269,7 @@ def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, broadcast_
     return decide(docs.materialize(), id_rows, "id", join, attach, others=[links])
 
 
-def _attach(rows: pa.Table, clusters: pa.Table) -> pa.Table:
+def attach_clusters(rows: pa.Table, clusters: pa.Table) -> pa.Table:
     found = pc.index_in(rows["id"], value_set=clusters["id"])
     cluster_id = pc.coalesce(clusters["cluster_id"].take(found), rows["id"])
     size = pc.coalesce(clusters["cluster_size"].take(found), pa.scalar(1, pa.int64()))
@@ -256,13 +281,17 @@ def check_unique_ids(docs: ray.data.Dataset, what: str) -> None:
     their clusters by id, so a repeated id would silently merge or drop documents. Only the ids move (one keyed
     exchange); the documents stay where they are."""
     ids = map_blocks(docs, lambda b: b.select(["id"]))
-    repeated = [t for t in ray.get(exchange(ids, "id", _smallest_repeated_id).to_arrow_refs()) if len(t)]
+    repeated = [t for t in ray.get(exchange(ids, "id", smallest_repeated_id).to_arrow_refs()) if len(t)]
     if repeated:
         dup = pc.min(pa.concat_tables(repeated)["id"]).as_py()
-        raise AmaliaError(f"{what}: ids must be unique; '{dup}' appears more than once")
+        raise repeated_id(what, dup)
 
 
-def _smallest_repeated_id(group: pa.Table) -> pa.Table:
+def repeated_id(what: str, dup: str) -> AmaliaError:
+    return AmaliaError(f"{what}: ids must be unique; '{dup}' appears more than once")
+
+
+def smallest_repeated_id(group: pa.Table) -> pa.Table:
     """The part's smallest repeated id, if any: the driver gathers one row per part, however many ids repeat."""
     counts = pc.value_counts(group["id"].combine_chunks())
     repeated = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
@@ -279,7 +308,7 @@ def unique_ids(batches, what: str):
             counts = pc.value_counts(pa.concat_arrays([pa.array([last], pa.string()), ids.combine_chunks()
                                                        if isinstance(ids, pa.ChunkedArray) else ids]))
             dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
-            raise AmaliaError(f"{what}: ids must be unique; '{dup}' appears more than once")
+            raise repeated_id(what, dup)
         last = ids[-1].as_py() if len(ids) else last
         yield batch
 
@@ -311,6 +340,12 @@ def dedup(input_path: Path, output: Path, params: MinHashParams, threshold: floa
     kept = joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"])
     write_shards(kept, output / "kept")
     n_kept = sum(pq.ParquetFile(p).metadata.num_rows for p in (output / "kept").rglob("*.parquet"))
+    return summary(n_docs, stats, n_kept, params, threshold, similarity)
+
+
+def summary(n_docs: int, stats: dict, n_kept: int, params: MinHashParams, threshold: float | None,
+            similarity: str) -> dict:
+    """What `amalia data dedup` prints."""
     return {"documents": n_docs, **stats, "kept": n_kept, "removed": n_docs - n_kept, "num_perm": params.num_perm,
             "bands": params.bands, "rows": params.rows, "ngram": params.ngram, "threshold": threshold,
             **({"similarity": similarity} if threshold else {})}
