@@ -365,6 +365,10 @@ def test_a_large_web_archive_is_read_in_ranges_of_whole_records_with_the_ids_of_
     quoted = "\r\n\r\nWARC/1.0\r\nWARC-Type: response\r\nContent-Length: 9\r\n\r\n<p>x</p>\r\n"
     records[90:100] = [warc_record(f"https://arquivo.pt/q{i}", "<html><body><pre>" + quoted * 20 + f"</pre>{i}"
                                    "<p>Um registo citado dentro de uma página.</p></body></html>") for i in range(10)]
+    body = "<p>um registo no fim</p>" * 40  # a whole record quoted at the very end of a page: after it comes the
+    tail = f"\r\n\r\nWARC/1.0\r\nWARC-Type: resource\r\nContent-Length: {len(body)}\r\n\r\n{body}"  # next record
+    records[100:110] = [warc_record(f"https://arquivo.pt/t{i}", f"<html><body><p>Página {i} {'com texto ' * 30}"
+                                    "</p></body></html>" + tail) for i in range(10)]
     members = [gzip.compress(r) for r in records]
     members[60] = gzip.compress(records[60][:50]) + gzip.compress(records[60][50:])  # a member inside a record
     (tmp_path / "crawl.warc.gz").write_bytes(b"".join(members))
@@ -422,6 +426,9 @@ def test_a_large_text_file_is_read_in_ranges_of_whole_documents_with_the_ids_of_
     docs = [" ".join(rng.choices(words, k=rng.randint(3, 120))) for _ in range(300)]
     docs[40] = "comprido " * 1200  # spans several ranges
     docs[90] = "enorme " * 3000  # over max_record_bytes: quarantined once, the boundary after it still found
+    for i in range(100, 300, 3):  # a document that starts with spaces or tabs (no cut before it: the blank run
+        docs[i] = rng.choice(["  ", "\t", " " * 100]) + docs[i]  # could go on) or a carriage return
+    docs[101] = "\r" + docs[101]
     gaps = [rng.choice(["\n\n", "\n  \n\t\n", "\n\n\n\n", "\n \n"]) for _ in docs]
     paragraphs = "".join(d + g for d, g in zip(docs, gaps)).encode()
     blocks = "".join(d.replace(" e ", "\n%% e\n", 1) + ("\n%\n" if i % 7 else "\n% \t\n%\n")

@@ -1,3 +1,5 @@
+import re
+
 import pyarrow as pa
 
 from amalia_ray.data.steps import ExactKeys, MinLength, Normalize, exact_copies, is_validation
@@ -49,6 +51,38 @@ def test_text_documents_are_split_as_the_file_streams(tmp_path, monkeypatch):
                                           ("paragraph 1", "segundo ção"), ("paragraph 2", "terceiro\n")]
     assert [d for _, d in docs("f.txt", "separator")] == ["a\n", "b ão\nb2\n", "c\n"]
     assert docs("t.txt", "file") == [("file 0", text)]
+
+
+def test_text_documents_follow_the_boundary_rule_whatever_the_blocks(tmp_path, monkeypatch):
+    """Random texts of words, spaces, tabs, CRs, newlines and separator-like lines, read in blocks of 1 to 64
+    bytes: the documents are those of splitting the whole text at `\n(?:[ \t]*\n)+` (paragraphs) or at lines of
+    the separator (blocks), and a document over max_record_bytes is cut to its head wherever the blocks end."""
+    import random
+
+    from amalia_ray.core.config import SourceConfig
+    from amalia_ray.data import readers
+    from amalia_ray.data.records import preview
+
+    rng = random.Random(11)
+    pieces = ["ção", "a", "b c", " ", "\t", "\r", "\n", "\n", "\n", "%", "%%", "% \t"]
+    for trial in range(300):
+        text = "".join(rng.choices(pieces, k=rng.randint(0, 60)))
+        if trial % 10 == 0:
+            text += "longo " * 400 + rng.choice(["\n\n", "\n%\n", "\n \n", ""]) + "fim"
+        (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+        monkeypatch.setattr(readers, "_CHUNK", rng.choice([1, 2, 3, 7, 64]))
+        for split in ("paragraph", "separator"):
+            src = SourceConfig(name="s", paths=["x"], format="text", split=split, max_record_bytes=1024)
+            got = [(doc, problem.reason if problem else None)
+                   for _, _, doc, _, problem in readers.read_text(readers.InputFile(str(tmp_path / "t.txt")), src)]
+            if split == "paragraph":
+                expected = re.split(r"\n(?:[ \t]*\n)+", text)
+            else:
+                expected = re.split(r"(?m)^%[ \t\r]*\n", text)
+                expected[-1] = re.sub(r"(?m)^%\s*\Z", "", expected[-1])
+            expected = [(d, None) if len(d) <= 1024 else (preview(d[:2000].encode()), "record too large")
+                        for d in expected if d.strip()]
+            assert got == expected, (split, text)
 
 
 def test_validation_split_is_stable_and_near_fraction():

@@ -77,6 +77,11 @@ def test_warc_html_responses(tmp_path):
     assert [json.loads(r["metadata"])["url"] for r in out] == ["https://arquivo.pt/a", "https://arquivo.pt/b"]
     assert out[0]["id"].startswith("s/a.warc.gz#") and TEXT in out[0]["text"]
     assert json.loads(out[0]["metadata"])["record_id"].startswith("<urn:uuid:")
+    first = warc_record("https://arquivo.pt/a", f"<html><body><p>{TEXT}</p></body></html>")
+    (tmp_path / "tail.warc").write_bytes(first + b"lixo no fim do ficheiro\r\n")  # no record after it
+    out = rows(read_file(str(tmp_path / "tail.warc"), src("warc")))
+    assert [r["drop_reason"] for r in out] == [None, "quarantine:broken WARC record"]
+    assert out[1]["location"] == f"record at byte {len(first)}" and "are not a WARC record" in out[1]["metadata"]
 
 
 def arc_record(url: str, html: str, content_type: str = "text/html", version: int = 1, length_off: int = 0) -> bytes:

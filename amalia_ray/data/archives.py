@@ -106,6 +106,8 @@ def warc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quara
                        else "Content-Length does not end where the record does")
         yield at, header, b"".join(header)[:_RAW_LIMIT], Quarantine("broken WARC record", problem)
         resyncing = True
+    if junk_at is not None:  # bytes after the last record that are no record
+        yield junk_at, [], b"", Quarantine("broken WARC record", f"bytes from {junk_at} are not a WARC record")
 
 
 def _header_field(line: bytes) -> tuple[bytes, bytes]:

@@ -43,6 +43,10 @@ _GZIP_MAGIC = b"\x1f\x8b\x08"
 _PROBE = 64 << 10  # the compressed bytes a member-start candidate is checked with
 _LOOKAHEAD = 64  # bytes past a boundary's end that tell whether it is complete (a WARC version line fits)
 _WARC_START = re.compile(rb"\n\r?\n(?=WARC/\d\.\d+\r?\n)")  # a blank line, then a version line: ends at the record
+# a record header (at the start or after a blank line) up to the blank line that ends it, and its Content-Length
+_WARC_HEADER = re.compile(rb"(?:\A|\n\r?\n)(WARC/\d\.\d+\r?\n(?:[^\r\n]+\r?\n){0,1000}?\r?\n)")
+_CONTENT_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*(\d{1,19})[ \t]*\r?$")
+_CANDIDATES = 16  # record starts tried per cut of an uncompressed WARC
 
 
 def _cut_by(path: str, source: SourceConfig) -> str | None:
@@ -55,7 +59,8 @@ def _cut_by(path: str, source: SourceConfig) -> str | None:
         return None if compressed else "lines"
     if source.format == "warc":
         return "members" if path.endswith(".warc.gz") else "records" if path.endswith(".warc") else None
-    if source.format == "text" and source.split != "file" and not compressed and _bytes_are_ascii(source.encoding):
+    if (source.format == "text" and source.split != "file" and not compressed and _bytes_are_ascii(source.encoding)
+            and (source.split == "paragraph" or _separator_bytes(source))):
         return "documents"
     return None
 
@@ -133,15 +138,26 @@ def _first_boundary(path: str, options: dict, start: int, end: int, boundary: re
                 return None
             # keep one byte before where the search goes on (a line start stays one); a run of blank lines longer
             # than two chunks is entered at a later newline of it, which ends where the whole run ends
-            keep = max(min(pos, complete), len(buffer) - 2 * _CHUNK) - 1
+            keep = max(max(min(pos, complete), len(buffer) - 2 * _CHUNK) - 1, 0)
             buffer, at, pos = buffer[keep:], at + keep, max(pos - keep, 1)
 
 
+def _separator_bytes(source: SourceConfig) -> bytes | None:
+    """The separator as the file's bytes, or None when the encoding cannot write it."""
+    encoding = "utf-8" if codecs.lookup(source.encoding).name == "utf-8-sig" else source.encoding
+    try:
+        return source.separator.encode(encoding)
+    except UnicodeEncodeError:
+        return None
+
+
 def _boundary_pattern(source: SourceConfig) -> re.Pattern:
-    """The bytes that end a document in a text file: the reader's own rule (`readers._text_documents`)."""
+    """The bytes that end a document in a text file, by the reader's own rule (`readers._text_documents`): a line
+    of the separator, or a run of blank lines after a line. A run of blank lines counts only when the line after it
+    starts with neither a space nor a tab, so the run cannot go on past what was read (the reader's greedy rule)."""
     if source.split == "separator":
-        return re.compile(rb"(?m)^" + re.escape(source.separator.encode(source.encoding)) + rb"[ \t\r]*\n")
-    return re.compile(rb"\n(?:[ \t]*\n)+")
+        return re.compile(rb"(?m)^" + re.escape(_separator_bytes(source)) + rb"[ \t\r]*\n")
+    return re.compile(rb"\n(?:[ \t]*\n)+(?=[^ \t\n])")
 
 
 @ray.remote(num_cpus=1)
@@ -152,11 +168,23 @@ def first_document(path: str, source: SourceConfig, start: int, end: int) -> int
 
 @ray.remote(num_cpus=1)
 def first_record(path: str, source: SourceConfig, start: int, end: int) -> int | None:
-    """Where the first WARC record that begins in [start, end) of an uncompressed WARC file begins, or None: a
-    version line after a blank line from which the records read cleanly, each ending where the next begins, for
-    `range_bytes` (or to the end of the file). A WARC quoted inside a page's payload is passed over unless its
-    quoted records run on for more than that; a broken record is passed over with every start whose walk meets it."""
+    """Where the first WARC record that begins in [start, end) of an uncompressed WARC file begins, or None. A
+    candidate is a version line after a blank line; it is taken when (1) no record header in the `max_record_bytes`
+    before it has a Content-Length that runs past it (it would lie inside that record: a WARC quoted in a page), and
+    (2) the records from it read cleanly, each ending where the next begins, for `range_bytes` (or to the end of the
+    file). Either check may pass over a true start (the cut then moves on, or the range joins the next); at most
+    _CANDIDATES are tried per cut, so crafted bytes cost a bounded read."""
     from amalia_ray.data.archives import warc_records
+
+    def inside_a_record(offset: int) -> bool:
+        low = max(0, offset - source.max_record_bytes)
+        with open_range(path, source.storage_options, low, offset - low) as f:
+            before = f.read()
+        for header in _WARC_HEADER.finditer(before):
+            length = _CONTENT_LENGTH.search(before, header.start(1), header.end())
+            if length and low + header.end() + int(length[1]) > offset:
+                return True
+        return False
 
     def broken_at(offset: int) -> int | None:
         with open_range(path, source.storage_options, offset) as f:
@@ -168,10 +196,15 @@ def first_record(path: str, source: SourceConfig, start: int, end: int) -> int |
         return None
 
     candidate = start
-    while (candidate := _first_boundary(path, source.storage_options, candidate, end, _WARC_START)) is not None:
-        if (broken := broken_at(candidate)) is None:
+    for _ in range(_CANDIDATES):
+        if (candidate := _first_boundary(path, source.storage_options, candidate, end, _WARC_START)) is None:
+            return None
+        if inside_a_record(candidate):
+            candidate += 1
+        elif (broken := broken_at(candidate)) is not None:
+            candidate = broken + 1
+        else:
             return candidate
-        candidate = broken + 1
     return None
 
 

@@ -60,6 +60,8 @@ def read_at_most(file: InputFile, limit: int) -> tuple[bytes, int, Exception | N
 def _decoded_blocks(file: InputFile, encoding: str) -> Iterator[tuple[str, Exception | None]]:
     """A file's text in blocks of about _CHUNK bytes, decoded incrementally (a character split across blocks stays
     whole; bytes that do not decode become lone surrogates); the error that cut the file short comes last."""
+    if file.start and codecs.lookup(encoding).name == "utf-8-sig":
+        encoding = "utf-8"  # a range's first bytes are no byte-order mark: a U+FEFF there is text, as in a whole read
     decoder = codecs.getincrementaldecoder(encoding)(errors="surrogateescape")
     try:
         with file.open_binary() as f:
@@ -74,43 +76,96 @@ def _decoded_blocks(file: InputFile, encoding: str) -> Iterator[tuple[str, Excep
 _UNDECODED = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of bytes that do not decode
 
 
+def _line_pieces(file: InputFile, encoding: str) -> Iterator[tuple[str, bool, Exception | None]]:
+    """The text as (piece, whether it ends a line, error): each line whole with its newline, or in pieces of about
+    _CHUNK characters when it is longer, so a huge line is never held whole; the error that cut the file short
+    comes with the last piece."""
+    rest = ""
+    for block, error in _decoded_blocks(file, encoding):
+        rest += block
+        start = 0
+        while (end := rest.find("\n", start)) >= 0:
+            yield rest[start:end + 1], True, None
+            start = end + 1
+        rest = rest[start:]
+        if error is not None:
+            yield rest, False, error
+            return
+        if len(rest) > _CHUNK:
+            yield rest, False, None
+            rest = ""
+    if rest:
+        yield rest, False, None
+
+
+class _Document:
+    """The document under way: its text up to `cap` characters (past it, the head kept for the preview and the
+    rest counted)."""
+
+    def __init__(self, cap: int):
+        self.cap, self.keep, self.parts, self.size = cap, max(cap + 1, _RAW_LIMIT), [], 0
+
+    def add(self, text: str, size: int | None = None) -> None:
+        """Appends `text`, which stands for `size` characters (more when it was cut to a head itself)."""
+        if self.size < self.keep:
+            self.parts.append(text[:self.keep - self.size])
+        self.size += len(text) if size is None else size
+
+    def add_line(self, line: _Document) -> None:
+        self.add("".join(line.parts), line.size)
+
+    def text(self) -> str:
+        return "".join(self.parts) if self.size <= self.cap else "".join(self.parts)[:_RAW_LIMIT]
+
+
 def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, bool, Exception | None]]:
-    """(document, cut over max_record_bytes, error) in file order, streamed: a document is split off as soon as the
-    blank line or separator after it has been read, and one that grows past the cap keeps only its head."""
+    """(document, cut over max_record_bytes, error) in file order, streamed line by line, so the documents do not
+    depend on how the file is read in blocks (a byte range of it gives the documents a whole read gives there).
+    Paragraphs end at a blank line (spaces and tabs only) after a line: the newline before it is not theirs, and the
+    blank lines after it are one boundary (`\n(?:[ \t]*\n)+`). Separator blocks end at a line of the separator
+    (trailing spaces, tabs or CR allowed), which belongs to neither block."""
     if src.split == "file":
         raw, size, error = read_at_most(file, src.max_record_bytes + 1)
         yield raw.decode(src.encoding, errors="surrogateescape"), size > src.max_record_bytes, error
         return
-    boundary = (re.compile(rf"(?m)^{re.escape(src.separator)}[ \t\r]*\n") if src.split == "separator"
-                else re.compile(r"\n(?:[ \t]*\n)+"))
-    pending, oversized = "", False
-    for block, error in _decoded_blocks(file, src.encoding):
-        pending += block
-        start = 0
-        for match in boundary.finditer(pending):
-            if match.end() == len(pending) and error is None and block:
-                break  # the boundary may go on in the next block
-            yield pending[start:match.start()], oversized, None
-            start, oversized = match.end(), False
-        pending = pending[start:]
-        if len(pending) > src.max_record_bytes:  # keep the head for the preview, count the rest as cut
-            pending, oversized = pending[:_RAW_LIMIT] + _boundary_under_way(pending, src), True
+    paragraph, separator = src.split == "paragraph", src.separator
+    boundary_chars = " \t" if paragraph else " \t\r"
+    doc, line, seen_a_line = _Document(src.max_record_bytes), _Document(src.max_record_bytes), False
+    line_may_bound = True  # every piece of the line so far could belong to a boundary line
+
+    def finish(document: _Document) -> tuple[str, bool]:
+        return document.text(), document.size > src.max_record_bytes
+
+    for piece, ends_line, error in _line_pieces(file, src.encoding):
+        if line_may_bound:
+            body = piece[:-1] if ends_line else piece
+            if paragraph:
+                line_may_bound = not body.strip(boundary_chars)
+            else:
+                so_far = "".join(line.parts) + body if line.size < len(separator) + 1 else separator + body
+                line_may_bound = (so_far[:len(separator)] == separator[:len(so_far)]
+                                  and not so_far[len(separator):].strip(boundary_chars))
+        line.add(piece)
         if error is not None:
-            yield pending, oversized, error
+            doc.add_line(line)
+            yield *finish(doc), error
             return
-    last = pending if src.split != "separator" else re.sub(rf"(?m)^{re.escape(src.separator)}\s*\Z", "", pending)
-    yield last, oversized, None
-
-
-def _boundary_under_way(pending: str, src: SourceConfig) -> str:
-    """The end of a document cut over max_record_bytes that may begin the boundary after it (the whitespace after
-    its last line break, or its last line, up to 64 KiB), kept so that the boundary is still found."""
-    if src.split == "separator":
-        cut = pending.rfind("\n")
-    else:
-        rest = len(pending.rstrip(" \t\n"))
-        cut = pending.find("\n", rest)
-    return "" if cut < 0 or len(pending) - cut > 65536 else pending[max(cut, _RAW_LIMIT):]
+        if not ends_line:
+            continue
+        is_boundary = line_may_bound and (seen_a_line if paragraph else line.size >= len(separator) + 1)
+        seen_a_line = True
+        if is_boundary:
+            text, oversized = finish(doc)
+            yield (text[:-1] if paragraph and text.endswith("\n") and not oversized else text), oversized, None
+            doc = _Document(src.max_record_bytes)
+        else:
+            doc.add_line(line)
+        line, line_may_bound = _Document(src.max_record_bytes), True
+    doc.add_line(line)
+    text, oversized = finish(doc)
+    if not paragraph:
+        text = re.sub(rf"(?m)^{re.escape(separator)}\s*\Z", "", text)
+    yield text, oversized, None
 
 
 def read_text(file: InputFile, src: SourceConfig) -> Iterator[Record]:
