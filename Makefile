@@ -112,7 +112,7 @@ bench: install corpus
 	$(RUN_BENCH) train_throughput train_throughput.py
 	$(RUN_BENCH) dedup_vs_datatrove dedup_vs_datatrove.py --hash-seeds 1,2,3,4,5
 	$(RUN_BENCH) ray_start ray_start.py
-	$(RUN_BENCH) dedup_vs_datatrove_1m dedup_vs_datatrove.py --docs 1000000
+	$(RUN_BENCH) dedup_vs_datatrove_1m dedup_vs_datatrove.py --docs 1000000 --hash-seeds 1,2,3
 	$(RUN_BENCH) curation_throughput curation_throughput.py
 	$(RUN_BENCH) data_scaling data_scaling.py --base-mb 50 --scales 1,2,4,8
 	$(RUN_BENCH) data_scaling_sim data_scaling.py --base-mb 50 --scales 1 --simulate 20:32

@@ -82,7 +82,7 @@ def main() -> None:
 
     from amalia_ray.core.recipe import load_recipe
     from amalia_ray.data.inputs import expand_paths
-    from amalia_ray.data.stage import curate
+    from amalia_ray.data.curate import curate
 
     loaded = load_recipe(args.recipe)
     data = loaded.recipe.data

@@ -136,7 +136,7 @@ def run_one(corpus: dict, cpus: int, simulate: tuple[int, int] | None = None, in
         SourceConfig,
         VarietyConfig,
     )
-    from amalia_ray.data.stage import curate
+    from amalia_ray.data.curate import curate
 
     cfg = DataConfig(
         sources=[SourceConfig(name="crawl", paths=corpus["files"], format="jsonl")], min_chars=120,

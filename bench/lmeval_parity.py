@@ -58,7 +58,7 @@ def main() -> None:
 
     from amalia_ray.core.config import EvalConfig, EvalTaskConfig, ServeConfig
     from amalia_ray.evals.lmeval_export import export_lm_eval
-    from amalia_ray.evals.runner import metrics_of, run_task
+    from amalia_ray.evals.evaluate import metrics_of, run_task
     from amalia_ray.serve import app as serve_app
 
     tmp = Path(tempfile.mkdtemp(prefix="lmeval-parity-"))

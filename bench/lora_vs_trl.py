@@ -45,7 +45,7 @@ def main() -> None:
                  "modules_to_save": [], "merge": False}
     model_cfg = bench_model(args.seq_len)
 
-    from amalia_ray.train.stage import hf_config_dict
+    from amalia_ray.train.train_stage import hf_config_dict
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

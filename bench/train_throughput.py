@@ -53,7 +53,7 @@ def main() -> None:
 
     from amalia_ray.core.config import ModelConfig, PretrainStage
     from amalia_ray.train.model import llama_config
-    from amalia_ray.train.stage import run_train_stage
+    from amalia_ray.train.train_stage import run_train_stage
 
     vocab = 4096
     rng = np.random.default_rng(0)

@@ -61,7 +61,7 @@ def run_ours(args, chats: Path, tok_dir: Path, model_cfg, tmp: Path) -> dict:
     import ray
 
     from amalia_ray.core.config import SFTStage
-    from amalia_ray.train.stage import run_train_stage
+    from amalia_ray.train.train_stage import run_train_stage
 
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     stage = SFTStage(name="sft", objective="sft", dataset=str(chats), seq_len=args.seq_len, steps=args.steps,
@@ -142,8 +142,8 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from amalia_ray.core.flops import flops_per_token_of
-    from amalia_ray.train.metrics import matmul_peak_flops
-    from amalia_ray.train.stage import hf_config_dict
+    from amalia_ray.train.train_metrics import matmul_peak_flops
+    from amalia_ray.train.train_stage import hf_config_dict
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -169,7 +169,7 @@ def post_training(demo_run, recipe_path) -> Path:
     the recipe."""
     from amalia_ray.core.recipe import load_recipe
     from amalia_ray.data.conversations import write_faq_conversations, write_jsonl
-    from amalia_ray.data.tasks import arithmetic_tasks
+    from amalia_ray.data.rl_tasks import arithmetic_tasks
     from amalia_ray.pipeline.runner import Pipeline
 
     chats = recipe_path.parent / "faq-chat.jsonl"

@@ -94,6 +94,10 @@ def test_truncated_gz_and_zst_keep_what_came_before(tmp_path):
     kept, bad = outcome(tmp_path / "t.txt.gz", src("text"))
     assert 0 < len(kept) < 2000 and kept == [good(i) for i in range(len(kept))]
     assert bad == {"truncated file": 1}, "the last paragraph may be cut: quarantined, not kept"
+    whole = gzip.compress(f"{good(0)}\n\n{good(1)}\n\n".encode())  # the file is cut right after a boundary
+    (tmp_path / "u.txt.gz").write_bytes(whole + gzip.compress(good(2).encode())[:20])
+    kept, bad = outcome(tmp_path / "u.txt.gz", src("text"))
+    assert kept == [good(0), good(1)] and bad == {"truncated file": 1}, "the cut is reported even between documents"
 
 
 def test_text_files(tmp_path):
@@ -171,7 +175,7 @@ def test_the_data_stage_quarantines_every_bad_record_and_keeps_the_rest(ray_clus
     """All of it at once through the curation stage on Ray Data: the stage completes, the kept documents are exactly
     the good ones, and `quarantine/` holds every bad record with its file, location, reason and error."""
     from amalia_ray.core.config import DataConfig
-    from amalia_ray.data.stage import curate
+    from amalia_ray.data.curate import curate
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -229,7 +233,7 @@ def test_an_error_that_is_not_the_inputs_fails_the_stage_naming_the_file(tmp_pat
 
 def test_mostly_unreadable_input_fails_the_stage_with_the_counts_per_reason(tmp_path):
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.stage import check_quarantine
+    from amalia_ray.data.curate import check_quarantine
 
     per_filter = [{"source": "web", "drop_reason": "quarantine:broken WARC record", "count": 30},
                   {"source": "json", "drop_reason": "quarantine:invalid JSON", "count": 5},

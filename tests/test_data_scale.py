@@ -166,7 +166,7 @@ def test_a_corpus_on_s3_is_listed_streamed_and_rerun_when_an_object_changes(ray_
     from amalia_ray.core.config import DataConfig, SourceConfig
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.core.recipe import load_recipe
-    from amalia_ray.data.stage import curate
+    from amalia_ray.data.curate import curate
     from amalia_ray.pipeline.runner import Pipeline
 
     text = gzip.open("/usr/share/debian-reference/debian-reference.pt.txt.gz", "rt", encoding="utf-8").read()

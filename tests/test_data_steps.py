@@ -65,16 +65,19 @@ def test_text_documents_follow_the_boundary_rule_whatever_the_blocks(tmp_path, m
 
     rng = random.Random(11)
     pieces = ["ção", "a", "b c", " ", "\t", "\r", "\n", "\n", "\n", "%", "%%", "% \t"]
-    for trial in range(300):
+    for trial in range(400):
         text = "".join(rng.choices(pieces, k=rng.randint(0, 60)))
-        if trial % 10 == 0:
-            text += "longo " * 400 + rng.choice(["\n\n", "\n%\n", "\n \n", ""]) + "fim"
+        if trial % 10 == 0:  # a document over the limit, one of exactly the limit, a long blank line
+            text += rng.choice(["longo " * 400, "x" * 1024, " " * 3000 + "x", " " * 3000]) + rng.choice(
+                ["\n\n", "\n%\n", "\n \n", "\n%", ""]) + rng.choice(["fim", ""])
         (tmp_path / "t.txt").write_text(text, encoding="utf-8")
         monkeypatch.setattr(readers, "_CHUNK", rng.choice([1, 2, 3, 7, 64]))
         for split in ("paragraph", "separator"):
             src = SourceConfig(name="s", paths=["x"], format="text", split=split, max_record_bytes=1024)
             got = [(doc, problem.reason if problem else None)
                    for _, _, doc, _, problem in readers.read_text(readers.InputFile(str(tmp_path / "t.txt")), src)]
+            assert [where for _, where, *_ in readers.read_text(readers.InputFile(str(tmp_path / "t.txt")), src)] \
+                == [f"{split} {i}" for i in range(len(got))]
             if split == "paragraph":
                 expected = re.split(r"\n(?:[ \t]*\n)+", text)
             else:

@@ -219,12 +219,22 @@ def test_dedup_cli_rejects_bad_input(tmp_path):
     (tmp_path / "twice.jsonl").write_text('{"id": "a", "text": "um"}\n{"id": "b", "text": "dois"}\n'
                                           '{"id": "a", "text": "três"}\n')
     (tmp_path / "bare.jsonl").write_text('{"text": "sem id"}\n')
+    (tmp_path / "mixed").mkdir()  # a second file without the text column
+    (tmp_path / "mixed" / "a.jsonl").write_text('{"id": "a", "text": "um texto", "n": 1}\n')
+    (tmp_path / "mixed" / "b.jsonl").write_text('{"id": "b", "body": "outro", "n": "dois"}\n')
     for name, error in (("twice.jsonl", "ids must be unique; 'a' appears more than once"),
-                        ("bare.jsonl", "missing column(s) ['id']")):
+                        ("bare.jsonl", "missing column(s) ['id']"), ("mixed", "missing column(s) ['text']")):
         result = CliRunner().invoke(app, ["data", "dedup", str(tmp_path / name), str(tmp_path / "o"),
                                           "--executor", "in-process"])
         assert result.exit_code == 1 and error in result.output, result.output
     assert not (tmp_path / "o" / "clusters.parquet").exists(), "nothing written for a refused input"
+    (tmp_path / "mixed" / "b.jsonl").write_text('{"id": "b", "text": "outro", "n": "dois"}\n')
+    result = CliRunner().invoke(app, ["data", "dedup", str(tmp_path / "mixed"), str(tmp_path / "o"),
+                                      "--executor", "in-process"])
+    assert result.exit_code == 0, result.output  # columns of other types in another file: each kept as it came
+    kept = sorted((r for f in (tmp_path / "o" / "kept").iterdir() for r in pq.read_table(f).to_pylist()),
+                  key=lambda r: r["id"])
+    assert [(r["id"], r["n"], r["cluster_size"]) for r in kept] == [("a", 1, 1), ("b", "dois", 1)]
 
 
 @pytest.mark.e2e
@@ -235,7 +245,7 @@ def test_two_sources_with_the_same_file_names_and_record_ids_lose_nothing(ray_cl
     near copy of one of the first: every document gets an id of its own (source, file, line), the records' own ids
     stay in the metadata, and near-dedup finds the one near duplicate across the sources and nothing else."""
     from amalia_ray.core.config import DataConfig, NearDedupConfig, SourceConfig
-    from amalia_ray.data.stage import curate
+    from amalia_ray.data.curate import curate
 
     texts = [" ".join(f"{w}{letters((i * 7 + k) % 97)}" for k, w in enumerate(
         ["palavra", "texto", "frase", "linha", "termo", "nome", "coisa", "parte"] * 4)) for i in range(80)]

@@ -422,7 +422,7 @@ def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run
     import pyarrow.fs as pafs
 
     import tests.fault_injection as faults
-    from amalia_ray.train import checkpoint, stage
+    from amalia_ray.train import checkpoint, train_stage
 
     pipeline, _ = demo_run
     local = tmp_path / "runs"
@@ -434,14 +434,14 @@ def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run
         "train.0.warmup_steps": 1, "train.0.max_failures": 0,
     })
     cloudpickle.register_pickle_by_value(faults)
-    real_loop = stage.train_loop
-    stage.train_loop = faults.full_storage_at(upload=3)
+    real_loop = train_stage.train_loop
+    train_stage.train_loop = faults.full_storage_at(upload=3)
     failing = Pipeline(load_recipe(recipe))
     try:
         with pytest.raises(AmaliaError) as failed:
             failing.run(until="pretrain")
     finally:
-        stage.train_loop = real_loop
+        train_stage.train_loop = real_loop
     message = str(failed.value)
     assert message.startswith("[pretrain] the checkpoint of step 6 could not be written (OSError: [Errno 28] No "
                               "space left on device"), message

@@ -97,7 +97,7 @@ def test_two_adapters_on_one_engine_score_as_their_merged_checkpoints(served):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from amalia_ray.core.config import EvalConfig, EvalTaskConfig
-    from amalia_ray.evals.runner import run_task
+    from amalia_ray.evals.evaluate import run_task
 
     headers = {"Authorization": f"Bearer {served['key']}"}
     listed = httpx.get(f"{served['url']}/models", headers=headers, timeout=30).json()["data"]
@@ -232,7 +232,7 @@ def test_log_likelihood_accuracy_equals_lm_eval(served, tmp_path, monkeypatch):
 
     from amalia_ray.core.config import EvalConfig, EvalTaskConfig
     from amalia_ray.evals.lmeval_export import export_lm_eval
-    from amalia_ray.evals.runner import run_task
+    from amalia_ray.evals.evaluate import run_task
     from tests.test_euroeval import TEST, hub_snapshot
 
     mc = str(Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl")
@@ -332,7 +332,7 @@ def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):
     Ray Serve + vLLM (OpenAI API over HTTP), n samples per request; with a reward only accepted samples stay."""
     from amalia_ray.data.conversations import write_jsonl
     from amalia_ray.data.synthesize import synthesize
-    from amalia_ray.data.tasks import arithmetic_tasks
+    from amalia_ray.data.rl_tasks import arithmetic_tasks
 
     seeds = tmp_path / "seeds.jsonl"
     # and one seed over the served context (512 tokens): the server refuses it, it is quarantined, the rest expand
@@ -362,7 +362,7 @@ def test_a_replica_killed_during_an_evaluation(served, tmp_path):
     import psutil
 
     from amalia_ray.core.config import EvalConfig, EvalTaskConfig
-    from amalia_ray.evals.runner import run_task
+    from amalia_ray.evals.evaluate import run_task
 
     sample = [json.loads(ln) for ln in (Path(__file__).parent.parent / "evals/tasks/pt_mc_sample.jsonl").open()]
     items = tmp_path / "mc.jsonl"  # the sample 8 times (new ids), one item per request, 2 in flight: a run of seconds

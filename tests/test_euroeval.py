@@ -13,7 +13,7 @@ import yaml
 
 from amalia_ray.core.config import EvalConfig, EvalTaskConfig
 from amalia_ray.evals.lmeval_export import export_lm_eval
-from amalia_ray.evals.runner import requests_of, run_task
+from amalia_ray.evals.evaluate import requests_of, run_task
 from amalia_ray.evals.tasks import TaskError, detect_format, load_task
 from tests.test_evals_scoring import FakeModel
 

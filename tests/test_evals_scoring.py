@@ -16,7 +16,7 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.evals.generate import extract_choice, first_word
 from amalia_ray.evals.judge import parse_score
 from amalia_ray.evals.lmeval_export import export_lm_eval
-from amalia_ray.evals.runner import run_task
+from amalia_ray.evals.evaluate import run_task
 
 
 def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.evals.metrics import by_group, mean_and_stderr
+from amalia_ray.evals.scores import by_group, mean_and_stderr
 from amalia_ray.evals.tasks import FORMATS, ClozeItem, MCItem, PromptItem, detect_format, is_completion, load_task
 from tests.conftest import ROOT
 

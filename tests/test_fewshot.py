@@ -94,7 +94,7 @@ def test_chat_contexts_are_lm_evals_with_a_system_prompt_and_examples(tmp_path, 
     import httpx
 
     from amalia_ray.core.config import EvalConfig
-    from amalia_ray.evals.runner import run_task
+    from amalia_ray.evals.evaluate import run_task
     from tests.test_evals_scoring import FakeModel, render_chat
 
     train = [_row(f"Pergunta de treino {i}?", ["sim", "não"], "ab"[i % 2], "Treino") for i in range(4)]
@@ -129,7 +129,7 @@ def test_a_chat_task_on_a_server_that_cannot_render_chat_fails_with_one_clear_me
     import httpx
 
     from amalia_ray.core.config import EvalConfig
-    from amalia_ray.evals.runner import run_task
+    from amalia_ray.evals.evaluate import run_task
     from tests.test_evals_scoring import MC, FakeModel
 
     path = tmp_path / "mc.jsonl"

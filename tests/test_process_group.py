@@ -58,7 +58,7 @@ def test_training_passes_the_backend_to_ray_train(monkeypatch, tmp_path):
     import ray.train.torch
 
     from amalia_ray.core.config import ModelConfig, PretrainStage
-    from amalia_ray.train import stage as stage_module
+    from amalia_ray.train import train_stage as stage_module
 
     seen = {}
 

@@ -106,7 +106,7 @@ def test_a_lora_stage_sweeps_its_adapters_and_promotes_them(tmp_path):
 def test_the_benchmarked_trials_are_served_on_one_engine_when_they_are_adapters(tmp_path, monkeypatch, lora_base):
     """A LoRA stage's benchmarked trials: one engine of the checkpoint they were trained from, each trial's adapter
     a model id on it; other trials: each trial's export its own engine. Every trial is scored by its model id."""
-    import amalia_ray.evals.runner as runner
+    import amalia_ray.evals.evaluate as runner
     from amalia_ray.pipeline import stages, sweep
     from amalia_ray.serve import app as serve_app
 

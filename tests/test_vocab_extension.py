@@ -121,7 +121,7 @@ def _grow_on_ranks(rank: int, world: int, port: int, cases: list[tuple[str, str]
     from amalia_ray.train.hf_weights import export_hf, stored_dtype
     from amalia_ray.train.model import build, config_from_dict
     from amalia_ray.train.parallel import apply_fsdp
-    from amalia_ray.train.stage import hf_config_dict
+    from amalia_ray.train.train_stage import hf_config_dict
 
     for base, tokenizer in ((Path(b), Path(t)) for b, t in cases):
         config = config_from_dict(hf_config_dict(ModelConfig.model_validate({"from": str(base)}), tokenizer, base))

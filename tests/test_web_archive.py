@@ -339,7 +339,7 @@ def test_the_data_stage_scores_with_a_trained_model_and_flags_contamination(ray_
     exact copies resolved by `latest`, and contamination flagged instead of dropped."""
     import pyarrow.parquet as pq
 
-    from amalia_ray.data.stage import curate
+    from amalia_ray.data.curate import curate
 
     reference = _paragraphs(REFERENCE_TXT, 400)
     neg = _package_boilerplate(400)

@@ -227,7 +227,7 @@ def data_arithmetic(
 ) -> None:
     """Portuguese arithmetic and word problems with exact answers (GRPO tasks with verifiable rewards)."""
     from amalia_ray.data.conversations import write_jsonl
-    from amalia_ray.data.tasks import arithmetic_tasks
+    from amalia_ray.data.rl_tasks import arithmetic_tasks
 
     console.print(f"{write_jsonl(arithmetic_tasks(n, seed, max_operand), output)} tasks -> {output}")
 

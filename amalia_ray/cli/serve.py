@@ -219,7 +219,7 @@ def eval_(
 
     from amalia_ray.core.config import EvalConfig, JudgeConfig
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.evals.runner import run_task
+    from amalia_ray.evals.evaluate import run_task
     from amalia_ray.evals.tasks import detect_format
 
     format = format or detect_format(task)
@@ -228,7 +228,7 @@ def eval_(
                "fewshot_as_multiturn": fewshot_as_multiturn}
     if show_prompt:
         from amalia_ray.evals.fewshot import task_items
-        from amalia_ray.evals.runner import requests_of
+        from amalia_ray.evals.evaluate import requests_of
 
         shown = _task_config(task, format, method, chat=chat, max_tokens=max_tokens, limit=limit or 1, n=n,
                              temperature=temperature, top_p=top_p, seed=seed, **fewshot)

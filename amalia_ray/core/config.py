@@ -67,7 +67,8 @@ class SourceConfig(Strict):
     split: Literal["file", "paragraph", "separator"] = Field(
         "paragraph", description="text format: one document per file, blank-line paragraph or separator block"
     )
-    separator: str = Field("%", description="line that separates documents when split=separator (fortune files)")
+    separator: str = Field("%", pattern=r"^[^\r\n]+$", description="line that separates documents when "
+                           "split=separator (fortune files): one line, without its newline")
     encoding: str = Field("utf-8", description="text format: the files' encoding; a document with bytes that do not "
                           "decode is quarantined")
     max_record_bytes: int = Field(16 << 20, ge=1024, description="a line, row, page or WARC record over this many bytes "

@@ -13,7 +13,8 @@ import pyarrow as pa
 import ray
 from ray.data.expressions import col
 
-from amalia_ray.data.partitions import count_by, exchange, map_blocks, to_arrow
+from amalia_ray.data.frames import to_arrow
+from amalia_ray.data.partitions import count_by, exchange, map_blocks
 from amalia_ray.data.steps import already_dropped, map_text
 
 LINE_KEYS = pa.schema([("site", pa.string()), ("key", pa.uint64())])

@@ -15,15 +15,14 @@ import logging
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import ray
 
-from amalia_ray.data.partitions import as_table, block_refs, exchange, map_blocks, to_arrow
+from amalia_ray.data.dedup_steps import LABELS, local_components
+from amalia_ray.data.frames import to_arrow
+from amalia_ray.data.partitions import as_table, block_refs, exchange, map_blocks
 
 log = logging.getLogger(__name__)
 
-# large_string: ids add up to more than 2 GiB (32-bit offsets) in a task that holds millions of edges
-LABELS = pa.schema([("node", pa.large_string()), ("label", pa.large_string())])
 ARCS = pa.schema([("u", pa.large_string()), ("v", pa.large_string())])
 # edges solved in one task: ~100 bytes each in strings, codes and the sparse matrix (1 GB at 10 M)
 LOCAL_EDGES = 10_000_000
@@ -37,26 +36,9 @@ def connected_components(edges: ray.data.Dataset, local_edges: int = LOCAL_EDGES
     return _star_contraction(edges)
 
 
-def local_components(*blocks: pa.Table) -> pa.Table:
-    """Edges (`src`, `dst`) in one process -> `node`, `label` for every node on an edge."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components as scipy_components
-
-    tables = [t.select(["src", "dst"]) for t in map(as_table, blocks) if len(t)]
-    if not tables:
-        return LABELS.empty_table()
-    edges = pa.concat_tables(tables)
-    ends = pa.concat_arrays([edges[c].cast(pa.large_string()).combine_chunks() for c in ("src", "dst")])
-    encoded = pc.dictionary_encode(ends)
-    nodes, codes = encoded.dictionary, encoded.indices.to_numpy(zero_copy_only=False)
-    n, m = len(nodes), len(edges)
-    graph = coo_matrix((np.ones(m, np.int8), (codes[:m], codes[m:])), shape=(n, n))
-    _, component = scipy_components(graph, directed=False)
-    df = pl.DataFrame({"node": pl.from_arrow(nodes), "component": component})
-    return to_arrow(df.with_columns(label=pl.col("node").min().over("component")).select("node", "label"), LABELS)
-
-
-_local_components = ray.remote(local_components)
+@ray.remote
+def _local_components(*blocks: pa.Table) -> pa.Table:
+    return local_components(*map(as_table, blocks))
 
 
 def _star_contraction(edges: ray.data.Dataset) -> tuple[ray.data.Dataset, int]:

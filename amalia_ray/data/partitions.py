@@ -22,6 +22,7 @@ from ray.data.context import ShuffleStrategy
 from ray.data.datasource import FilenameProvider
 
 
+
 class ShardNames(FilenameProvider):
     """`part-000000.parquet`, … by write task: with order preserved, the same input writes the same files under the
     same names, so a stage's output hash is the same run after run (Ray's default names carry random ids)."""
@@ -313,8 +314,3 @@ def _count(columns: list[str], block) -> pa.Table:
     if not len(table):  # an empty block may have no columns at all
         return pa.table({})
     return table.select(columns).group_by(columns).aggregate([([], "count_all")]).rename_columns([*columns, "count"])
-
-
-def to_arrow(df: pl.DataFrame, schema: pa.Schema) -> pa.Table:
-    """polars -> Arrow with a fixed schema, so blocks from different tasks concatenate (polars emits large_string)."""
-    return df.to_arrow().select(schema.names).cast(schema)

@@ -76,109 +76,112 @@ def _decoded_blocks(file: InputFile, encoding: str) -> Iterator[tuple[str, Excep
 _UNDECODED = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of bytes that do not decode
 
 
-def _line_pieces(file: InputFile, encoding: str) -> Iterator[tuple[str, bool, Exception | None]]:
-    """The text as (piece, whether it ends a line, error): each line whole with its newline, or in pieces of about
-    _CHUNK characters when it is longer, so a huge line is never held whole; the error that cut the file short
-    comes with the last piece."""
-    rest = ""
-    for block, error in _decoded_blocks(file, encoding):
-        rest += block
-        start = 0
-        while (end := rest.find("\n", start)) >= 0:
-            yield rest[start:end + 1], True, None
-            start = end + 1
-        rest = rest[start:]
-        if error is not None:
-            yield rest, False, error
-            return
-        if len(rest) > _CHUNK:
-            yield rest, False, None
-            rest = ""
-    if rest:
-        yield rest, False, None
-
-
 class _Document:
-    """The document under way: its text up to `cap` characters (past it, the head kept for the preview and the
-    rest counted)."""
+    """The document under way when it spans blocks: its text up to `keep` characters (past max_record_bytes only the
+    head matters, for the preview), its full size, and whether what was left out of it has any non-whitespace."""
 
-    def __init__(self, cap: int):
-        self.cap, self.keep, self.parts, self.size = cap, max(cap + 1, _RAW_LIMIT), [], 0
+    def __init__(self, keep: int):
+        self.keep, self.parts, self.size, self.text_left_out = keep, [], 0, False
 
-    def add(self, text: str, size: int | None = None) -> None:
-        """Appends `text`, which stands for `size` characters (more when it was cut to a head itself)."""
-        if self.size < self.keep:
-            self.parts.append(text[:self.keep - self.size])
-        self.size += len(text) if size is None else size
-
-    def add_line(self, line: _Document) -> None:
-        self.add("".join(line.parts), line.size)
-
-    def text(self) -> str:
-        return "".join(self.parts) if self.size <= self.cap else "".join(self.parts)[:_RAW_LIMIT]
+    def add(self, text: str) -> None:
+        room = self.keep - self.size
+        if room > 0:
+            self.parts.append(text[:room])
+        if len(text) > max(room, 0):
+            self.text_left_out = self.text_left_out or not text[max(room, 0):].isspace()
+        self.size += len(text)
 
 
-def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, bool, Exception | None]]:
-    """(document, cut over max_record_bytes, error) in file order, streamed line by line, so the documents do not
-    depend on how the file is read in blocks (a byte range of it gives the documents a whole read gives there).
-    Paragraphs end at a blank line (spaces and tabs only) after a line: the newline before it is not theirs, and the
-    blank lines after it are one boundary (`\n(?:[ \t]*\n)+`). Separator blocks end at a line of the separator
-    (trailing spaces, tabs or CR allowed), which belongs to neither block."""
+def _may_be_boundary(line: str, src: SourceConfig) -> bool:
+    """Whether a line under way (no newline yet) could still turn out a boundary line."""
+    if src.split == "paragraph":
+        return not line.strip(" \t")
+    head = line[:len(src.separator)]
+    return src.separator.startswith(head) and not line[len(src.separator):].strip(" \t\r")
+
+
+def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, bool, bool, Exception | None]]:
+    """(document, cut over max_record_bytes, has text other than whitespace, error) in file order, streamed. The
+    documents are those of splitting the whole text at once, whatever blocks it is read in (so a byte range gives
+    the documents a whole read gives there): paragraphs end at a run of blank lines (spaces and tabs only) after a
+    line, and the newline before the run is not theirs (`\n(?:[ \t]*\n)+`); separator blocks end at lines of the
+    separator (trailing spaces, tabs or CR allowed), which belong to no block. Each block's whole lines are split
+    by one regex search; only the line under way is carried to the next block, and one that grows past a block
+    without being able to end a document is added to it and skipped to its newline, so memory stays bounded."""
+    cap = src.max_record_bytes
     if src.split == "file":
-        raw, size, error = read_at_most(file, src.max_record_bytes + 1)
-        yield raw.decode(src.encoding, errors="surrogateescape"), size > src.max_record_bytes, error
+        raw, size, error = read_at_most(file, cap + 1)
+        text = raw.decode(src.encoding, errors="surrogateescape")
+        yield text, size > cap, not text.isspace() and bool(text), error
         return
     paragraph, separator = src.split == "paragraph", src.separator
-    boundary_chars = " \t" if paragraph else " \t\r"
-    doc, line, seen_a_line = _Document(src.max_record_bytes), _Document(src.max_record_bytes), False
-    line_may_bound = True  # every piece of the line so far could belong to a boundary line
+    keep = max(cap + len(separator) + 66, _RAW_LIMIT)  # a block's trailing separator line fits beside its text
+    boundary = re.compile(r"(?m)^(?:[ \t]*\n)+" if paragraph else rf"(?m)^(?:{re.escape(separator)}[ \t\r]*\n)+")
+    doc, line, seen_a_line, line_is_text = _Document(keep), "", False, False
 
-    def finish(document: _Document) -> tuple[str, bool]:
-        return document.text(), document.size > src.max_record_bytes
+    def done(document: _Document, last: bool = False) -> tuple[str, bool, bool]:
+        text = "".join(document.parts)
+        if document.size > keep:
+            return text[:_RAW_LIMIT], True, document.text_left_out or not text.isspace()
+        return whole(text, last)
 
-    for piece, ends_line, error in _line_pieces(file, src.encoding):
-        if line_may_bound:
-            body = piece[:-1] if ends_line else piece
-            if paragraph:
-                line_may_bound = not body.strip(boundary_chars)
+    def whole(text: str, last: bool = False) -> tuple[str, bool, bool]:
+        if paragraph and not last and text:
+            text = text[:-1]  # the newline before the blank line
+        elif last and not paragraph:
+            text = re.sub(rf"(?m)^{re.escape(separator)}\s*\Z", "", text)
+        return (text if len(text) <= cap else text[:_RAW_LIMIT]), len(text) > cap, bool(text) and not text.isspace()
+
+    for block, error in _decoded_blocks(file, src.encoding):
+        if line_is_text:  # the rest of a long line is text up to its newline
+            end = block.find("\n") + 1
+            doc.add(block[:end] if end else block)
+            if not end and error is None:
+                continue
+            block, line_is_text, seen_a_line = block[end:] if end else "", False, seen_a_line or bool(end)
+        text = line + block
+        cut = text.rfind("\n") + 1
+        start = 0
+        for match in boundary.finditer(text, 0, cut):
+            at = match.start()
+            if paragraph and at == 0 and not seen_a_line:  # the first line of the file ends no document
+                at = text.find("\n") + 1
+                if at == match.end():
+                    continue
+            if doc.size:  # begun in an earlier block
+                doc.add(text[start:at])
+                yield *done(doc), None
+                doc = _Document(keep)
             else:
-                so_far = "".join(line.parts) + body if line.size < len(separator) + 1 else separator + body
-                line_may_bound = (so_far[:len(separator)] == separator[:len(so_far)]
-                                  and not so_far[len(separator):].strip(boundary_chars))
-        line.add(piece)
+                yield *whole(text[start:at]), None
+            start = match.end()
+        doc.add(text[start:cut])
+        seen_a_line = seen_a_line or cut > 0
+        line = text[cut:]
         if error is not None:
-            doc.add_line(line)
-            yield *finish(doc), error
+            doc.add(line)
+            yield *done(doc, last=True), error
             return
-        if not ends_line:
-            continue
-        is_boundary = line_may_bound and (seen_a_line if paragraph else line.size >= len(separator) + 1)
-        seen_a_line = True
-        if is_boundary:
-            text, oversized = finish(doc)
-            yield (text[:-1] if paragraph and text.endswith("\n") and not oversized else text), oversized, None
-            doc = _Document(src.max_record_bytes)
-        else:
-            doc.add_line(line)
-        line, line_may_bound = _Document(src.max_record_bytes), True
-    doc.add_line(line)
-    text, oversized = finish(doc)
-    if not paragraph:
-        text = re.sub(rf"(?m)^{re.escape(separator)}\s*\Z", "", text)
-    yield text, oversized, None
+        if len(line) > _CHUNK and not _may_be_boundary(line, src):
+            doc.add(line)
+            line, line_is_text = "", True
+        elif len(line) > keep:  # spaces that may yet end in a newline: how many no longer matters
+            line = line[:keep]
+    doc.add(line)
+    yield *done(doc, last=True), None
 
 
 def read_text(file: InputFile, src: SourceConfig) -> Iterator[Record]:
     """Documents numbered from the file's start (a range's numbering goes on from the documents before it)."""
     n = file.before
-    for doc, oversized, error in _text_documents(file, src):
-        if not doc.strip() and not (error is not None and n == file.before):
+    for doc, oversized, has_text, error in _text_documents(file, src):
+        if not has_text and error is None:
             continue
-        where = f"{src.split} {n}" if doc.strip() else "file"
+        where = f"{src.split} {n}" if has_text or n > file.before else "file"
         n += 1
         if error is not None:  # the file was cut short: its last document may be too
             yield None, where, preview(doc.encode(src.encoding, "surrogateescape")), {}, truncated(error)
-        elif oversized or len(doc) > src.max_record_bytes:
+        elif oversized:
             yield None, where, preview(doc[:_RAW_LIMIT].encode(src.encoding, "surrogateescape")), {}, Quarantine(
                 "record too large", f"over max_record_bytes={src.max_record_bytes}")
         elif bad := len(_UNDECODED.findall(doc)):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.ngrams import ItemIndex
-from amalia_ray.evals.metrics import summarize
+from amalia_ray.evals.scores import summarize
 from amalia_ray.evals.tasks import Item, item_text
 
 NGRAM, MIN_OVERLAP, MIN_ITEM_WORDS = 13, 1, 8

@@ -15,7 +15,7 @@ import asyncio
 
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
-from amalia_ray.evals.metrics import rejected_row
+from amalia_ray.evals.scores import rejected_row
 from amalia_ray.evals.tasks import MCItem, is_completion
 
 TEMPLATE = "Pergunta: {question}\nResposta:"

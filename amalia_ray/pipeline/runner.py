@@ -56,6 +56,7 @@ class Pipeline:
         self.store = RunStore(run.storage, run.storage_options, self.run_name) if run.storage else None
         self.own: set[str] = set()  # the stages this process runs: their manifest records are its to write
         self.corpus = None  # listed once, when first needed
+        self.base_dir = None  # placed once, when first needed
         if self.store and not (self.run_dir / "manifest.json").exists():  # a fresh machine: carry on the stored run
             self.store.pull("manifest.json", self.run_dir / "manifest.json")
         if self.store:

@@ -37,6 +37,7 @@ class RunContext(Protocol):
     store: RunStore | None
     cluster_info: dict  # set while the run's Ray session is up: its resources and billable CPUs
     corpus: list | None  # the corpus's files, listed once per run (stages.corpus_listing)
+    base_dir: Path | None  # the base model's folder in the run, placed once per run (stages.base_model_dir)
 
     def stage_dir(self, name: str) -> Path: ...
 

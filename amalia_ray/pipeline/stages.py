@@ -17,16 +17,16 @@ from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import stop_file
 from amalia_ray.core.variety_model import VarietyModel
-from amalia_ray.data import stage as data_stage
+from amalia_ray.data import curate as data_stage
 from amalia_ray.data.quality_model import QualityModel
 from amalia_ray.evals.contamination import seen_items
 from amalia_ray.evals.fewshot import task_items
-from amalia_ray.evals.runner import metrics_of, run_task
+from amalia_ray.evals.evaluate import metrics_of, run_task
 from amalia_ray.evals.tasks import item_text, load_task, task_of_file
 from amalia_ray.pipeline.spec import RunContext, StageSpec
 from amalia_ray.serve import app as serve_app
 from amalia_ray.train.model import check_config
-from amalia_ray.train.stage import run_train_stage
+from amalia_ray.train.train_stage import run_train_stage
 
 
 def corpus_listing(p: RunContext) -> list:
@@ -107,9 +107,9 @@ def base_model_dir(p: RunContext) -> Path | None:
     m = hf_model.anchored(p.recipe.model, p.loaded.resolve)
     if not m.base:
         return None
-    if getattr(p, "_base_dir", None) is None:
-        p._base_dir = hf_model.stage_snapshot(hf_model.resolve(m.base, m.revision), p.run_dir / "hub")
-    return p._base_dir
+    if p.base_dir is None:
+        p.base_dir = hf_model.stage_snapshot(hf_model.resolve(m.base, m.revision), p.run_dir / "hub")
+    return p.base_dir
 
 
 def starting_checkpoint(p: RunContext, index: int) -> Path | None:

@@ -63,7 +63,7 @@ def _trial(config: dict, *, base: dict, model: dict, data_dir: str, tokenizer_di
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from amalia_ray.train.stage import run_train_stage
+    from amalia_ray.train.train_stage import run_train_stage
 
     trial_id = tune.get_context().get_trial_id()
     stage = trial_stage_of(base, config, SweepSpace.model_validate(space).mix_weights(config, weights))
@@ -108,7 +108,7 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
     p.run(until=previous or "pack")  # what the trials read: packed data, tokenizer, the starting checkpoint
     out = p.run_dir / "sweeps" / sweep_id(trial_stage, space)
     out.mkdir(parents=True, exist_ok=True)
-    from amalia_ray.train.stage import hf_config_dict
+    from amalia_ray.train.train_stage import hf_config_dict
 
     with stages.cluster(p):
         trainable = functools.partial(
@@ -204,7 +204,7 @@ def _summarize(results, space: SweepSpace, stage, trial_stage, p: RunContext, ou
 def _benchmark(p: RunContext, summary: dict, task, top: int, out: Path, lora_base: Path | None) -> None:
     """Serve the best finished trials side by side and score each on the task over HTTP: LoRA trials as adapters
     on one engine of the checkpoint they were trained from (`lora_base`), others by their exports."""
-    from amalia_ray.evals.runner import metrics_of, run_task
+    from amalia_ray.evals.evaluate import metrics_of, run_task
     from amalia_ray.pipeline import stages
     from amalia_ray.serve import app as serve_app
 

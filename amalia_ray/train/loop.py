@@ -18,7 +18,7 @@ from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
 from amalia_ray.core.flops import flops_per_token_of
 from amalia_ray.core.shards import fillers_per_step, micro_batches_per_rank
-from amalia_ray.train.metrics import TensorBoard, memory_gb, stated_peak
+from amalia_ray.train.train_metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives import build_objective
 from amalia_ray.train.parallel import apply_fsdp, resolve_compile, resolve_precision, worker_device

@@ -19,7 +19,7 @@ from amalia_ray.core.storage import write_json
 from amalia_ray.evals import generate, judge, loglik, sampled
 from amalia_ray.evals.contamination import seen_items, with_contamination
 from amalia_ray.evals.fewshot import task_items
-from amalia_ray.evals.metrics import by_group, rejected_row, summarize
+from amalia_ray.evals.scores import by_group, rejected_row, summarize
 from amalia_ray.evals.tasks import CHOICE_FORMATS
 
 log = logging.getLogger("amalia_ray.evals")
