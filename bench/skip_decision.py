@@ -46,7 +46,7 @@ if mode == "cold":
     fp, cfg, inputs = p.fingerprint(spec)
     rec = p.manifest.stage("data")
     rec.status, rec.fingerprint, rec.config_hash, rec.inputs = "completed", fp, cfg, inputs
-    from amalia_ray.core.manifest import code_hash
+    from amalia_ray.pipeline.manifest import code_hash
     rec.code_hash = code_hash()
     p.stage_dir("data").mkdir(parents=True, exist_ok=True)
     p.save("data")

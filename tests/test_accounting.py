@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from amalia_ray.core.accounting import stage_cost, total_cost
+from amalia_ray.pipeline.accounting import stage_cost, total_cost
 from amalia_ray.core.config import AccountingConfig
 from amalia_ray.core.recipe import load_recipe
 from amalia_ray.pipeline.report import write_report

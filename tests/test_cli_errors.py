@@ -226,7 +226,7 @@ def test_status_of_missing_run(tmp_path):
 
 
 def test_status_lists_stages(tmp_path):
-    from amalia_ray.core.manifest import Manifest, StageRecord
+    from amalia_ray.pipeline.manifest import Manifest, StageRecord
 
     Manifest(run_name="r", stages={"data": StageRecord(status="completed", wall_time_s=1.5, attempts=1)}).save(tmp_path)
     code, lines = invoke("status", str(tmp_path))

@@ -58,7 +58,7 @@ def test_mlflow_store_holds_the_run_and_a_nested_run_per_stage(demo_run):
     """What `mlflow ui --backend-store-uri sqlite:///runs/<name>/mlruns/mlflow.db` shows after the demo run."""
     from mlflow.tracking import MlflowClient
 
-    from amalia_ray.core.tracking import default_mlflow_uri
+    from amalia_ray.pipeline.tracking import default_mlflow_uri
 
     pipeline, report = demo_run
     client = MlflowClient(tracking_uri=default_mlflow_uri(pipeline.run_dir))
@@ -291,7 +291,7 @@ def test_sweep_stops_weak_trials_early_and_promotes_the_winner(demo_run, recipe_
     """`amalia sweep`: 4 trials of the pretraining stage's proxy (1 layer, 9 steps, validation every 3) on Ray
     Tune + Ray Train, two learning rates that learn and two that cannot; ASHA stops the hopeless ones at a
     validation, the winner is one that learns, and `amalia promote` carries it into a new recipe."""
-    from amalia_ray.core.sweep_space import SweepSpace
+    from amalia_ray.pipeline.sweep_space import SweepSpace
     from amalia_ray.pipeline.sweep import promote, run_sweep
 
     folder = recipe_path.parent / "sweep"
@@ -330,7 +330,7 @@ def test_a_lora_sweep_benchmarks_its_trial_adapters_on_one_engine(post_training)
     """`amalia sweep` over a LoRA SFT stage's rank and scale: two trials train adapters on the pretrained
     checkpoint, and the benchmark serves both on one vLLM engine of that checkpoint, each trial a model id on it,
     scored over HTTP on an eval task."""
-    from amalia_ray.core.sweep_space import SweepSpace
+    from amalia_ray.pipeline.sweep_space import SweepSpace
     from amalia_ray.pipeline.sweep import run_sweep
 
     data = yaml.safe_load(post_training.read_text())
@@ -394,7 +394,7 @@ def test_an_interrupted_data_mix_ablation_resumes_and_scores_per_source_and_on_a
     driver.wait()
     finished_at = first.stat().st_mtime
 
-    from amalia_ray.core.sweep_space import load_space
+    from amalia_ray.pipeline.sweep_space import load_space
     from amalia_ray.pipeline.sweep import run_sweep
 
     out = run_sweep(Pipeline(load_recipe(recipe)), "pretrain", load_space(space))

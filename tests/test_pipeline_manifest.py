@@ -182,7 +182,7 @@ def test_serve_job_needs_a_cluster(tmp_path, capsys, monkeypatch):
 
 
 def _finish_stage(run_dir, name, barrier) -> None:
-    from amalia_ray.core.manifest import Manifest, now_iso
+    from amalia_ray.pipeline.manifest import Manifest, now_iso
 
     manifest = Manifest.load_or_new(run_dir, "r")  # loaded before the other process saves: a stale copy of it
     rec = manifest.stage(name)
@@ -197,7 +197,7 @@ def test_two_stage_jobs_finishing_at_the_same_moment_are_both_recorded(tmp_path)
     moment, 50 times in a row: both stages are recorded every time, and the stage recorded before them stays."""
     import multiprocessing
 
-    from amalia_ray.core.manifest import Manifest
+    from amalia_ray.pipeline.manifest import Manifest
 
     ctx = multiprocessing.get_context("fork")
     for attempt in range(50):

@@ -221,7 +221,7 @@ def test_secrets_of_every_shape_reach_no_file_of_the_run(tmp_path, monkeypatch, 
 
     from amalia_ray.core.config import TrackingConfig, WandbConfig
     from amalia_ray.core.console import quiet_output
-    from amalia_ray.core.tracking import Tracker, flatten
+    from amalia_ray.pipeline.tracking import Tracker, flatten
 
     pytest.importorskip("wandb")
 

@@ -8,7 +8,7 @@ import yaml
 
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import load_recipe
-from amalia_ray.core.sweep_space import SweepSpace
+from amalia_ray.pipeline.sweep_space import SweepSpace
 from amalia_ray.pipeline.runner import Pipeline
 from amalia_ray.pipeline.sweep import promote, proxy_stage, sweep_id
 from tests.conftest import write_recipe

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from amalia_ray.core.config import TrackingConfig, WandbConfig
-from amalia_ray.core.tracking import Tracker, default_mlflow_uri, flatten
+from amalia_ray.pipeline.tracking import Tracker, default_mlflow_uri, flatten
 
 
 def _append(path: Path, *records: dict) -> None:
@@ -23,7 +23,7 @@ def _append(path: Path, *records: dict) -> None:
 def test_mlflow_keeps_a_nested_run_per_stage_with_every_step_its_params_and_the_run_files(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setattr("amalia_ray.core.tracking.FOLLOW_POLL_S", 0.2)
+    monkeypatch.setattr("amalia_ray.pipeline.tracking.FOLLOW_POLL_S", 0.2)
     tracker = Tracker(TrackingConfig(), tmp_path, "demo", {"train.0.lr": 0.003, "model.hidden_size": 256})
     metrics = tmp_path / "pretrain" / "metrics.jsonl"
     metrics.parent.mkdir()

@@ -260,7 +260,7 @@ def status(
     from rich.table import Table
 
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.core.manifest import Manifest
+    from amalia_ray.pipeline.manifest import Manifest
 
     run_dir = Path(target)
     if not (run_dir / "manifest.json").exists():

@@ -21,7 +21,7 @@ def sweep(
 ) -> None:
     """Sweep a training stage's hyperparameters with Ray Tune on the stage's proxy (recipe: train[].proxy); ASHA
     stops weak trials at validation. Rerun the same command to resume an interrupted sweep."""
-    from amalia_ray.core.sweep_space import load_space
+    from amalia_ray.pipeline.sweep_space import load_space
     from amalia_ray.pipeline.sweep import run_sweep
 
     out = run_sweep(pipeline_of(recipe, run_name), stage, load_space(space))

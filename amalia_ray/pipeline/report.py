@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from amalia_ray.core import secrets
-from amalia_ray.core.accounting import total_cost
-from amalia_ray.core.manifest import Manifest
+from amalia_ray.pipeline.accounting import total_cost
+from amalia_ray.pipeline.manifest import Manifest
 
 
 def _fmt(v) -> str:

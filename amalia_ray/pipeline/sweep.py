@@ -18,7 +18,7 @@ from amalia_ray.core.config import ModelConfig, TrainStageConfig, train_stage
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.storage import write_json
-from amalia_ray.core.sweep_space import MIX, SweepSpace, adapters_servable, with_values
+from amalia_ray.pipeline.sweep_space import MIX, SweepSpace, adapters_servable, with_values
 from amalia_ray.pipeline.spec import RunContext
 
 
