@@ -54,7 +54,7 @@ def test_text_documents_are_split_as_the_file_streams(tmp_path, monkeypatch):
 
 
 def test_text_documents_follow_the_boundary_rule_whatever_the_blocks(tmp_path, monkeypatch):
-    """Random texts of words, spaces, tabs, CRs, newlines and separator-like lines, read in blocks of 1 to 64
+    """Random texts of words, spaces, tabs, CRs, newlines and separator-like lines, read in blocks of 1 to 4,096
     bytes: the documents are those of splitting the whole text at `\n(?:[ \t]*\n)+` (paragraphs) or at lines of
     the separator (blocks), and a document over max_record_bytes is cut to its head wherever the blocks end."""
     import random
@@ -65,13 +65,18 @@ def test_text_documents_follow_the_boundary_rule_whatever_the_blocks(tmp_path, m
 
     rng = random.Random(11)
     pieces = ["ção", "a", "b c", " ", "\t", "\r", "\n", "\n", "\n", "%", "%%", "% \t"]
+    cases = [("a\n\n" + " " * 2595 + "x" + " " * 2000 + "\n\nfim", 4096),  # a block ends in a long line's spaces
+             ("a" * 1000 + "\n%" + " " * 3000, 64)]  # a separator line at the very end, without its newline
     for trial in range(400):
         text = "".join(rng.choices(pieces, k=rng.randint(0, 60)))
-        if trial % 10 == 0:  # a document over the limit, one of exactly the limit, a long blank line
-            text += rng.choice(["longo " * 400, "x" * 1024, " " * 3000 + "x", " " * 3000]) + rng.choice(
-                ["\n\n", "\n%\n", "\n \n", "\n%", ""]) + rng.choice(["fim", ""])
+        chunk = rng.choice([1, 2, 3, 7, 64, 2100, 4096])  # below and above what a document keeps
+        if trial < len(cases):
+            text, chunk = cases[trial]
+        elif trial % 10 == 0:  # a document over the limit, one of exactly the limit, a long blank line
+            text += rng.choice(["longo " * 400, "x" * 1024, " " * 3000 + "x", " " * 3000, " " * 2595 + "x"]) + \
+                rng.choice(["\n\n", "\n%\n", "\n \n", "\n%", "\n%" + " " * 2500, ""]) + rng.choice(["fim", ""])
         (tmp_path / "t.txt").write_text(text, encoding="utf-8")
-        monkeypatch.setattr(readers, "_CHUNK", rng.choice([1, 2, 3, 7, 64]))
+        monkeypatch.setattr(readers, "_CHUNK", chunk)
         for split in ("paragraph", "separator"):
             src = SourceConfig(name="s", paths=["x"], format="text", split=split, max_record_bytes=1024)
             got = [(doc, problem.reason if problem else None)

@@ -205,6 +205,17 @@ def test_dedup_cli_contract_on_planted_duplicates(ray_cluster, planted):
         assert pq.read_table(folder / "p" / "clusters.parquet").equals(pq.read_table(folder / "r" / "clusters.parquet"))
 
 
+def test_the_in_process_executor_does_not_import_ray():
+    """Running in this process is for inputs where starting Ray costs more than the work: importing it would cost
+    seconds too."""
+    import subprocess
+    import sys
+
+    code = "import sys, amalia_ray.data.dedup_in_process; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == \
+        "False"
+
+
 def test_dedup_cli_rejects_bad_input(tmp_path):
     from typer.testing import CliRunner
 

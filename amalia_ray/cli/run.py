@@ -84,7 +84,8 @@ def data_dedup(
         "held in memory; auto: in-process for an input of up to 256 MB when no cluster is given, else ray")
     ] = "auto",
 ) -> None:
-    """Near-duplicate removal with MinHash-LSH and distributed connected components."""
+    """Near-duplicate removal with MinHash-LSH: on a Ray cluster (distributed exchanges and connected components), or in
+    this process for a small input (--executor)."""
     from amalia_ray.cluster.local import ray_session
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.data.minhash import MinHashParams

@@ -30,6 +30,8 @@ from amalia_ray.data.partitions import configure_data_context, exchange, map_blo
 
 # lookup tables up to this many rows are sent to every task instead of being joined by a shuffle
 BROADCAST_ROWS = 5_000_000
+
+
 def read_documents(path: Path) -> ray.data.Dataset:
     """jsonl (plain or .gz) or Parquet, file or folder, with at least `id` (as a string) and `text`. One Ray task
     per file streams it in tables of about READ_TABLE_BYTES (pyarrow's readers): a file of any size is held a part at

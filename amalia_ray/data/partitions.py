@@ -22,7 +22,6 @@ from ray.data.context import ShuffleStrategy
 from ray.data.datasource import FilenameProvider
 
 
-
 class ShardNames(FilenameProvider):
     """`part-000000.parquet`, … by write task: with order preserved, the same input writes the same files under the
     same names, so a stage's output hash is the same run after run (Ray's default names carry random ids)."""

@@ -72,7 +72,8 @@ def _bytes_are_ascii(encoding: str) -> bool:
         return True
     try:
         ascii_ok = bytes(range(128)).decode(encoding) == bytes(range(128)).decode("ascii")
-        return ascii_ok and len(bytes(range(256)).decode(encoding, "surrogateescape")) == 256
+        stateless = b"\x1b$B%%\n".decode(encoding, "surrogateescape").endswith("%%\n")  # not ISO-2022's shifts
+        return ascii_ok and stateless and len(bytes(range(256)).decode(encoding, "surrogateescape")) == 256
     except (UnicodeDecodeError, LookupError):  # not a one-byte encoding (UTF-16, ...)
         return False
 

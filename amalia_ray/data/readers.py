@@ -162,11 +162,13 @@ def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, b
             doc.add(line)
             yield *done(doc, last=True), error
             return
-        if len(line) > _CHUNK and not _may_be_boundary(line, src):
+        if len(line) > min(_CHUNK, keep) and not _may_be_boundary(line, src):
             doc.add(line)
             line, line_is_text = "", True
         elif len(line) > keep:  # spaces that may yet end in a newline: how many no longer matters
             line = line[:keep]
+    if not paragraph and len(line) >= len(separator) and _may_be_boundary(line, src):
+        line = ""  # a separator line at the very end, without its newline, belongs to no block
     doc.add(line)
     yield *done(doc, last=True), None
 

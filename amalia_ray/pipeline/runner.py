@@ -14,21 +14,21 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from amalia_ray.pipeline.accounting import stage_cost, total_cost
 from amalia_ray.core import secrets
 from amalia_ray.core.config import NAME_PATTERN, Recipe
 from amalia_ray.core.console import activity, stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import RunStore
-from amalia_ray.pipeline.manifest import RECORDS, Manifest, Stopwatch, code_hash, code_version, now_iso
 from amalia_ray.core.recipe import LoadedRecipe, config_hash
-from amalia_ray.core.storage import hash_paths
 from amalia_ray.core.stop import StageStopped, clear_stop, stop_on_signals, stop_requested
-from amalia_ray.pipeline.tracking import MLFLOW_DIR, NoTracker, Tracker, flatten
+from amalia_ray.core.storage import hash_paths
 from amalia_ray.pipeline import stages
+from amalia_ray.pipeline.accounting import stage_cost, total_cost
 from amalia_ray.pipeline.locks import stage_lock
+from amalia_ray.pipeline.manifest import RECORDS, Manifest, Stopwatch, code_hash, code_version, now_iso
 from amalia_ray.pipeline.report import write_report
 from amalia_ray.pipeline.spec import StageSpec
+from amalia_ray.pipeline.tracking import MLFLOW_DIR, NoTracker, Tracker, flatten
 
 
 

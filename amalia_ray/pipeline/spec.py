@@ -10,8 +10,8 @@ from typing import Protocol
 
 from amalia_ray.core.config import Recipe
 from amalia_ray.core.filesystem import RunStore
-from amalia_ray.pipeline.manifest import Manifest
 from amalia_ray.core.recipe import LoadedRecipe
+from amalia_ray.pipeline.manifest import Manifest
 
 
 @dataclass
