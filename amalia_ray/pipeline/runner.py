@@ -197,14 +197,15 @@ class Pipeline:
             except BaseException as e:
                 rec.status = "stopped" if isinstance(e, StageStopped) else "failed"
                 rec.error = secrets.mask(f"{type(e).__name__}: {e}")
+                # the clock is read once: the recorded wall time and the cost billed on it must agree
                 rec.finished_at, rec.wall_time_s = now_iso(), sw.seconds
                 rec.metrics = {"traceback": secrets.mask(traceback.format_exc(limit=5)[-2000:])}
-                rec.cost = stage_cost(spec.held({}), sw.seconds, None, self.recipe.accounting)
+                rec.cost = stage_cost(spec.held({}), rec.wall_time_s, None, self.recipe.accounting)
                 self.save(spec.name)
                 raise
             rec.status, rec.metrics, rec.finished_at, rec.wall_time_s = "completed", metrics, now_iso(), sw.seconds
-            rec.cost = stage_cost(spec.held(metrics), sw.seconds, spec.tokens(metrics), self.recipe.accounting)
-            tracked.summary({**metrics, "wall_time_s": sw.seconds, "cost": rec.cost})
+            rec.cost = stage_cost(spec.held(metrics), rec.wall_time_s, spec.tokens(metrics), self.recipe.accounting)
+            tracked.summary({**metrics, "wall_time_s": rec.wall_time_s, "cost": rec.cost})
         rec.outputs = {k: str(p.relative_to(self.run_dir)) if p.is_relative_to(self.run_dir) else str(p)
                        for k, p in spec.outputs.items()}
         rec.output_hashes = hash_paths({k: p for k, p in spec.outputs.items() if p.exists()})
