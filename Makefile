@@ -131,9 +131,11 @@ bench: install corpus
 	$(RUN_BENCH) reader_memory reader_memory.py
 	$(RUN_BENCH) quality_classifier quality_classifier.py
 
-# docs/recipe.md is written from the recipe's pydantic models (a test fails when it is stale)
+# docs/recipe.md is written from the recipe's pydantic models, docs/architecture.md from the package's docstrings
+# (a test fails when either is stale)
 docs: install
 	$(BIN)/python -m amalia_ray.core.recipe_reference > docs/recipe.md
+	$(BIN)/python -m amalia_ray.architecture > docs/architecture.md
 
 clean:
 	rm -rf runs .pytest_cache

@@ -13,8 +13,8 @@ import torch
 from amalia_ray.core.config import TokenizerConfig
 from amalia_ray.data.conversations import faq_conversations, mismatched_answer_pairs
 from amalia_ray.data.tokenizer import train_tokenizer
-from amalia_ray.train.dpo import DPO
-from amalia_ray.train.dpo import encode_pair, read_preferences
+from amalia_ray.train.objectives.dpo import DPO
+from amalia_ray.train.objectives.dpo import encode_pair, read_preferences
 
 FAQ = Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz")
 
@@ -156,13 +156,13 @@ def test_dpo_training_separates_chosen_from_rejected(tokenizer, faq, tmp_path):
 def test_dpo_with_lora_adapters_starts_from_the_base_as_its_reference_and_leaves_it_untouched(tokenizer, faq, tmp_path):
     """LoRA on DPO: with B = 0 the adapted policy is the base, so the reference DPO computes once from the starting
     weights is the base without adapters (loss ln 2 at the first step, no second model); only the adapters move."""
+    from amalia_ray.core.config import LoraConfig
     from amalia_ray.train.lora import add_adapters, init_adapters
 
     tok, tok_dir = tokenizer
     model = tiny_llama(len(tok), seed=0)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
-    add_adapters(model, {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear",
-                         "modules_to_save": [], "merge": False})
+    add_adapters(model, LoraConfig(r=8, alpha=16.0))
     init_adapters(model, seed=0)
     losses = [h["loss"] for h in _train(_fixed_pairs(tok_dir, faq, tmp_path), model, lr=1e-2, steps=15)]
     assert abs(losses[0] - 0.6931) < 1e-3

@@ -61,7 +61,7 @@ def _first_step_loss(base: Path, chats: Path, stage: TrainStageConfig) -> float:
     from transformers import AutoModelForCausalLM
 
     from amalia_ray.train.loss import next_token_loss
-    from amalia_ray.train.objectives import SFT
+    from amalia_ray.train.objectives.sft import SFT
 
     objective = SFT(chats, base, stage.seq_len)
     rows = objective.sampler(SEED).next_rows(stage.global_batch_size)

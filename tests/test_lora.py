@@ -17,20 +17,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from amalia_ray.core.config import LoraConfig
 from amalia_ray.core.errors import RecipeError
 from tests.base_models import make_base_model
 from tests.conftest import free_port
 from tests.test_shards import write_packed_split
 
-LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
-        "modules_to_save": [], "merge": True}
+LORA = LoraConfig(r=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"], merge=True)
 CHATS = [[{"role": "user", "content": f"Pergunta número {i}: como se instala o pacote {i}?"},
           {"role": "assistant", "content": f"Com apt-get install pacote-{i}, como administrador do sistema."}]
          for i in range(12)]
 
 
 def _sft(folder: Path, work: Path):
-    from amalia_ray.train.objectives import SFT
+    from amalia_ray.train.objectives.sft import SFT
 
     data = work / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in CHATS))
@@ -100,7 +100,7 @@ def _train_on_ranks(rank: int, world: int, port: int, folder: str, out: str) -> 
 def _first_pretrain_step(model, packed: Path) -> dict:
     """The pretrain objective's loss and adapter gradients on the packed split's first rows (gradients cleared)."""
     from amalia_ray.train.weight_names import plain_name
-    from amalia_ray.train.objectives import Pretrain
+    from amalia_ray.train.objectives.pretrain import Pretrain
 
     pretrain = Pretrain(packed)
     loss_sum, ntok = pretrain.loss(model, pretrain.batch(np.arange(4)))
@@ -286,7 +286,7 @@ def test_pretraining_adapters_with_checkpointed_and_compiled_blocks_equal_peft(t
     from transformers import AutoModelForCausalLM
 
     from amalia_ray.train.lora import init_adapters, peft_config
-    from amalia_ray.train.objectives import Pretrain
+    from amalia_ray.train.objectives.pretrain import Pretrain
 
     folder, out, ours = trained
     if compile_blocks:
@@ -367,7 +367,7 @@ def test_modules_to_save_train_in_full_and_travel_with_the_adapter(trained, tmp_
     from amalia_ray.train.model import base_config, build, config_from_dict
 
     folder = trained[0]
-    cfg = {**LORA, "target_modules": ["o_proj"], "modules_to_save": ["lm_head"]}
+    cfg = LORA.model_copy(update={"target_modules": ["o_proj"], "modules_to_save": ["lm_head"]})
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         config = config_from_dict(base_config(ModelConfig.model_validate({"from": str(folder)}), folder))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from amalia_ray.core.config import RolloutConfig
 from amalia_ray.train.rollout import ENGINE_WORKSPACE_BYTES, KV_SPARE_TOKENS, engine_memory, kv_bytes_per_token
 
 GiB = 2**30
@@ -58,7 +59,7 @@ def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatc
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(rollout, "device_memory", lambda this_gpu: {"free": 70 * GiB, "total": 80 * GiB})
     sizing = {"weight_bytes": GiB, "kv_per_token": 1024, "sequences": 8, "tokens_per_sequence": 256}
-    rollout.start_engine("m", {"max_model_len": 512}, seed=0, use_gpu=True, sizing=sizing)
+    rollout.start_engine("m", RolloutConfig(max_model_len=512), seed=0, use_gpu=True, sizing=sizing)
     assert seen["num_cpus"] == 0 and seen["num_gpus"] == 0
     assert seen["scheduling_strategy"].node_id == "a" * 56 and seen["scheduling_strategy"].soft is False
     assert seen["runtime_env"]["env_vars"]["CUDA_VISIBLE_DEVICES"] == "6"
@@ -66,14 +67,14 @@ def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatc
     assert (dtype, max_len, sleep, kv) == ("bfloat16", 512, True, (8 * 256 + KV_SPARE_TOKENS) * 1024) and 0 < util < 0.1
 
     seen.clear()
-    rollout.start_engine("m", {"max_model_len": 512, "placement": "separate", "gpu_memory_utilization": 0.5},
+    rollout.start_engine("m", RolloutConfig(max_model_len=512, placement="separate", gpu_memory_utilization=0.5),
                          seed=0, use_gpu=True)
     assert seen["num_gpus"] == 1 and "scheduling_strategy" not in seen and "CUDA_VISIBLE_DEVICES" not in seen[
         "runtime_env"]["env_vars"]
     assert seen["args"][5:] == (0.5, None, False)
     seen.clear()  # separate and sized: the trainer's memory is on another GPU, not taken from the engine's
     greedy = {**sizing, "sequences": 10**6, "trainer_bytes": 30 * GiB}
-    rollout.start_engine("m", {"max_model_len": 512, "placement": "separate"}, seed=0, use_gpu=True, sizing=greedy)
+    rollout.start_engine("m", RolloutConfig(max_model_len=512, placement="separate"), seed=0, use_gpu=True, sizing=greedy)
     assert seen["args"][6] == int(0.9 * 70 * GiB) - GiB - rollout.ENGINE_WORKSPACE_BYTES
 
 
@@ -131,7 +132,7 @@ def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
     copy = sum(p.numel() * 4 for p in model.parameters())
     sizing = {"weight_bytes": copy, "kv_per_token": kv_bytes_per_token(config, torch.float32), "sequences": 2,
               "tokens_per_sequence": 64}
-    engine = start_engine(folder, {"max_model_len": 128}, seed=0, use_gpu=False, sizing=sizing)
+    engine = start_engine(folder, RolloutConfig(max_model_len=128), seed=0, use_gpu=False, sizing=sizing)
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = [tok("one two three")["input_ids"], tok("four five")["input_ids"]]
     sample = lambda: ray.get(engine.generate.remote(prompts, 1, 12, 0.0))  # noqa: E731

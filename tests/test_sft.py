@@ -15,7 +15,7 @@ from amalia_ray.core.config import TokenizerConfig
 from amalia_ray.data.conversations import faq_conversations
 from amalia_ray.data.tokenizer import train_tokenizer
 from amalia_ray.train.chat import best_fit_decreasing, encode_conversation
-from amalia_ray.train.objectives import SFT
+from amalia_ray.train.objectives.sft import SFT
 
 FAQ = Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz")
 

@@ -71,7 +71,7 @@ def test_document_masking_keeps_attention_within_each_document(tmp_path, kernel,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from amalia_ray.core.shards import PackedSplit
-    from amalia_ray.train.objectives import Pretrain
+    from amalia_ray.train.objectives.pretrain import Pretrain, logits
 
     monkeypatch.setattr("transformers.integrations.flex_attention.compile_friendly_flex_attention",
                         lambda q, k, v, training=False, **kw: flex_attention(q, k, v, **kw))
@@ -88,8 +88,8 @@ def test_document_masking_keeps_attention_within_each_document(tmp_path, kernel,
     objective.document_masking = True
     batch = objective.batch(np.array([0, 1]))
     with torch.no_grad():
-        masked = objective.logits(model, batch)
-        plain = objective.logits(model, {"input_ids": batch["input_ids"]})
+        masked = logits(model, batch)
+        plain = logits(model, {"input_ids": batch["input_ids"]})
         alone = model(input_ids=torch.tensor([second])).logits
     assert model.config._attn_implementation == kernel
     assert torch.allclose(masked[0, 3:], masked[1, 3:], atol=1e-5), "document 2 sees only itself"
@@ -288,3 +288,29 @@ def test_compile_auto_compiles_on_gpu_only():
     default = PretrainStage.model_fields["compile"].default
     assert resolve_compile(default, torch.device("cuda", 0)) and not resolve_compile(default, torch.device("cpu"))
     assert resolve_compile(True, torch.device("cpu")) and not resolve_compile(False, torch.device("cuda", 0))
+
+
+def test_each_recipe_objective_is_one_registered_class_built_from_its_own_typed_stage(tmp_path):
+    """One table from the recipe's `objective` to the class the loop builds, the stage model it is built from, the
+    metrics a sweep may ask of it and the report panel it is drawn on; the stage reaches it typed, never as a dict."""
+    import re
+    from pathlib import Path
+
+    from amalia_ray.core.config import STAGE_TYPES, train_stage
+    from amalia_ray.pipeline.report import LOSS_PANELS
+    from amalia_ray.train.objectives.base import StageInputs
+    from amalia_ray.train.objectives.registry import OBJECTIVES, build_objective
+
+    assert {name: cls.config for name, cls in OBJECTIVES.items()} == STAGE_TYPES
+    assert all(cls.loss_panel in LOSS_PANELS for cls in OBJECTIVES.values())
+    grpo = train_stage({"name": "rl", "objective": "grpo", "dataset": "t.jsonl", "steps": 20,
+                        "rewards": ["format", "has_number"]})
+    assert {"reward", "kl", "rewards/has_number", "loss"} <= OBJECTIVES["grpo"].reported(grpo)
+    pretrain = train_stage({"name": "pt", "objective": "pretrain", "steps": 20})
+    assert "val_loss/web" in OBJECTIVES["pretrain"].reported(pretrain, ["web"])
+    with pytest.raises(TypeError, match="built from a SFTStage"):
+        build_objective(pretrain.model_copy(update={"objective": "sft"}), StageInputs(tmp_path, tmp_path, 8, tmp_path, 0))
+    train = Path(__file__).resolve().parent.parent / "amalia_ray" / "train"
+    dict_reads = [f"{f.name}:{n}" for f in train.rglob("*.py") for n, line in enumerate(f.read_text().splitlines(), 1)
+                  if re.search(r"\bstage(\[[\"']|\.get\()", line)]
+    assert not dict_reads, f"a training stage read as a dict: {dict_reads}"

@@ -1,3 +1,5 @@
+"""`python -m amalia_ray.cli`: the `amalia` command."""
+
 import sys
 
 from amalia_ray.cli import main

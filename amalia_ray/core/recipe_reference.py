@@ -18,7 +18,7 @@ HEADER = """# Recipe reference
 
 A recipe is one YAML file; every section below is optional except `data` and `train`. Unknown fields are errors
 naming the file, line and the allowed fields. Relative paths are taken from the recipe file's folder. Written from
-the models in `amalia_ray/core/config.py` (`make docs`); `recipes/demo.yaml` shows every section in use.
+the models in `amalia_ray/core/config/` (`make docs`); `recipes/demo.yaml` shows every section in use.
 """
 
 

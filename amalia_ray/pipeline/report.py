@@ -36,10 +36,13 @@ LOSS_PANELS = {
 
 
 def loss_panel_of(objective: str | None, history: list[dict]) -> str:
-    """The panel a stage's curve goes on: by its objective, or (a stage the recipe no longer has) by what it logged."""
-    if objective in ("dpo", "grpo"):
-        return objective
-    if objective is None and history:
+    """The panel a stage's curve goes on: its objective's (the registry's `loss_panel`), or (a stage the recipe no
+    longer has) by what it logged."""
+    if objective is not None:
+        from amalia_ray.train.objectives.registry import objective_of
+
+        return objective_of(objective).loss_panel
+    if history:
         return "dpo" if "rewards/margins" in history[0] else "grpo" if "reward" in history[0] else "cross-entropy"
     return "cross-entropy"
 

@@ -237,7 +237,7 @@ def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | N
     base_id = p.model_id("base") if r.model.base else None
     starts = [(p.model_id(r.train[i - 1].name) if i else base_id) if s.init_from == "previous" else None
               for i, s in enumerate(r.train)]
-    as_adapter = [bool(s.lora) and not s.lora.modules_to_save and starts[i] is not None for i, s in enumerate(r.train)]
+    as_adapter = [s.adapter_servable(r.starts_from_checkpoint(i)) for i, s in enumerate(r.train)]
     for i in range(len(r.train) - 1):
         if as_adapter[i + 1] and starts[i + 1] == p.model_id(r.train[i].name):
             as_adapter[i] = False

@@ -22,16 +22,6 @@ from amalia_ray.pipeline.sweep_space import MIX, SweepSpace, adapters_servable, 
 from amalia_ray.pipeline.spec import RunContext
 
 
-_COMMON = {"loss", "grad_norm", "tokens_per_s", "mfu"}
-# what each objective's records carry, so a metric a stage never reports fails before the sweep
-REPORTED = {
-    "pretrain": _COMMON | {"val_loss"},
-    "sft": _COMMON | {"val_loss"},
-    "dpo": _COMMON | {"val_loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"},
-    "grpo": _COMMON | {"reward", "reward_std", "completion_length", "kl"},
-}
-
-
 def proxy_stage(stage: TrainStageConfig) -> TrainStageConfig:
     """The stage as a trial runs it: the proxy's steps and workers, validating (and reporting) every
     `validate_every` steps, no retries (a failed trial is a result)."""
@@ -84,7 +74,7 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
     index = names.index(stage_name)
     stage = r.train[index]
     sources = [s.name for s in r.data.sources]
-    space.check_against(stage, sources)
+    space.check_against(stage, sources, r.starts_from_checkpoint(index))
     trial_stage = proxy_stage(stage)
     for name, param in space.parameters.items():  # the proxy's fixed values may clash with a swept one
         for value in param.edges() if not name.startswith(MIX) else []:
@@ -98,8 +88,9 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
         raise AmaliaError(f"train stage '{stage_name}' starts from '{previous}''s checkpoint, which a proxy with "
                           "another model shape (proxy.model) cannot load: sweep it with proxy.model empty")
     model = ModelConfig.model_validate({**r.model.model_dump(), **stage.proxy.model}) if stage.proxy.model else r.model
-    reported = REPORTED[stage.objective] | ({f"val_loss/{s}" for s in sources} if stage.objective == "pretrain"
-                                            else set())
+    from amalia_ray.train.objectives.registry import objective_of
+
+    reported = objective_of(stage.objective).reported(stage, sources)
     if space.metric not in reported:
         raise AmaliaError(f"metric '{space.metric}' is not reported by a {stage.objective} stage; it reports "
                           f"{', '.join(sorted(reported))}")
@@ -124,7 +115,7 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
         results = _fit(trainable, space, trial_stage, out, p.cluster_info["billable_cpus"])
         summary = _summarize(results, space, stage, trial_stage, p, out)
         if space.benchmark:
-            on = init if adapters_servable(stage) else None
+            on = init if adapters_servable(stage, r.starts_from_checkpoint(index)) else None
             _benchmark(p, summary, benchmark, space.benchmark.top, out, on)
     write_json(out / "sweep.json", summary)
     from amalia_ray.pipeline.report import write_report, write_sweep_report

@@ -88,11 +88,10 @@ class Benchmark(Strict):
     top: int = Field(2, ge=1, description="serve the best trials that ran to the end, this many, and score them")
 
 
-def adapters_servable(stage: TrainStageConfig) -> bool:
+def adapters_servable(stage: TrainStageConfig, has_start: bool = True) -> bool:
     """Whether a sweep's LoRA trials are benchmarked as adapters on one engine of the stage's starting checkpoint:
-    vLLM serves their adapters and the trials train the full-size model from that checkpoint."""
-    return bool(stage.lora) and not stage.lora.modules_to_save and not stage.proxy.model and \
-        stage.init_from == "previous"
+    vLLM serves their adapters (TrainStageConfig.adapter_servable) and the trials train the full-size model."""
+    return stage.adapter_servable(has_start) and not stage.proxy.model
 
 
 class SweepSpace(Strict):
@@ -118,10 +117,11 @@ class SweepSpace(Strict):
                                  "search: random, or list values)")
         return self
 
-    def check_against(self, stage: TrainStageConfig, sources: list[str]) -> None:
+    def check_against(self, stage: TrainStageConfig, sources: list[str], has_start: bool = True) -> None:
         """Every parameter is a tunable field of the stage (or the weight of one of the recipe's data `sources`) and
-        each of its values makes a valid stage."""
-        if self.benchmark and stage.lora and not stage.lora.merge and not adapters_servable(stage):
+        each of its values makes a valid stage. `has_start`: the stage starts from a checkpoint (not random
+        weights)."""
+        if self.benchmark and stage.lora and not stage.lora.merge and not adapters_servable(stage, has_start):
             raise AmaliaError(f"benchmark: the trials' LoRA adapters of train stage '{stage.name}' cannot run on its "
                               "starting checkpoint's engine (modules_to_save, a proxy model or random initial "
                               "weights); set lora.merge: true to serve their merged weights")

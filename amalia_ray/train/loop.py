@@ -1,5 +1,9 @@
 """The one training loop, run by every Ray Train worker. Objectives decide batches and losses; this file decides
-everything else: sharding, precision, accumulation, clipping, schedule, checkpoints, metrics, export."""
+everything else: sharding, precision, accumulation, clipping, schedule, checkpoints, metrics, export.
+
+In the order a worker runs them: `setup` (device, model, optimizer, objective, resume), then per step
+`train_step`, `validation_losses` at checkpoint steps and `save_checkpoint`, and `export` at the end; `train_loop`
+is that order and nothing else."""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +22,13 @@ import torch.distributed as dist
 from amalia_ray.train import checkpoint, lora
 from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
+from amalia_ray.core.config import TrainStageConfig
 from amalia_ray.core.flops import flops_per_token_of
 from amalia_ray.core.shards import fillers_per_step, micro_batches_per_rank
 from amalia_ray.train.train_metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
-from amalia_ray.train.objectives import build_objective
+from amalia_ray.train.objectives.base import Objective, StageInputs
+from amalia_ray.train.objectives.registry import build_objective
 from amalia_ray.train.parallel import apply_fsdp, resolve_compile, resolve_precision, worker_device
 
 # Ray Train routes worker logging to the driver once; print() in a worker shows twice (tee + logger)
@@ -126,164 +134,252 @@ def validation_losses(model, objective, micro: int, rank: int, world: int,
     return sum(totals) / sum(counts), per_group if len(groups) > 1 else {}
 
 
-def train_loop(config: dict) -> None:
+@dataclass(frozen=True)
+class LoopConfig:
+    """What every worker of a training stage is given: the stage's own config, typed, and where this run of it reads
+    and writes."""
+    stage: TrainStageConfig
+    hf_config: dict  # the transformers config of the model trained
+    data_dir: Path  # the packed corpus, or the stage's dataset
+    tokenizer_dir: Path
+    stage_dir: Path  # metrics.jsonl, tensorboard/, the adapter, rollout exports
+    export_dir: Path  # the HF checkpoint written at the end
+    seed: int
+    checkpoint_key: str = field(repr=False)  # signs the checkpoints' checksums; never printed
+    trust_remote_code: bool = False
+    init_hf_dir: Path | None = None  # the checkpoint the stage starts from; None: random weights
+    new_token_ids: tuple[int, ...] = ()  # rows of an extended vocabulary, new in the starting checkpoint
+    export_dtype: str | None = None  # the starting checkpoint's dtype, kept by the export
+    generation_config: dict | None = None
+    stop_file: Path | None = None  # when it appears: checkpoint now and stop (a batch job's time limit is near)
+    step_transient: Callable[[int], int] | None = None  # see StageInputs
+
+
+@dataclass
+class Training:
+    """One worker's state between steps: what `setup` built and the loop carries."""
+    run: LoopConfig
+    rank: int
+    world: int
+    device: torch.device
+    precision: str
+    hf_config: object  # transformers' PretrainedConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    objective: Objective
+    sampler: object  # the objective's MixtureSampler
+    start_step: int
+    resumed: bool
+    peak_flops: float  # every worker's stated peak, summed: the ceiling MFU is against
+    peak_basis: str
+    flops_token: float
+    nodes: list  # the node each worker landed on
+    board: TensorBoard | None
+    last_save_s: float | None = None  # how long the previous checkpoint took
+
+    @property
+    def stage(self) -> TrainStageConfig:
+        return self.run.stage
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run.stage_dir / "metrics.jsonl"
+
+
+def setup(run: LoopConfig) -> Training:
+    """Device and threads, the objective, the model (new from the seed, or the starting checkpoint read shard by
+    shard into each rank) sharded with FSDP2, the optimizer, the objective's preparation on the initial weights,
+    and the latest checkpoint restored with the sampler's read position."""
     import ray.train
 
-    stage = config["stage"]
+    stage = run.stage
     rank, world = dist.get_rank(), dist.get_world_size()
     device = worker_device(ray.get_gpu_ids())
-    torch.set_num_threads(stage["cpus_per_worker"])
-    precision = resolve_precision(stage["precision"], device)
-    stage_dir = Path(config["stage_dir"])
-    metrics_path = stage_dir / "metrics.jsonl"
-    # a stop requested for the run (a batch job's time limit is near): checkpoint at the step it is seen, end early
-    stop_path = Path(config["stop_file"]) if config.get("stop_file") and rank == 0 else None
-
-    init_dir = config.get("init_hf_dir")
-    remote_code = config.get("trust_remote_code", False)
-    hf_config = config_from_dict(config["hf_config"], remote_code, source=init_dir)
-    seq_len = stage.get("seq_len") or hf_config.max_position_embeddings
-    objective = build_objective(stage, Path(config["data_dir"]), Path(config["tokenizer_dir"]), seq_len,
-                                work_dir=stage_dir, seed=config["seed"], use_gpu=device.type == "cuda",
-                                step_transient=config.get("step_transient"))
+    torch.set_num_threads(stage.cpus_per_worker)
+    precision = resolve_precision(stage.precision, device)
+    init_dir = str(run.init_hf_dir) if run.init_hf_dir else None
+    hf_config = config_from_dict(run.hf_config, run.trust_remote_code, source=init_dir)
+    seq_len = stage.sequence_length or hf_config.max_position_embeddings
+    objective = build_objective(stage, StageInputs(run.data_dir, run.tokenizer_dir, seq_len, run.stage_dir, run.seed,
+                                                   device.type == "cuda", run.step_transient))
     # the ceiling MFU is against: every worker's stated peak (datasheet, else measured) in its precision, summed
     worker_peak, peak_basis = stated_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     peak_flops = _all_reduce_sum(worker_peak)[0]
-    # a new model from the seed, or a base model / the previous stage read shard by shard into each rank
     model = build(hf_config, device,
-                  lambda m: apply_fsdp(m, precision, stage["activation_checkpointing"],
-                                       resolve_compile(stage.get("compile", "auto"), device),
-                                       stage.get("reduce_precision", "bf16"),
-                                       sync_once=stage.get("gradient_sync") == "last_micro_batch"),
-                  init_dir=Path(init_dir) if init_dir else None, seed=config["seed"], trust_remote_code=remote_code,
-                  new_token_ids=config.get("new_token_ids"), lora=stage.get("lora"))
+                  lambda m: apply_fsdp(m, precision, stage.activation_checkpointing,
+                                       resolve_compile(stage.compile, device), stage.reduce_precision,
+                                       sync_once=stage.gradient_sync == "last_micro_batch"),
+                  init_dir=run.init_hf_dir, seed=run.seed, trust_remote_code=run.trust_remote_code,
+                  new_token_ids=list(run.new_token_ids), lora=stage.lora)
     # everything but what LoRA freezes: the optimizer's state (and the checkpoints) hold only what trains
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=stage["lr"], betas=tuple(stage["betas"]),
-        weight_decay=stage["weight_decay"]
-    )
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=stage.lr,
+                                  betas=stage.betas, weight_decay=stage.weight_decay)
 
-    gbs, micro, seed = stage["global_batch_size"], stage["micro_batch_size"], config["seed"]
     def frozen_copy(folder: Path):
         """A HF export built and sharded like the policy, without gradients (GRPO's KL reference)."""
         copy = build(hf_config, device, lambda m: apply_fsdp(m, precision, False), init_dir=folder,
-                     seed=config["seed"], trust_remote_code=remote_code)
+                     seed=run.seed, trust_remote_code=run.trust_remote_code)
         return copy.requires_grad_(False).eval()
 
-    objective.prepare(model, micro, rank, world, device, frozen_copy)  # before a checkpoint replaces the weights
-    sampler = objective.sampler(seed, stage.get("curriculum"))
+    objective.prepare(model, stage.micro_batch_size, rank, world, device, frozen_copy)  # before a restore
+    sampler = objective.sampler(run.seed)
     start_step = 0
     resumed = ray.train.get_checkpoint()
     if resumed:
         reported = ray.train.get_all_reported_checkpoints(
             consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
         train_state = checkpoint.restore(checkpoint.registered(resumed, reported), model, optimizer, device,
-                                         config["checkpoint_key"])
+                                         run.checkpoint_key)
         start_step = train_state["step"]
         if "data" in train_state:
             sampler.load_state_dict(train_state["data"])
         else:  # a checkpoint from before the read position was saved: replay the draws (deterministic)
             for _ in range(start_step):
-                sampler.next_rows(gbs)
-    total_steps = stage["steps"]
-    if rank == 0:
-        _log(metrics_path, {}, keep_through=start_step)
-        if fillers := fillers_per_step(gbs, micro, world):
-            accum = micro_batches_per_rank(gbs, micro, world)
-            log.info(f"[{stage['name']}] {gbs} sequences a step over {world} workers: {accum} micro-batches of at "
-                     f"most {micro} each, {fillers} of the {accum * world} passes fillers "
-                     f"({fillers / (accum * world):.0%} of the step's compute)")
-        if resumed:
-            log.info(f"[{stage['name']}] resumed from step {start_step}")
-        if start_step >= total_steps:
-            log.warning(f"[{stage['name']}] WARNING: resuming at step {start_step} of {total_steps}: "
-                        "zero steps left to train; raise steps to train further")
-    board = TensorBoard(stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None
-
-    n_params = sum(p.numel() for p in model.parameters())
+                sampler.next_rows(stage.global_batch_size)
     nodes: list = [None] * world  # where the workers landed, so the report can state the placement
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    flops_token = flops_per_token_of(hf_config, seq_len)
-    step, stopping, last_save_s = start_step, False, None
-    for step in range(start_step, total_steps):
-        t0 = time.perf_counter()
-        lr = lr_at(step, total=total_steps, peak=stage["lr"], warmup=stage["warmup_steps"],
-                   schedule=stage["schedule"], min_ratio=stage["min_lr_ratio"], decay_fraction=stage["decay_fraction"])
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        rows = objective.step_rows(model, sampler, gbs)
-        loss_sum, items, tokens, extra = accumulate_gradients(
-            model, objective, local_micro_batches(rows, micro, rank, world), device,
-            sync_once=stage.get("gradient_sync") == "last_micro_batch")
-        stop_seen = float(stop_path is not None and stop_path.exists())
-        global_loss, global_items, global_tokens, stop_votes, *extra_sums = _all_reduce_sum(
-            loss_sum, items, tokens, stop_seen, *(x for pair in extra.values() for x in pair))
-        # FSDP averages gradients over ranks; rescale so they are the mean over every item (token, pair) of the step
-        scale = world / global_items
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), stage["grad_clip"] or float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - t0
-        memory = _all_reduce([memory_gb(device)], dist.ReduceOp.MAX)[0]
+    return Training(run, rank, world, device, precision, hf_config, model, optimizer, objective, sampler, start_step,
+                    bool(resumed), peak_flops, peak_basis, flops_per_token_of(hf_config, seq_len), nodes,
+                    TensorBoard(run.stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None)
 
-        done = step + 1
-        objective_metrics = {k: extra_sums[2 * i] / extra_sums[2 * i + 1]
-                             for i, k in enumerate(extra) if extra_sums[2 * i + 1]}
-        record = {"step": done, "loss": global_loss / global_items, "lr": lr, "grad_norm": float(grad_norm),
-                  **objective_metrics, "loss_items": int(global_items), "tokens": int(global_tokens),
-                  "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
-                  "mfu": flops_token * global_tokens / elapsed / peak_flops, "peak_tflops": peak_flops / 1e12,
-                  "peak_basis": peak_basis, "memory_gb": memory,
-                  "world_size": world, "worker_nodes": len(set(nodes)), "attempt_start_step": start_step,
-                  # how long the previous checkpoint took (a batch job is told to stop that much ahead, and more)
-                  **({"last_checkpoint_s": last_save_s} if last_save_s is not None else {})}
-        stopping = stop_votes > 0 and done < total_steps
-        save_now = done % stage["checkpoint_every"] == 0 or done == total_steps or stopping
+
+def _announce(t: Training) -> None:
+    """Rank 0, before the first step: the metrics file cut back to the step resumed from, and what the step's
+    micro-batches cost in fillers, where a resume starts, and a resume with nothing left to train."""
+    stage, gbs, micro = t.stage, t.stage.global_batch_size, t.stage.micro_batch_size
+    _log(t.metrics_path, {}, keep_through=t.start_step)
+    if fillers := fillers_per_step(gbs, micro, t.world):
+        accum = micro_batches_per_rank(gbs, micro, t.world)
+        log.info(f"[{stage.name}] {gbs} sequences a step over {t.world} workers: {accum} micro-batches of at "
+                 f"most {micro} each, {fillers} of the {accum * t.world} passes fillers "
+                 f"({fillers / (accum * t.world):.0%} of the step's compute)")
+    if t.resumed:
+        log.info(f"[{stage.name}] resumed from step {t.start_step}")
+    if t.start_step >= stage.steps:
+        log.warning(f"[{stage.name}] WARNING: resuming at step {t.start_step} of {stage.steps}: "
+                    "zero steps left to train; raise steps to train further")
+
+
+def train_step(t: Training, step: int) -> tuple[dict, bool]:
+    """One optimizer step at index `step` (0-based): the learning rate, the objective's rows, forward and backward
+    over this rank's micro-batches, gradients scaled to the mean over every item of the step, clipping, AdamW.
+    Returns the step's record and whether any rank saw a stop requested."""
+    stage = t.stage
+    t0 = time.perf_counter()
+    lr = lr_at(step, total=stage.steps, peak=stage.lr, warmup=stage.warmup_steps, schedule=stage.schedule,
+               min_ratio=stage.min_lr_ratio, decay_fraction=stage.decay_fraction)
+    for group in t.optimizer.param_groups:
+        group["lr"] = lr
+    rows = t.objective.step_rows(t.model, t.sampler, stage.global_batch_size)
+    loss_sum, items, tokens, extra = accumulate_gradients(
+        t.model, t.objective, local_micro_batches(rows, stage.micro_batch_size, t.rank, t.world), t.device,
+        sync_once=stage.gradient_sync == "last_micro_batch")
+    stop_path = t.run.stop_file if t.rank == 0 else None
+    stop_seen = float(stop_path is not None and stop_path.exists())
+    global_loss, global_items, global_tokens, stop_votes, *extra_sums = _all_reduce_sum(
+        loss_sum, items, tokens, stop_seen, *(x for pair in extra.values() for x in pair))
+    # FSDP averages gradients over ranks; rescale so they are the mean over every item (token, pair) of the step
+    scale = t.world / global_items
+    for p in t.model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), stage.grad_clip or float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - t0
+    memory = _all_reduce([memory_gb(t.device)], dist.ReduceOp.MAX)[0]
+    objective_metrics = {k: extra_sums[2 * i] / extra_sums[2 * i + 1]
+                         for i, k in enumerate(extra) if extra_sums[2 * i + 1]}
+    record = {"step": step + 1, "loss": global_loss / global_items, "lr": lr, "grad_norm": float(grad_norm),
+              **objective_metrics, "loss_items": int(global_items), "tokens": int(global_tokens),
+              "tokens_per_s": global_tokens / elapsed, "step_time_s": elapsed,
+              "mfu": t.flops_token * global_tokens / elapsed / t.peak_flops, "peak_tflops": t.peak_flops / 1e12,
+              "peak_basis": t.peak_basis, "memory_gb": memory,
+              "world_size": t.world, "worker_nodes": len(set(t.nodes)), "attempt_start_step": t.start_step,
+              # how long the previous checkpoint took (a batch job is told to stop that much ahead, and more)
+              **({"last_checkpoint_s": t.last_save_s} if t.last_save_s is not None else {})}
+    return record, stop_votes > 0
+
+
+def save_checkpoint(t: Training, record: dict) -> None:
+    """The sharded checkpoint of the step just taken (DCP: model, optimizer, step, the sampler's read position),
+    reported to Ray Train with the step's record; a write that fails says which checkpoints are intact."""
+    import ray.train
+
+    done = record["step"]
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            saving = time.perf_counter()
+            checkpoint.save(Path(tmp), t.model, t.optimizer,
+                            {"step": done, "params": sum(p.numel() for p in t.model.parameters()),
+                             "data": t.sampler.state_dict()},
+                            t.run.checkpoint_key)
+            ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            t.last_save_s = time.perf_counter() - saving
+        except OSError as e:
+            raise checkpoint.CheckpointWriteError(
+                f"[{t.stage.name}] the checkpoint of step {done} could not be written "
+                f"({type(e).__name__}: {e}); the checkpoints before it are intact: free space or fix the "
+                f"storage, then run again to resume from the latest of them") from e
+
+
+def _write_record(t: Training, record: dict, save_now: bool) -> None:
+    """Rank 0: the step's record into metrics.jsonl and TensorBoard, and a log line every `log_every` steps."""
+    stage = t.stage
+    _log(t.metrics_path, record)
+    t.board.write(record)
+    if record["step"] % stage.log_every == 0 or save_now:
+        val = f" val_loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+        log.info(f"[{stage.name}] step {record['step']}/{stage.steps} loss {record['loss']:.4f}{val} "
+                 f"lr {record['lr']:.2e} grad_norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
+                 f"MFU {record['mfu']:.0%}")
+
+
+def export(t: Training) -> None:
+    """The trained model as a HF checkpoint (what the next stage starts from and vLLM serves), or a LoRA stage's
+    adapter folder and, with `merge`, the merged checkpoint; a collective, rank 0 writes."""
+    run, stage = t.run, t.stage
+    init_dir = str(run.init_hf_dir) if run.init_hf_dir else None
+    if stage.lora:
+        merged = run.export_dir if stage.lora.merge else None
+        lora.export(t.model, t.hf_config, stage.lora, run.stage_dir / "adapter", merged, run.tokenizer_dir,
+                    run.generation_config, run.export_dtype, init_dir)
+    else:
+        export_hf(t.model, t.hf_config, run.export_dir, run.tokenizer_dir, run.generation_config, run.export_dtype)
+    dist.barrier()
+
+
+def train_loop(config: dict) -> None:
+    """What each Ray Train worker runs: `config["run"]` is the stage's LoopConfig."""
+    import ray.train
+
+    t = setup(config["run"])
+    stage = t.stage
+    if t.rank == 0:
+        _announce(t)
+    stopping = False
+    for step in range(t.start_step, stage.steps):
+        record, stop_requested = train_step(t, step)
+        done = record["step"]
+        stopping = stop_requested and done < stage.steps
+        save_now = done % stage.checkpoint_every == 0 or done == stage.steps or stopping
         if save_now and not stopping:  # a stop has seconds before the time limit: its checkpoint comes first
-            record["val_loss"], per_source = validation_losses(model, objective, micro, rank, world, device)
+            record["val_loss"], per_source = validation_losses(t.model, t.objective, stage.micro_batch_size, t.rank,
+                                                               t.world, t.device)
             record.update({f"val_loss/{source}": loss for source, loss in per_source.items()})
-        if rank == 0:
-            _log(metrics_path, record)
-            board.write(record)
-            if done % stage["log_every"] == 0 or save_now:
-                val = f" val_loss {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
-                log.info(f"[{stage['name']}] step {done}/{total_steps} loss {record['loss']:.4f}{val} lr {lr:.2e} "
-                         f"grad_norm {record['grad_norm']:.3f} {record['tokens_per_s']:.0f} tok/s "
-                         f"MFU {record['mfu']:.0%}")
+        if t.rank == 0:
+            _write_record(t, record, save_now)
         if save_now:
-            with tempfile.TemporaryDirectory() as tmp:
-                try:
-                    saving = time.perf_counter()
-                    checkpoint.save(Path(tmp), model, optimizer,
-                                    {"step": done, "params": n_params, "data": sampler.state_dict()},
-                                    config["checkpoint_key"])
-                    ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-                    last_save_s = time.perf_counter() - saving
-                except OSError as e:
-                    raise checkpoint.CheckpointWriteError(
-                        f"[{stage['name']}] the checkpoint of step {done} could not be written "
-                        f"({type(e).__name__}: {e}); the checkpoints before it are intact: free space or fix the "
-                        f"storage, then run again to resume from the latest of them") from e
-        elif done % stage["log_every"] == 0:
+            save_checkpoint(t, record)
+        elif done % stage.log_every == 0:
             ray.train.report(record)
         if stopping:
-            if rank == 0:
-                log.info(f"[{stage['name']}] stop requested: checkpoint of step {done} saved, stopping here")
+            if t.rank == 0:
+                log.info(f"[{stage.name}] stop requested: checkpoint of step {done} saved, stopping here")
             break
-
-    if board:
-        board.close()
+    if t.board:
+        t.board.close()
     if stopping:
         return  # the stage carries on from the checkpoint in the next run; it exports when it completes
-    if stage.get("lora"):
-        merged = Path(config["export_dir"]) if stage["lora"]["merge"] else None
-        lora.export(model, hf_config, stage["lora"], stage_dir / "adapter", merged, Path(config["tokenizer_dir"]),
-                    config.get("generation_config"), config.get("export_dtype"), init_dir)
-    else:
-        export_hf(model, hf_config, Path(config["export_dir"]), Path(config["tokenizer_dir"]),
-                  config.get("generation_config"), config.get("export_dtype"))
-    dist.barrier()
+    export(t)

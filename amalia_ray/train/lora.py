@@ -15,31 +15,32 @@ from pathlib import Path
 
 import torch
 
+from amalia_ray.core.config import LoraConfig
 from amalia_ray.train.hf_weights import fill_local, gather_full, write_hf
 from amalia_ray.train.weight_names import ADAPTER_NAME, is_adapter, plain_name
 
 
+def peft_config(cfg: LoraConfig, base: str | None = None, with_modules_to_save: bool = True):
+    """PEFT's config of these adapters (`with_modules_to_save=False`: the modules trained in full left out)."""
+    from peft import LoraConfig as PeftLoraConfig, TaskType
 
-def peft_config(cfg: dict, base: str | None = None):
-    from peft import LoraConfig, TaskType
-
-    return LoraConfig(r=cfg["r"], lora_alpha=cfg["alpha"], lora_dropout=cfg["dropout"],
-                      target_modules=cfg["target_modules"], modules_to_save=cfg["modules_to_save"] or None,
-                      task_type=TaskType.CAUSAL_LM, base_model_name_or_path=base)
+    return PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules,
+                          modules_to_save=(cfg.modules_to_save or None) if with_modules_to_save else None,
+                          task_type=TaskType.CAUSAL_LM, base_model_name_or_path=base)
 
 
-def trainable(name: str, cfg: dict) -> bool:
+def trainable(name: str, cfg: LoraConfig) -> bool:
     parts = name.split(".")
-    return is_adapter(name) or any(m in parts for m in cfg["modules_to_save"])
+    return is_adapter(name) or any(m in parts for m in cfg.modules_to_save)
 
 
-def add_adapters(model, cfg: dict) -> None:
+def add_adapters(model, cfg: LoraConfig) -> None:
     """Inject the adapters (on whatever device the model is: meta before a checkpoint is loaded) and freeze the
     rest."""
     from peft import inject_adapter_in_model
 
     # modules_to_save train in place here; PEFT's wrapper of them is built at export
-    inject_adapter_in_model(peft_config({**cfg, "modules_to_save": []}), model, adapter_name=ADAPTER_NAME)
+    inject_adapter_in_model(peft_config(cfg, with_modules_to_save=False), model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(trainable(name, cfg))
 
@@ -84,13 +85,12 @@ def adapters_off(model):
             m._disable_adapters = False
 
 
-def export(model, hf_config, cfg: dict, adapter_dir: Path, merged_dir: Path | None, tokenizer_dir: Path,
+def export(model, hf_config, cfg: LoraConfig, adapter_dir: Path, merged_dir: Path | None, tokenizer_dir: Path,
            generation_config: dict | None, dtype: str | None, base: str | None) -> None:
     """Gather the adapted model (a collective) and let rank 0 write the PEFT adapter folder and, with `merged_dir`,
     the merged checkpoint (write_hf: what transformers and vLLM load, in the starting checkpoint's dtype). Without a
     merge only the trained weights are gathered: the base stays where it is."""
     import shutil
-
 
     state = gather_full(model, trained_only=merged_dir is None)
     if state is None:
@@ -106,7 +106,7 @@ def export(model, hf_config, cfg: dict, adapter_dir: Path, merged_dir: Path | No
         write_hf(merged.state_dict(), hf_config, merged_dir, tokenizer_dir, generation_config, dtype)
 
 
-def _peft_model(state: dict, hf_config, cfg: dict, base: str | None, with_base: bool):
+def _peft_model(state: dict, hf_config, cfg: LoraConfig, base: str | None, with_base: bool):
     """PEFT's own model of the base with these adapters, holding the gathered weights (`with_base`: all of them;
     else the trained ones, the base left on the meta device — enough to write the adapter folder)."""
     from peft import get_peft_model
@@ -118,7 +118,7 @@ def _peft_model(state: dict, hf_config, cfg: dict, base: str | None, with_base: 
     inner = wrapped.base_model.model
     names = set(inner.state_dict())
     full = dict(state)
-    for module in cfg["modules_to_save"]:  # trained in place: PEFT's copy of the module and its original get it
+    for module in cfg.modules_to_save:  # trained in place: PEFT's copy of the module and its original get it
         for name, value in state.items():
             parts = name.split(".")
             if module in parts:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from amalia_ray.core.config import ModelConfig
+from amalia_ray.core.config import LoraConfig, ModelConfig
 from amalia_ray.core.hf_model import with_overrides
 from amalia_ray.core.errors import AmaliaError
 
@@ -145,7 +145,7 @@ def check_attention(kernel: str | None, device: torch.device) -> None:
 
 
 def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: int,
-          trust_remote_code: bool = False, new_token_ids: list[int] | None = None, lora: dict | None = None):
+          trust_remote_code: bool = False, new_token_ids: list[int] | None = None, lora: LoraConfig | None = None):
     """The training model, sharded by `shard(model)`: random weights from `seed` for a new model, or the
     checkpoint in `init_dir` (a base model or the previous stage's export) read shard by shard into each rank,
     the rows of `new_token_ids` (an extended vocabulary) starting at the mean of the checkpoint's. With `lora`,

@@ -152,11 +152,10 @@ def engine_memory(weight_bytes: int, kv_per_token: int, sequences: int, tokens_p
     return min(1.0, (weight_bytes + kv + ENGINE_WORKSPACE_BYTES) / total), kv
 
 
-def start_engine(model_dir: str, engine: dict, seed: int, use_gpu: bool, sizing: dict | None = None):
+def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, sizing: dict | None = None):
     """The rollout engine on `model_dir`. Colocated (the default), it is pinned to this process's node, takes no
     resource of its own and sees this process's GPU; call it from the first training worker. `sizing` (weights,
     KV per token, sequences per step, tokens per sequence, trainer bytes) sizes its memory when the recipe does not."""
-    cfg = RolloutConfig.model_validate(engine)
     colocated = cfg.placement == "colocated"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if colocated:
@@ -255,7 +254,7 @@ def encode_prompt(tok, prompt) -> list[int]:
     return list(tok(prompt)["input_ids"])
 
 
-def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, seed: int, use_gpu: bool,
+def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutConfig, seed: int, use_gpu: bool,
                     sequences: int, tokens_per_sequence: int, step_transient_bytes: int = 0):
     """Export the model's current weights as a HF folder (a collective: every rank calls this) and start an engine
     on it from rank 0, sized for `sequences` of up to `tokens_per_sequence` tokens at once, leaving the trainer its
@@ -271,7 +270,7 @@ def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: dict, se
         dist.barrier()
     if dist.get_rank() != 0:
         return None
-    dtype = getattr(torch, RolloutConfig.model_validate(engine).resolved_dtype(use_gpu))
+    dtype = getattr(torch, engine.resolved_dtype(use_gpu))
     numel = sum(p.numel() for p in model.parameters())
     sizing = {"weight_bytes": numel * torch.finfo(dtype).bits // 8, "sequences": sequences,
               "kv_per_token": kv_bytes_per_token(model.config, dtype), "tokens_per_sequence": tokens_per_sequence,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from amalia_ray.core.config import ModelConfig, TrainStageConfig
 from amalia_ray.core.vocabulary import read_extension
-from amalia_ray.train.loop import train_loop
+from amalia_ray.train.loop import LoopConfig, train_loop
 from amalia_ray.train.model import base_config, llama_config
 from amalia_ray.train.progress import StageProgress
 
@@ -109,26 +109,26 @@ def run_train_stage(
     remember(key := signing_key())
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={
-            "stage": stage.model_dump(mode="json"),
-            "hf_config": hf_config or hf_config_dict(model_cfg, tokenizer_dir, base_dir),
-            "trust_remote_code": model_cfg.trust_remote_code,
-            "data_dir": str(data_dir),
-            "tokenizer_dir": str(tokenizer_dir),
-            "init_hf_dir": str(init_hf_dir) if init_hf_dir else None,
+        train_loop_config={"run": LoopConfig(
+            stage=stage,
+            hf_config=hf_config or hf_config_dict(model_cfg, tokenizer_dir, base_dir),
+            trust_remote_code=model_cfg.trust_remote_code,
+            data_dir=Path(data_dir),
+            tokenizer_dir=Path(tokenizer_dir),
+            init_hf_dir=Path(init_hf_dir) if init_hf_dir else None,
             # starting from the base with an extended vocabulary: these embedding and LM-head rows are new
-            "new_token_ids": (read_extension(tokenizer_dir) or {}).get("new_ids", [])
-            if init_hf_dir is not None and init_hf_dir == base_dir else [],
+            new_token_ids=tuple((read_extension(tokenizer_dir) or {}).get("new_ids", []))
+            if init_hf_dir is not None and init_hf_dir == base_dir else (),
             # the export keeps the starting checkpoint's dtype and generation settings (a new model: fp32, its ids)
-            "export_dtype": stored_dtype(Path(init_hf_dir)) if init_hf_dir else None,
-            "generation_config": generation_config_of(init_hf_dir or base_dir),
-            "stage_dir": str(stage_dir),
-            "export_dir": str(export_dir),
-            "seed": seed,
-            "stop_file": str(stop_file) if stop_file else None,
-            "step_transient": step_transient,
-            "checkpoint_key": key,  # masked wherever it might be printed
-        },
+            export_dtype=stored_dtype(Path(init_hf_dir)) if init_hf_dir else None,
+            generation_config=generation_config_of(init_hf_dir or base_dir),
+            stage_dir=stage_dir,
+            export_dir=export_dir,
+            seed=seed,
+            stop_file=stop_file,
+            step_transient=step_transient,
+            checkpoint_key=key,  # masked wherever it might be printed, and left out of the config's repr
+        )},
         torch_config=TorchConfig(backend=process_group_backend(use_gpu)),
         scaling_config=ScalingConfig(
             num_workers=stage.num_workers,

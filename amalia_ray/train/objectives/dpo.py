@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from amalia_ray.core.config import DPOStage
 from amalia_ray.core.shards import MixtureSampler, one_block
 from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.train.completions import pad_completions, token_logps
-from amalia_ray.train.objective import Objective
+from amalia_ray.train.objectives.base import Objective, StageInputs
 
 log = logging.getLogger("amalia_ray.train")
 
@@ -105,7 +106,10 @@ class DPO(Objective):
     the same initial weights before restoring the checkpoint."""
 
     name = "dpo"
+    config = DPOStage
     REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+    metrics = frozenset({"val_loss", *REWARDS})
+    loss_panel = "dpo"
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, beta: float,
                  validation_fraction: float = 0.05):
@@ -124,6 +128,13 @@ class DPO(Objective):
             log.warning(f"{data_path}: {unclean} pair(s) where prompt+answer does not tokenize as prompt then answer "
                         "(e.g. a prompt ending in a space); their prompt/answer split is approximate")
 
+    @classmethod
+    def from_stage(cls, stage: DPOStage, inputs: StageInputs) -> DPO:
+        if stage.on_policy:
+            return cls.from_policy(inputs.data_dir, inputs.tokenizer_dir, inputs.seq_len, stage, inputs.work_dir,
+                                   inputs.seed, inputs.use_gpu)
+        return cls(inputs.data_dir, inputs.tokenizer_dir, inputs.seq_len, stage.beta)
+
     def _setup(self, tokenizer_dir: Path, seq_len: int, beta: float) -> None:
         from transformers import AutoTokenizer
 
@@ -137,7 +148,7 @@ class DPO(Objective):
         self.on_policy: dict | None = None
 
     @classmethod
-    def from_policy(cls, tasks_path: Path, tokenizer_dir: Path, seq_len: int, stage: dict, work_dir: Path,
+    def from_policy(cls, tasks_path: Path, tokenizer_dir: Path, seq_len: int, stage: DPOStage, work_dir: Path,
                     seed: int, use_gpu: bool = False, validation_fraction: float = 0.05) -> DPO:
         """AMALIA-style on-policy DPO: the pairs are made in `prepare` by the stage's initial model (the previous
         stage's checkpoint) — `num_generations` completions per task prompt sampled through the vLLM rollout engine,
@@ -146,23 +157,23 @@ class DPO(Objective):
         from amalia_ray.train.rollout import encode_prompt, read_tasks
 
         self = cls.__new__(cls)
-        self._setup(tokenizer_dir, seq_len, stage["beta"])
+        self._setup(tokenizer_dir, seq_len, stage.beta)
         tasks = list(read_tasks(tasks_path))
         prompts = [encode_prompt(self.tok, t["prompt"]) for t in tasks]
-        keep = [i for i, p in enumerate(prompts) if len(p) + stage["max_completion_length"] <= seq_len]
+        keep = [i for i, p in enumerate(prompts) if len(p) + stage.max_completion_length <= seq_len]
         self.dropped = len(tasks) - len(keep)
         if self.dropped:
-            log.warning(f"{tasks_path}: {self.dropped} prompt(s) leave no room for {stage['max_completion_length']} "
+            log.warning(f"{tasks_path}: {self.dropped} prompt(s) leave no room for {stage.max_completion_length} "
                         f"completion tokens in seq_len {seq_len}: skipped")
-        weights = stage.get("reward_weights") or [1.0] * len(stage["rewards"])
+        weights = stage.reward_weights or [1.0] * len(stage.rewards)
         self.on_policy = {"tasks": [tasks[i] for i in keep], "prompts": [prompts[i] for i in keep],
-                          "rewards": [get_reward(n, stage.get("variety_model")) for n in stage["rewards"]],
+                          "rewards": [get_reward(n, stage.variety_model) for n in stage.rewards],
                           "weights": torch.tensor(weights),
                           "stage": stage, "tokenizer_dir": tokenizer_dir, "work_dir": work_dir, "seed": seed,
                           "use_gpu": use_gpu, "validation_fraction": validation_fraction, "source": tasks_path}
         if not keep:
             raise ValueError(f"no task in {tasks_path} whose prompt leaves room for "
-                             f"{stage['max_completion_length']} completion tokens in seq_len {seq_len}")
+                             f"{stage.max_completion_length} completion tokens in seq_len {seq_len}")
         return self
 
     def _make_pairs(self, model) -> None:
@@ -173,14 +184,14 @@ class DPO(Objective):
         from amalia_ray.train.rollout import engine_on_model, sample_and_score
 
         cfg, stage = self.on_policy, self.on_policy["stage"]
-        n = stage["num_generations"]
-        engine = engine_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], {**stage["rollout"],
-                                 "max_model_len": self.seq_len}, cfg["seed"], cfg["use_gpu"],
-                                 len(cfg["prompts"]) * n, max(map(len, cfg["prompts"])) + stage["max_completion_length"])
+        n = stage.num_generations
+        engine = engine_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], stage.rollout.model_copy(
+                                 update={"max_model_len": self.seq_len}), cfg["seed"], cfg["use_gpu"],
+                                 len(cfg["prompts"]) * n, max(map(len, cfg["prompts"])) + stage.max_completion_length)
         payload = [None]
         if dist.get_rank() == 0:
             items, scores = sample_and_score(engine, self.tok, cfg["prompts"], cfg["tasks"], cfg["rewards"], n,
-                                             stage["max_completion_length"], stage["temperature"])
+                                             stage.max_completion_length, stage.temperature)
             ray.kill(engine)
             totals = (scores @ cfg["weights"]).view(-1, n)
             pairs, ties = [], 0
@@ -200,7 +211,7 @@ class DPO(Objective):
             dist.broadcast_object_list(payload, src=0)
         pairs, ties = payload[0]
         if not pairs:
-            raise ValueError(f"on-policy DPO on {cfg['source']}: every prompt's {stage['num_generations']} "
+            raise ValueError(f"on-policy DPO on {cfg['source']}: every prompt's {stage.num_generations} "
                              "candidates scored the same, so there is no preference to learn; use rewards that "
                              "separate them, more generations or a higher temperature")
         log.info(f"on-policy DPO: {len(pairs)} pairs from {len(cfg['prompts'])} prompts ({ties} ties skipped)")
@@ -211,9 +222,7 @@ class DPO(Objective):
         if not self.pairs["train"]:
             self.pairs = {"train": self.pairs["validation"], "validation": []}
 
-    def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
-        if curriculum:
-            raise ValueError("curriculum applies to pretraining sources; a dpo stage reads one preference set")
+    def sampler(self, seed: int) -> MixtureSampler:
         return MixtureSampler({"dpo": one_block(len(self.pairs["train"]))}, self.seq_len, seed)
 
     def num_validation(self) -> int:

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from amalia_ray.core.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
 from amalia_ray.core.rewards import get_reward
-from amalia_ray.core.config import RolloutConfig
+from amalia_ray.core.config import GRPOStage
 from amalia_ray.train.lora import adapters_off
-from amalia_ray.train.objective import Objective
+from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, read_tasks, sample_and_score
 
 log = logging.getLogger("amalia_ray.train")
@@ -51,8 +51,20 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.
 
 class GRPO(Objective):
     name = "grpo"
+    config = GRPOStage
+    metrics = frozenset({"reward", "reward_std", "completion_length", "kl"})
+    loss_panel = "grpo"
 
-    def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: dict, work_dir: Path,
+    @classmethod
+    def from_stage(cls, stage: GRPOStage, inputs: StageInputs) -> GRPO:
+        return cls(inputs.data_dir, inputs.tokenizer_dir, inputs.seq_len, stage, inputs.work_dir, inputs.seed,
+                   inputs.use_gpu, inputs.step_transient)
+
+    @classmethod
+    def reported(cls, stage: GRPOStage, sources=()) -> set[str]:
+        return super().reported(stage) | {f"rewards/{name}" for name in stage.rewards}
+
+    def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: GRPOStage, work_dir: Path,
                  seed: int, use_gpu: bool = False, step_transient=None):
         from transformers import AutoTokenizer
 
@@ -61,17 +73,16 @@ class GRPO(Objective):
         self.tokenizer_dir, self.work_dir, self.seed, self.use_gpu = tokenizer_dir, work_dir, seed, use_gpu
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.seq_len = seq_len
-        self.G, self.max_new = stage["num_generations"], stage["max_completion_length"]
-        self.temperature, self.kl_coef = stage["temperature"], stage["kl_coef"]
-        self.engine_config = stage["rollout"]
+        self.G, self.max_new = stage.num_generations, stage.max_completion_length
+        self.temperature, self.kl_coef = stage.temperature, stage.kl_coef
+        self.engine_config = stage.rollout.model_copy(update={"max_model_len": seq_len})
         # the base is the policy with its adapters off, unless modules_to_save train in place beside them
-        lora = stage.get("lora")
-        self.lora = bool(lora) and not lora.get("modules_to_save")
-        self.engine_dtype = getattr(torch, RolloutConfig.model_validate(self.engine_config).resolved_dtype(use_gpu))
-        self.sequences = stage["global_batch_size"]
-        self.reward_names = list(stage["rewards"])
-        self.rewards = [get_reward(n, stage.get("variety_model")) for n in self.reward_names]
-        self.reward_weights = torch.tensor(stage.get("reward_weights") or [1.0] * len(self.rewards))
+        self.lora = bool(stage.lora) and stage.lora.adapters_only
+        self.engine_dtype = getattr(torch, self.engine_config.resolved_dtype(use_gpu))
+        self.sequences = stage.global_batch_size
+        self.reward_names = list(stage.rewards)
+        self.rewards = [get_reward(n, stage.variety_model) for n in self.reward_names]
+        self.reward_weights = torch.tensor(stage.reward_weights or [1.0] * len(self.rewards))
         self.tasks, self.prompts, dropped = [], [], 0
         for row in read_tasks(data_path):
             ids = encode_prompt(self.tok, row["prompt"])
@@ -90,9 +101,7 @@ class GRPO(Objective):
         self._stats: dict[str, tuple[float, float]] = {}
         self._kl = [0.0, 0]
 
-    def sampler(self, seed: int, curriculum: dict | None = None) -> MixtureSampler:
-        if curriculum:
-            raise ValueError("curriculum applies to pretraining sources; a grpo stage reads one task set")
+    def sampler(self, seed: int) -> MixtureSampler:
         return MixtureSampler({"grpo": one_block(len(self.tasks))}, self.seq_len, seed)
 
     def num_validation(self) -> int:
@@ -103,10 +112,9 @@ class GRPO(Objective):
         the frozen reference from that export when a KL penalty is asked for: `frozen_copy(folder)` shards it over
         the workers like the policy, so no GPU holds a whole copy. With LoRA adapters only, the reference is the
         policy with its adapters switched off: no second model."""
-        engine = {**self.engine_config, "max_model_len": self.seq_len}
         longest = max(map(len, self.prompts)) + self.max_new  # what a step's sequences are padded to
         step = self.step_transient(longest) if self.step_transient else 0
-        self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, engine, self.seed, self.use_gpu,
+        self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, self.engine_config, self.seed, self.use_gpu,
                                       self.sequences, longest, step)
         if self.kl_coef > 0 and not self.lora:
             self.reference = frozen_copy(self.work_dir / "rollout-init")

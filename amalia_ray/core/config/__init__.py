@@ -1,0 +1,152 @@
+"""The recipe: pydantic models for the whole pipeline, mirrored 1:1 by the YAML files under `recipes/`, one module
+per section (run_config, data_config, model_config, train_config, serve_config, eval_config; variety_config shared by
+data and eval; strict, the base of them all) and the `Recipe` that ties them together, here. Everything is
+importable from `amalia_ray.core.config`.
+
+This package imports nothing else of ours, so every layer can depend on it. Loading and error formatting (YAML path,
+line, allowed values) live in `core/recipe.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+# every section's models, importable from here
+from amalia_ray.core.config.strict import NAME_PATTERN, Strict
+from amalia_ray.core.config.run_config import (
+    AccountingConfig, PlanConfig, ResourcesConfig, RunConfig, TrackingConfig, WandbConfig)
+from amalia_ray.core.config.variety_config import VarietyScoring
+from amalia_ray.core.config.data_config import (
+    CleaningConfig, DataConfig, DecontaminationConfig, DEFAULT_CHAT_TEMPLATE, FineWebConfig, GopherQualityConfig,
+    GopherRepetitionConfig, KEEP_RULES, KeepRule, LanguageConfig, NearDedupConfig, PackConfig, QualityConfig,
+    SiteBoilerplateConfig, SourceConfig, TokenizerConfig, VarietyConfig)
+from amalia_ray.core.config.eval_config import (
+    CHOICE_TASKS, EvalConfig, EvalTaskConfig, JudgeConfig, TASK_REFERENCE, TaskFormat)
+from amalia_ray.core.config.model_config import DIMENSIONS, ModelConfig
+from amalia_ray.core.config.serve_config import EngineConfig, ServeConfig
+from amalia_ray.core.config.train_config import (
+    checkpoint_interval, CurriculumConfig, DPOStage, GRPOStage, LoraConfig, LOSS_CHUNK_POSITIONS, MixPhase,
+    PretrainStage, ProxyConfig, RolloutConfig, SAMPLING_FIELDS, SFTStage, STAGE_TYPES, train_stage, TrainStage,
+    TrainStageConfig)
+
+__all__ = [
+    "AccountingConfig", "checkpoint_interval", "CHOICE_TASKS", "CleaningConfig", "CurriculumConfig", "DataConfig",
+    "DecontaminationConfig", "DEFAULT_CHAT_TEMPLATE", "DIMENSIONS", "DPOStage", "EngineConfig", "EvalConfig",
+    "EvalTaskConfig", "FineWebConfig", "GopherQualityConfig", "GopherRepetitionConfig", "GRPOStage", "JudgeConfig",
+    "KEEP_RULES", "KeepRule", "LanguageConfig", "LoraConfig", "LOSS_CHUNK_POSITIONS", "MixPhase", "ModelConfig",
+    "NAME_PATTERN", "NearDedupConfig", "PackConfig", "PlanConfig", "PretrainStage", "ProxyConfig", "QualityConfig",
+    "Recipe", "ResourcesConfig", "RolloutConfig", "RunConfig", "SAMPLING_FIELDS", "ServeConfig", "SFTStage",
+    "SiteBoilerplateConfig", "SourceConfig", "STAGE_TYPES", "Strict", "TASK_REFERENCE", "TaskFormat", "TokenizerConfig",
+    "TrackingConfig", "train_stage", "TrainStage", "TrainStageConfig", "VarietyConfig", "VarietyScoring", "WandbConfig",
+]
+
+
+class Recipe(Strict):
+    run: RunConfig = RunConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    data: DataConfig
+    tokenizer: TokenizerConfig | None = Field(
+        None, description="the tokenizer stage; defaults apply when the recipe trains, and a recipe without train "
+        "stages runs it only when this section (or pack) is given")
+    pack: PackConfig | None = Field(
+        None, description="the pack stage; defaults apply when the recipe trains, and a recipe without train stages "
+        "runs it only when this section is given")
+    model: ModelConfig = ModelConfig()
+    train: list[TrainStage] = Field(
+        default_factory=list, description="the training stages, in order; each starts from the previous one's "
+        "checkpoint unless init_from: scratch; none: a curation recipe (data, and tokenizer/pack when given)")
+    serve: ServeConfig = ServeConfig()
+    eval: EvalConfig = EvalConfig()
+    plan: PlanConfig = PlanConfig()
+    accounting: AccountingConfig = AccountingConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    provenance: list[dict[str, Any]] = Field(
+        default_factory=list, description="where promoted values came from (written by `amalia promote`: sweep id, "
+        "stage, winning values and their metric, the proxy); copied into the run manifest")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_stages(cls, data: Any) -> Any:
+        """Training reads packed tokens, so a recipe that trains has a tokenizer and a pack stage (defaults unless
+        given); packing needs a tokenizer too."""
+        if isinstance(data, dict):
+            wanted = ("tokenizer", "pack") if data.get("train") else ("tokenizer",) if data.get("pack") is not None \
+                else ()
+            data = {**data, **{k: {} for k in wanted if data.get(k) is None}}
+        return data
+
+    @property
+    def data_stages(self) -> list[str]:
+        return ["data", *(["tokenizer"] if self.tokenizer else []), *(["pack"] if self.pack else [])]
+
+    def starts_from_checkpoint(self, i: int) -> bool:
+        """Whether train stage i starts from weights that exist before it: the previous stage's, or the base model's
+        for the first stage (else it starts from random weights)."""
+        return self.train[i].init_from == "previous" and (i > 0 or bool(self.model.base))
+
+    @model_validator(mode="after")
+    def _stages(self) -> Recipe:
+        if self.eval.tasks and not self.train and not self.model.base:
+            raise ValueError("eval.tasks: nothing to evaluate: the recipe has no train stages and no base model "
+                             "(model.from)")
+        names = [s.name for s in self.train]
+        if len(set(names)) != len(names):
+            raise ValueError(f"train stage names must be unique, got {names}")
+        reserved = {"data", "tokenizer", "pack", "serve", "eval", "report", "hub"}  # hub: the staged base model
+        if clash := reserved.intersection(names):
+            raise ValueError(f"train stage names {sorted(clash)} clash with pipeline stages {sorted(reserved)}")
+        if unknown := set(self.plan.reported_gpu_hours) - set(names):
+            raise ValueError(f"plan.reported_gpu_hours names unknown train stage(s) {sorted(unknown)}; "
+                             f"stages: {names}")
+        if self.model.base and self.tokenizer and self.tokenizer.from_ != "model":
+            raise ValueError("model.from starts from a base model, whose embeddings fit its own tokenizer: set "
+                             "tokenizer: {from: model}")
+        if self.tokenizer and self.tokenizer.from_ == "model" and not self.model.base:
+            raise ValueError("tokenizer.from: model needs a base model (model.from)")
+        if self.model.base and "base" in names:
+            raise ValueError("train stage name 'base' is taken by the base model (model.from) in serving and reports")
+        if self.model.base:
+            for stage in self.train:
+                if stage.proxy.model:
+                    raise ValueError(f"train stage '{stage.name}': proxy.model resizes a new model; a base model's "
+                                     "dimensions are fixed (model.from)")
+        for stage in self.train:
+            if stage.proxy.model:
+                try:
+                    ModelConfig.model_validate({**self.model.model_dump(), **stage.proxy.model})
+                except ValueError as e:
+                    raise ValueError(f"train stage '{stage.name}': proxy.model does not make a valid model: {e}") from None
+        for i, stage in enumerate(self.train):
+            if not stage.lora:
+                continue
+            if stage.lora.merge:
+                continue
+            if i + 1 < len(self.train) and self.train[i + 1].init_from == "previous":
+                raise ValueError(f"train stage '{self.train[i + 1].name}' starts from '{stage.name}', a LoRA stage: "
+                                 f"set lora.merge: true on '{stage.name}' so it exports the merged weights")
+            if not self.eval.tasks:
+                continue
+            # evaluated as an adapter on the engine of the weights it was trained from (see the eval stage)
+            if stage.adapter_servable(self.starts_from_checkpoint(i)):
+                continue
+            if not stage.lora.adapters_only:
+                raise ValueError(f"train stage '{stage.name}': vLLM's LoRA engine cannot serve an adapter with "
+                                 "modules_to_save; set lora.merge: true to serve and evaluate the merged weights")
+            raise ValueError(f"train stage '{stage.name}': its adapters train on random initial weights, which "
+                             "no engine serves; set lora.merge: true to serve and evaluate the merged weights")
+        sources = {s.name for s in self.data.sources}
+        for stage in self.train:
+            curriculum = stage.curriculum if isinstance(stage, PretrainStage) else None
+            for phase in (curriculum.phases if curriculum else []):
+                if unknown := set(phase.weights) - sources:
+                    raise ValueError(f"train stage '{stage.name}': curriculum names unknown source(s) "
+                                     f"{sorted(unknown)}; data.sources are {sorted(sources)}")
+        # a base model's positions limit comes from its config.json, checked once the model is at hand
+        if self.pack and not self.model.base and self.pack.seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"pack.seq_len {self.pack.seq_len} exceeds model.max_position_embeddings "
+                f"{self.model.max_position_embeddings}"
+            )
+        return self

@@ -1,0 +1,299 @@
+"""The `train` section of a recipe: one stage model per objective (`objective` picks it), with what every stage
+has (schedule, batch, precision, workers, checkpoints), LoRA adapters, the curriculum, the rollout engine and the
+proxy a sweep shrinks the stage to."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Field, TypeAdapter, field_validator, model_validator
+
+from amalia_ray.core.config.serve_config import EngineConfig
+from amalia_ray.core.config.strict import NAME_PATTERN, Strict
+
+
+def checkpoint_interval(activation_checkpointing: bool | int) -> int:
+    """`activation_checkpointing` as every how many blocks one is checkpointed: true 1, false 0, k k."""
+    if isinstance(activation_checkpointing, bool):
+        return int(activation_checkpointing)
+    return activation_checkpointing
+
+
+class MixPhase(Strict):
+    """Source weights in force until a number of training tokens."""
+    until_tokens: int | None = Field(None, ge=1, description="this phase holds until so many training tokens "
+                                     "(of this stage) were read; null: to the end")
+    weights: dict[str, float] = Field(..., min_length=1, description="source name -> sampling weight (>= 0); "
+                                      "unnamed sources get 0")
+
+    @model_validator(mode="after")
+    def _weights(self) -> MixPhase:
+        if any(w < 0 for w in self.weights.values()) or not any(w > 0 for w in self.weights.values()):
+            raise ValueError(f"phase weights must be >= 0 with at least one > 0, got {self.weights}")
+        return self
+
+
+class CurriculumConfig(Strict):
+    """Mix weights over training tokens: piecewise-constant phases, or a hook 'package.module:function' called
+    with (tokens seen, source names) that returns a weight per source."""
+
+    phases: list[MixPhase] = []
+    hook: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> CurriculumConfig:
+        if bool(self.phases) == bool(self.hook):
+            raise ValueError("curriculum needs either phases or hook (exactly one)")
+        ends = [p.until_tokens for p in self.phases]
+        if None in ends[:-1]:
+            raise ValueError("only the last curriculum phase may have until_tokens null")
+        bounded = [e for e in ends if e is not None]
+        if bounded != sorted(set(bounded)):
+            raise ValueError(f"curriculum phases' until_tokens must increase, got {bounded}")
+        return self
+
+
+class RolloutConfig(EngineConfig):
+    """The vLLM engine a grpo or on-policy dpo stage samples from."""
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated", description="colocated: on the node of the first training worker, sharing its GPU (asleep "
+        "between rollouts on GPU), reserving nothing beyond the stage's workers; separate: an actor holding a GPU "
+        "of its own, which the cluster must have spare beside the training workers")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="share of the device's memory the engine may take; default: sized to the "
+        "model (its weights in the engine's dtype, the KV cache of one step's sequences, a workspace) within what the "
+        "device has free beside the training worker")
+
+
+class ProxyConfig(Strict):
+    """How a training stage shrinks for a sweep (`amalia sweep`): trials train this smaller model for fewer steps,
+    validating every `validate_every` steps so a scheduler can stop the weak ones early."""
+    model: dict[str, Any] = Field(default_factory=dict, description="model fields to override, e.g. {num_layers: 1, "
+                                  "hidden_size: 64}")
+    steps: int | None = Field(None, ge=1, description="steps per trial (default: the stage's)")
+    validate_every: int = Field(5, ge=1, description="validation (and the sweep's report) interval in steps")
+    num_workers: int | None = Field(None, ge=1, description="workers per trial (default: the stage's minimum)")
+
+
+class LoraConfig(Strict):
+    """Low-rank adapters (PEFT's LoRA) instead of training every weight: the base weights stay frozen, only the
+    adapters (and `modules_to_save`) train and are checkpointed."""
+    r: int = Field(16, ge=1, description="the adapters' rank")
+    alpha: float = Field(32.0, gt=0, description="scaling: the update is alpha / r × B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; "
+        "all-linear: every linear layer but the LM head")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full beside the "
+                                       "adapters, e.g. [lm_head] after growing the vocabulary")
+    merge: bool = Field(False, description="also export the merged full checkpoint (hf/), what a following stage "
+                        "starts from; the adapter folder (adapter/) is always written, and the eval stage serves it on "
+                        "the engine of the weights it was trained from (one engine for the base and its adapters)")
+
+    @property
+    def adapters_only(self) -> bool:
+        """Only the adapters train (no module in full): the starting weights stay untouched, so the adapter on the
+        starting checkpoint's engine is the trained model, and the policy with its adapters off is the start."""
+        return not self.modules_to_save
+
+
+# positions of the logits the loss upcasts to fp32 at once (train/loss.py); `amalia plan` counts one such chunk
+LOSS_CHUNK_POSITIONS = 2048
+
+
+class TrainStageConfig(Strict):
+    """What every training stage has. A stage is one of the objectives below, chosen by `objective`; a field that
+    belongs to another objective is an error, not silently ignored."""
+    name: str = Field(..., pattern=NAME_PATTERN, description="the stage's folder under the run and its served model's suffix")
+    objective: str
+    steps: int = Field(..., ge=1, description="optimizer steps")
+    global_batch_size: int = Field(8, ge=1, description="sequences per optimizer step, summed over workers")
+    micro_batch_size: int = Field(4, ge=1, description="sequences per forward pass on one worker")
+    lr: float = Field(..., gt=0, description="peak learning rate (each objective has its own default)")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the schedule's floor, as a share of lr")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup from 0 to lr")
+    schedule: Literal["cosine", "wsd", "constant"] = Field(
+        "cosine", description="after warmup: cosine decay, warmup-stable-decay, or constant")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="WSD: share of steps spent decaying")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's betas")
+    grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = Field(
+        "every_micro_batch", description="when FSDP reduce-scatters the gradients: after every micro-batch (each worker "
+        "holds only its shard), or once a step, after the last (fewer collectives; each worker holds the whole model's "
+        "unsharded gradients in between, in fp32 whatever reduce_precision says, which `amalia plan` counts)")
+    reduce_precision: Literal["bf16", "fp32"] = Field(
+        "bf16", description="bf16 runs: the dtype gradients are reduce-scattered in (bf16 moves half the bytes; fp32 "
+        "sums many ranks more exactly)")
+    activation_checkpointing: bool | int = Field(
+        False, description="recompute decoder blocks in the backward pass: true = every block (least activation "
+        "memory, about a third more compute), k = every k-th block (less recompute for more memory; `amalia plan` "
+        "names the largest k that fits)")
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _checkpoint_interval(cls, v: bool | int) -> bool | int:
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError(f"activation_checkpointing {v}: true, false or every k-th block with k >= 1")
+        return v
+
+    @property
+    def recompute_every(self) -> int:
+        """Every how many decoder blocks one is recomputed in the backward pass (0: none)."""
+        return checkpoint_interval(self.activation_checkpointing)
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each decoder block (fuses the element-wise work; costs a compilation of "
+        "~20 s per worker at start); auto: on GPU, where it pays, off on CPU")
+    num_workers: int | tuple[int, int] = Field(2, description="workers, or [min, max] for elastic training: "
+                                               "starts with what the cluster has (at least min) and carries on "
+                                               "with fewer workers when a node goes away (needs max_failures)")
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs each worker holds (its torch threads on CPU)")
+    elastic_resize_interval_s: float = Field(
+        60, gt=0, description="elastic stages: how often Ray Train checks whether more workers fit (then restarts "
+        "the worker group bigger from the latest checkpoint)")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how the stage's workers land on nodes (a Ray placement strategy): PACK = as few nodes as "
+        "fit, so the gradient all-reduce stays inside a node; SPREAD = one per node where possible, so losing a node "
+        "costs fewer workers")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (DCP) and validation losses")
+    checkpoints_to_keep: int = Field(2, ge=1, description="older checkpoints are deleted")
+    max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
+    log_every: int = Field(1, ge=1, description="steps between log lines and reports to Ray Train (metrics.jsonl has every step)")
+    init_from: Literal["scratch", "previous"] = Field(
+        "previous", description="previous: start from the previous training stage's checkpoint (scratch for the first)"
+    )
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the stage shrinks for `amalia sweep`")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters on the frozen starting weights (PEFT); "
+                                    "null: train every weight")
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        return (self.num_workers, self.num_workers) if isinstance(self.num_workers, int) else tuple(self.num_workers)
+
+    def adapter_servable(self, has_start: bool) -> bool:
+        """Whether vLLM serves this stage's LoRA adapter on the engine of the checkpoint it trained from: only
+        adapters train (lora.adapters_only), from that checkpoint (`has_start`: the previous stage's or a base
+        model's weights; random initial weights have no engine)."""
+        return bool(self.lora) and self.lora.adapters_only and self.init_from == "previous" and has_start
+
+    @property
+    def data_path(self) -> str | None:
+        """The stage's own dataset; None: it reads the packed corpus."""
+        return None
+
+    @property
+    def sequence_length(self) -> int | None:
+        """The stage's own sequence length; None: the packed corpus's (pretraining) or the model's positions."""
+        return None
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> TrainStageConfig:
+        low, high = self.worker_range
+        if not 1 <= low <= high:
+            raise ValueError(f"num_workers must be >= 1, or [min, max] with 1 <= min <= max; got {self.num_workers}")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
+        return self
+
+
+class PretrainStage(TrainStageConfig):
+    """Causal language modelling on the packed corpus (the pack stage's output)."""
+    objective: Literal["pretrain"]
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    document_masking: bool = Field(
+        True, description="positions restart at each document in a packed sequence and attention stays within the "
+        "document")
+    curriculum: CurriculumConfig | None = Field(
+        None, description="scheduled source mix; default: every packed sequence equally likely")
+
+
+class _DatasetStage(TrainStageConfig):
+    dataset: str = Field(..., description="jsonl file or folder, relative to the recipe")
+    seq_len: int | None = Field(None, ge=8, description="longest sequence (packed row for sft, prompt + answer "
+                                "otherwise; longer ones keep their start); default model.max_position_embeddings")
+
+    @property
+    def data_path(self) -> str:
+        return self.dataset
+
+    @property
+    def sequence_length(self) -> int | None:
+        return self.seq_len
+
+
+class SFTStage(_DatasetStage):
+    """Supervised fine-tuning on conversations ({messages: [{role, content}]}), loss on the assistant's tokens."""
+    objective: Literal["sft"]
+    lr: float = Field(2e-5, gt=0, description="peak learning rate (TRL's SFT default)")
+
+
+class _SampledStage(_DatasetStage):
+    """Stages that sample completions from the model through a vLLM rollout engine and score them."""
+    rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="rule-based rewards by name "
+                               "(format, exact_answer, has_number, pt_variety) or module:function(completion, task) "
+                               "-> float")
+    reward_weights: list[float] | None = Field(None, description="weight of each reward (default all 1)")
+    variety_model: str | None = Field(None, description="the variety classifier the pt_variety reward scores "
+                                      "completions with (relative to the recipe); null = the cue scorer")
+    num_generations: int = Field(4, ge=2, description="completions sampled per prompt (the group)")
+    max_completion_length: int = Field(64, ge=1, description="most tokens sampled per completion")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the vLLM rollout engine "
+                                   "(max_model_len is the stage's seq_len)")
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> _SampledStage:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"train stage '{self.name}': {len(self.reward_weights)} reward_weights for "
+                             f"{len(self.rewards)} rewards")
+        return self
+
+
+SAMPLING_FIELDS = frozenset(_SampledStage.model_fields) - frozenset(_DatasetStage.model_fields)
+
+
+class DPOStage(_SampledStage):
+    """Direct preference optimization: on {prompt, chosen, rejected} pairs, or (on_policy) on pairs the stage's
+    initial model makes from task prompts, ranked by the rewards."""
+    objective: Literal["dpo"]
+    lr: float = Field(1e-6, gt=0, description="peak learning rate (TRL's DPO default)")
+    beta: float = Field(0.1, gt=0, description="strength of the pull towards the reference model")
+    on_policy: bool = Field(False, description="make the pairs with the stage's initial model (AMALIA): dataset = "
+                            "tasks; num_generations candidates per prompt sampled by the rollout engine, ranked by the "
+                            "rewards (best = chosen, worst = rejected)")
+
+    @model_validator(mode="after")
+    def _sampling_needs_on_policy(self) -> DPOStage:
+        given = sorted(f for f in SAMPLING_FIELDS if getattr(self, f) != DPOStage.model_fields[f].get_default(
+            call_default_factory=True))
+        if not self.on_policy and given:
+            raise ValueError(f"train stage '{self.name}': {', '.join(given)} apply to on-policy dpo only (the pairs "
+                             "are sampled); set on_policy: true, or remove them")
+        return self
+
+
+class GRPOStage(_SampledStage):
+    """Group relative policy optimization (DeepSeek-R1) on task prompts with rule-based rewards."""
+    objective: Literal["grpo"]
+    lr: float = Field(1e-6, gt=0, description="peak learning rate (TRL's GRPO default)")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL penalty to the initial model (0: none, no "
+                           "reference model held)")
+
+    @model_validator(mode="after")
+    def _groups_divide(self) -> GRPOStage:
+        if self.global_batch_size % self.num_generations:
+            raise ValueError(f"train stage '{self.name}': global_batch_size {self.global_batch_size} counts "
+                             f"completions and must be a multiple of num_generations {self.num_generations}")
+        return self
+
+
+TrainStage = Annotated[PretrainStage | SFTStage | DPOStage | GRPOStage, Field(discriminator="objective")]
+# objective -> its stage model, read off the models' `objective` literals: the names are written once, there
+STAGE_TYPES: dict[str, type[TrainStageConfig]] = {
+    get_args(model.model_fields["objective"].annotation)[0]: model for model in get_args(get_args(TrainStage)[0])}
+
+
+def train_stage(fields: dict[str, Any]) -> TrainStageConfig:
+    """A training stage from its fields, as the recipe's `train` list validates it (by `objective`)."""
+    return TypeAdapter(TrainStage).validate_python(fields)
