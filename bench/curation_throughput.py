@@ -81,7 +81,7 @@ def main() -> None:
     import ray
 
     from amalia_ray.core.recipe import load_recipe
-    from amalia_ray.data.inputs import expand_paths
+    from amalia_ray.data.read.inputs import expand_paths
     from amalia_ray.data.curate import curate
 
     loaded = load_recipe(args.recipe)
@@ -137,7 +137,7 @@ def step_speeds(files: list[str], variety_model: str | None, limit: int = 3000) 
 
     from amalia_ray.core.variety import score_variety
     from amalia_ray.core.variety_model import VarietyModel
-    from amalia_ray.data.language import detect_language
+    from amalia_ray.data.steps.language import detect_language
 
     texts = []
     for f in files:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def write_corpus(folder: Path, megabytes: float, seed: int = 0) -> dict:
     from dedup_vs_datatrove import sentences
 
-    from amalia_ray.data.planted import edit_words
+    from amalia_ray.data.dedup.planted import edit_words
 
     pool, rng = sentences(), random.Random(seed)
     vocab = [w for s in pool[:500] for w in s.split()]

@@ -52,7 +52,7 @@ def sentences() -> list[str]:
 
 
 def corpus(n_docs: int, seed: int) -> tuple[list[dict], dict[str, str], dict[str, float]]:
-    from amalia_ray.data.planted import edit_words
+    from amalia_ray.data.dedup.planted import edit_words
 
     pool, rng = sentences(), random.Random(seed)
     vocab = [w for s in pool[:500] for w in s.split()]
@@ -168,8 +168,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-    from amalia_ray.data.planted import duplicate_pairs as cluster_pairs
-    from amalia_ray.data.planted import reference_jaccard, threshold_scores
+    from amalia_ray.data.dedup.planted import duplicate_pairs as cluster_pairs
+    from amalia_ray.data.dedup.planted import reference_jaccard, threshold_scores
 
     docs, origin, rate_of = corpus(args.docs, args.seed)
     text_of = {d["id"]: d["text"] for d in docs}

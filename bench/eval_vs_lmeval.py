@@ -46,7 +46,7 @@ def continuation_items(n: int, seed: int = 0) -> list[dict]:
         letters = sum(ch.isalpha() for ch in p) / max(1, len(p.replace(" ", "")))
         return 200 <= len(p) <= 1200 and p.count(" ") > 30 and letters > 0.85 and not re.search(r"[|<>{}$#]", p)
 
-    from amalia_ray.data.language import detect_language
+    from amalia_ray.data.steps.language import detect_language
 
     paragraphs = [p for p in paragraphs if prose(p) and detect_language(p)[0] == "pt"]
     rng = random.Random(seed)

@@ -28,9 +28,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pyarrow as pa  # noqa: E402
 
 from amalia_ray.core.config import QualityConfig  # noqa: E402
-from amalia_ray.data.quality import HeuristicScore, quality_steps  # noqa: E402
-from amalia_ray.data.quality_model import QualityModel, train_quality_model  # noqa: E402
-from amalia_ray.data.steps import unit_hash  # noqa: E402
+from amalia_ray.data.steps.quality import HeuristicScore, quality_steps  # noqa: E402
+from amalia_ray.data.steps.quality_model import QualityModel, train_quality_model  # noqa: E402
+from amalia_ray.data.steps.base import unit_hash  # noqa: E402
 
 REPEAT = 10  # the held-back documents, scored this many times over for the throughput
 MANUALS = ["/usr/share/debian-reference/debian-reference.pt.txt.gz", "/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"]

@@ -26,7 +26,7 @@ SENTENCE = "A biblioteca municipal abriu uma nova sala de leitura para os mais n
 PROBE = r"""
 import resource, sys, time
 from amalia_ray.core.config import SourceConfig
-from amalia_ray.data.readers import read_file_tables
+from amalia_ray.data.read.readers import read_file_tables
 path, fmt, sample = sys.argv[1], sys.argv[2], sys.argv[3]
 src = SourceConfig(name="s", paths=["x"], format=fmt)
 for table in read_file_tables(sample, src):  # the libraries a reader loads on first use, before the baseline

@@ -20,7 +20,7 @@ EXCHANGES = {"lsh_band_rows": 14 * 48, "exact_dedup_keys": 110, "capture_keys": 
 
 
 def main() -> None:
-    from amalia_ray.data.partitions import plan_exchange
+    from amalia_ray.data.exchange.partitions import plan_exchange
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--documents", type=int, default=300_000_000)

@@ -44,8 +44,8 @@ def bench_model(seq_len: int):
 
 def build_inputs(tmp: Path) -> tuple[Path, Path, list[dict]]:
     from amalia_ray.core.config import TokenizerConfig
-    from amalia_ray.data.conversations import faq_conversations, write_jsonl
-    from amalia_ray.data.tokenizer import train_tokenizer
+    from amalia_ray.data.posttrain.conversations import faq_conversations, write_jsonl
+    from amalia_ray.data.tokenize.tokenizer import train_tokenizer
 
     corpus = tmp / "corpus"
     corpus.mkdir()

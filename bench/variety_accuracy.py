@@ -31,8 +31,8 @@ from pathlib import Path
 
 from amalia_ray.core.variety import score_variety
 from amalia_ray.core.variety_model import VarietyModel
-from amalia_ray.data.variety_corpus import GROUPS, PT_BR, PT_PT, read_pairs
-from amalia_ray.data.variety_training import coverage_accuracy, smallest_margin, train_variety_model
+from amalia_ray.data.variety.variety_corpus import GROUPS, PT_BR, PT_PT, read_pairs
+from amalia_ray.data.variety.variety_training import coverage_accuracy, smallest_margin, train_variety_model
 
 PT_FILES = ["/usr/share/debian-reference/debian-reference.pt.txt.gz", "/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"]
 BR_FORTUNES = "/usr/share/games/fortunes/brasil"

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from amalia_ray.core.variety import score_variety
-from amalia_ray.data.language import detect_language
+from amalia_ray.data.steps.language import detect_language
 from variety_accuracy import fortunes, udhr_paragraphs
 
 GIMP = "/usr/share/gimp/2.0/help/{lang}/*.html"

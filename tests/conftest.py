@@ -56,7 +56,9 @@ def keys_only_shuffles(monkeypatch):
     counts are summed per block. Yields the list of columns each exchange moved."""
     import ray.data
 
-    from amalia_ray.data import boilerplate, components, decide, dedup, partitions
+    from amalia_ray.data.web import boilerplate
+    from amalia_ray.data.dedup import components, ray_executor as dedup
+    from amalia_ray.data.exchange import decide, partitions
 
     def refuse(name):
         def refused(*args, **kwargs):
@@ -168,8 +170,8 @@ def post_training(demo_run, recipe_path) -> Path:
     dpo, trained up to sft here (test_e2e.py trains the rest; test_e2e_serving.py serves the sft adapter). Returns
     the recipe."""
     from amalia_ray.core.recipe import load_recipe
-    from amalia_ray.data.conversations import write_faq_conversations, write_jsonl
-    from amalia_ray.data.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.conversations import write_faq_conversations, write_jsonl
+    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
     from amalia_ray.pipeline.runner import Pipeline
 
     chats = recipe_path.parent / "faq-chat.jsonl"

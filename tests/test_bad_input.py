@@ -15,7 +15,7 @@ import pytest
 import zstandard
 
 from amalia_ray.core.config import SourceConfig
-from amalia_ray.data.readers import read_file
+from amalia_ray.data.read.readers import read_file
 from tests.test_readers import warc_record
 
 pytestmark = pytest.mark.reliability
@@ -216,7 +216,7 @@ def test_an_error_that_is_not_the_inputs_fails_the_stage_naming_the_file(tmp_pat
     """Only what the input's bytes cause is quarantined: a reader that runs out of memory (or any bug) fails the
     stage with the file named, instead of turning the rest of the file into a quarantine row."""
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data import readers
+    from amalia_ray.data.read import readers
 
     path = tmp_path / "a.jsonl"
     path.write_text(json.dumps({"text": good(0)}) + "\n")
@@ -260,7 +260,7 @@ def test_a_read_task_holds_a_bounded_part_of_a_large_file(tmp_path):
     probe = (
         "import resource, sys\n"
         "from amalia_ray.core.config import SourceConfig\n"
-        "from amalia_ray.data.readers import read_file_tables\n"
+        "from amalia_ray.data.read.readers import read_file_tables\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "rows = sum(t.num_rows for t in read_file_tables(sys.argv[1], SourceConfig(name='s', paths=['x'], "
         "format='jsonl')))\n"

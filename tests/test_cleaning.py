@@ -2,7 +2,7 @@ import pyarrow as pa
 import pytest
 
 from amalia_ray.core.config import CleaningConfig
-from amalia_ray.data.cleaning import Clean, remove_repeated_lines, scrub_pii
+from amalia_ray.data.steps.cleaning import Clean, remove_repeated_lines, scrub_pii
 
 
 @pytest.mark.parametrize(

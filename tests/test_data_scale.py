@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from amalia_ray.data.partitions import PIECE_BYTES, plan_exchange
+from amalia_ray.data.exchange.partitions import PIECE_BYTES, plan_exchange
 
 GB = 1 << 30
 
@@ -36,7 +36,7 @@ def test_pieces_stay_over_a_megabyte_and_objects_grow_with_bytes_not_blocks(tota
 
 
 def test_exchange_gives_each_part_all_rows_of_its_keys(ray_cluster):
-    from amalia_ray.data.partitions import ExchangePlan, exchange
+    from amalia_ray.data.exchange.partitions import ExchangePlan, exchange
 
     rows = [pa.table({"k": [f"key{(i * 7919) % 50}" for i in range(j * 40, j * 40 + 40)],
                       "v": list(range(j * 40, j * 40 + 40))}) for j in range(12)]
@@ -57,7 +57,7 @@ def test_exchange_gives_each_part_all_rows_of_its_keys(ray_cluster):
 def test_decisions_reach_the_rows_they_were_taken_for(ray_cluster, monkeypatch, piece_bytes):
     """Decisions taken on key rows in parts come back to their own block and row, whether the routing cuts them by
     one run of all blocks, a run per block or runs of a few blocks; rows without a decision keep their value."""
-    from amalia_ray.data import decide
+    from amalia_ray.data.exchange import decide
 
     monkeypatch.setattr(decide, "ROUTE_PIECE_BYTES", piece_bytes)
     blocks = [pa.table({"id": [f"d{j}-{i}" for i in range(30)], "group": [f"g{(j * 30 + i) % 7}" for i in range(30)],
@@ -86,7 +86,7 @@ def test_decisions_reach_the_rows_they_were_taken_for(ray_cluster, monkeypatch, 
 
 
 def test_report_counts_sum_per_block_group_bys(ray_cluster):
-    from amalia_ray.data.partitions import count_by
+    from amalia_ray.data.exchange.partitions import count_by
 
     blocks = [pa.table({"source": ["a", "b", "a", None], "reason": [None, "x", None, "x"]}),
               pa.table({"source": pa.array([], pa.string()), "reason": pa.array([], pa.string())}),
@@ -118,7 +118,7 @@ def test_duplicate_chains_longer_than_any_round_cap_form_one_cluster(ray_cluster
     """A chain of 150 near-copies (each an edit of the one before) plus a random graph: each component labelled by
     its smallest id, on many tasks (star contraction, rounds ~ log² n) and in one (union-find). Label propagation
     needed 150 rounds for the chain and gave up after 64."""
-    from amalia_ray.data.components import connected_components
+    from amalia_ray.data.dedup.components import connected_components
 
     chain = [f"c{i:04d}" for i in range(150)]
     random.Random(1).shuffle(chain)
@@ -137,7 +137,7 @@ def test_duplicate_chains_longer_than_any_round_cap_form_one_cluster(ray_cluster
 
 def test_a_repeated_id_is_found_without_sorting_the_documents(ray_cluster, keys_only_shuffles):
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.dedup import check_unique_ids
+    from amalia_ray.data.dedup.ray_executor import check_unique_ids
 
     docs = [pa.table({"id": [f"s/f#{i}" for i in range(j * 50, j * 50 + 50)], "text": ["x" * 1000] * 50})
             for j in range(6)]
@@ -250,8 +250,8 @@ def test_a_large_jsonl_is_read_in_byte_ranges_with_the_ids_of_a_whole_read(ray_c
     import json
 
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data.inputs import ReadLedger, list_sources, read_plan, read_sources
-    from amalia_ray.data.readers import read_file
+    from amalia_ray.data.read.inputs import ReadLedger, list_sources, read_plan, read_sources
+    from amalia_ray.data.read.readers import read_file
 
     rng = random.Random(7)
     words = "o rio corre para o mar e a cidade acorda devagar sobre as colinas".split()
@@ -298,8 +298,8 @@ def test_a_large_parquet_file_is_read_by_row_groups_across_tasks_with_the_ids_of
     import pyarrow.parquet as pq
 
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data.inputs import ReadLedger, list_sources, read_plan, read_sources
-    from amalia_ray.data.readers import read_file
+    from amalia_ray.data.read.inputs import ReadLedger, list_sources, read_plan, read_sources
+    from amalia_ray.data.read.readers import read_file
 
     rng = random.Random(3)
     words = "a serra desce ao mar por entre vinhas e socalcos de xisto".split()
@@ -351,8 +351,8 @@ def test_a_large_web_archive_is_read_in_ranges_of_whole_records_with_the_ids_of_
     import pyarrow.parquet as pq
 
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data.inputs import ReadLedger, list_sources, read_plan, read_sources
-    from amalia_ray.data.readers import read_file
+    from amalia_ray.data.read.inputs import ReadLedger, list_sources, read_plan, read_sources
+    from amalia_ray.data.read.readers import read_file
     from tests.test_readers import warc_record
 
     rng = random.Random(3)
@@ -418,8 +418,8 @@ def test_a_large_text_file_is_read_in_ranges_of_whole_documents_with_the_ids_of_
     import pyarrow.parquet as pq
 
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data.inputs import ReadLedger, list_sources, read_plan, read_sources
-    from amalia_ray.data.readers import read_file
+    from amalia_ray.data.read.inputs import ReadLedger, list_sources, read_plan, read_sources
+    from amalia_ray.data.read.readers import read_file
 
     rng = random.Random(5)
     words = "à beira do Tejo a luz da manhã cai sobre os telhados e as gaivotas".split()
@@ -479,7 +479,7 @@ def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeyp
 
     from amalia_ray.core.config import SourceConfig
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data import readers, streams
+    from amalia_ray.data.read import readers, streams
 
     class Dropping(io.RawIOBase):
         def __init__(self):
@@ -508,7 +508,7 @@ def test_a_storage_error_fails_the_read_instead_of_quarantining_the_rest(monkeyp
 
 def test_object_globs_match_as_shell_globs_do():
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.inputs import _glob_regex, list_remote
+    from amalia_ray.data.read.inputs import _glob_regex, list_remote
 
     rx = _glob_regex("bucket/crawl/**/part-[!x]?.jsonl.gz")
     assert rx.match("bucket/crawl/part-a1.jsonl.gz") and rx.match("bucket/crawl/2024/05/part-b2.jsonl.gz")

@@ -2,7 +2,10 @@ import re
 
 import pyarrow as pa
 
-from amalia_ray.data.steps import ExactKeys, MinLength, Normalize, exact_copies, is_validation
+from amalia_ray.data.dedup.keep import ExactKeys, exact_copies
+from amalia_ray.data.steps.quality import MinLength
+from amalia_ray.data.steps.cleaning import Normalize
+from amalia_ray.data.tokenize.mix import is_validation
 
 
 def test_normalize_nfc_and_whitespace():
@@ -35,7 +38,7 @@ def test_text_documents_are_split_as_the_file_streams(tmp_path, monkeypatch):
     """Paragraphs, separator blocks and whole files, read a few bytes at a time (so every boundary, and a
     character, falls across blocks): the same documents as splitting the whole text at once."""
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data import readers
+    from amalia_ray.data.read import readers
 
     monkeypatch.setattr(readers, "_CHUNK", 3)
     text = "primeiro parágrafo\ncontinua\n\n  \nsegundo ção\n\n\n\nterceiro\n"
@@ -60,8 +63,8 @@ def test_text_documents_follow_the_boundary_rule_whatever_the_blocks(tmp_path, m
     import random
 
     from amalia_ray.core.config import SourceConfig
-    from amalia_ray.data import readers
-    from amalia_ray.data.records import preview
+    from amalia_ray.data.read import readers
+    from amalia_ray.data.read.records import preview
 
     rng = random.Random(11)
     pieces = ["ção", "a", "b c", " ", "\t", "\r", "\n", "\n", "\n", "%", "%%", "% \t"]
@@ -101,7 +104,7 @@ def test_validation_split_is_stable_and_near_fraction():
 
 
 def test_mix_by_source_weights_are_epochs_and_deterministic():
-    from amalia_ray.data.steps import MixBySource
+    from amalia_ray.data.tokenize.mix import MixBySource
 
     n = 2000
     batch = pa.table({"id": [f"d{i}" for i in range(n)], "source": ["pt"] * (n // 2) + ["br"] * (n // 2),

@@ -13,7 +13,7 @@ import pytest
 
 import pyarrow as pa
 
-from amalia_ray.data.minhash import (
+from amalia_ray.data.dedup.minhash import (
     MinHashParams,
     band_keys,
     estimated_jaccard,
@@ -22,7 +22,7 @@ from amalia_ray.data.minhash import (
     signatures,
     words,
 )
-from amalia_ray.data.planted import (
+from amalia_ray.data.dedup.planted import (
     duplicate_pairs,
     plant_duplicates,
     reference_jaccard,
@@ -71,7 +71,7 @@ def test_shingle_hashes_match_a_per_text_loop():
     that has n-1 words after it (a text shorter than n: its whole word sequence), hashed position by position."""
     import polars as pl
 
-    from amalia_ray.data.minhash import mix64
+    from amalia_ray.data.dedup.minhash import mix64
 
     texts = [" ".join(f"w{letters(j)}" for j in range(n)) for n in range(9)] + ["x y", "", "a b c d e f", "um"]
     for k in (1, 2, 5):
@@ -99,7 +99,7 @@ def test_signatures_match_the_definition_and_estimate_jaccard():
     assert abs(estimated_jaccard(sigs[0], sigs[2]) - 196 / 404) < 0.08
     keys = band_keys(np.stack([sigs[0], sigs[0]]), p)
     assert (keys[0] == keys[1]).all() and len(set(keys[0].tolist())) == p.bands
-    from amalia_ray.data.minhash import SignatureSets, pair_jaccard
+    from amalia_ray.data.dedup.minhash import SignatureSets, pair_jaccard
 
     rows = SignatureSets(p)(pa.table({"id": ["x", "e", "y"], "text": [x, "", y]}))["values"].combine_chunks()
     assert rows[0].as_py() == sigs[0].tolist() and rows[1].as_py() == sigs[1].tolist()
@@ -190,8 +190,8 @@ def test_dedup_cli_contract_on_planted_duplicates(ray_cluster, planted):
             "same input and seed give the same clusters, on Ray or in this process"
         assert pq.read_table(again / "kept").sort_by("id").equals(kept.sort_by("id"))
 
-    from amalia_ray.data.dedup import dedup
-    from amalia_ray.data.dedup_in_process import dedup_in_process
+    from amalia_ray.data.dedup.ray_executor import dedup
+    from amalia_ray.data.dedup.in_process import dedup_in_process
 
     dedup(folder / "docs.jsonl", folder / "shuffled", MinHashParams(), 0.8, broadcast_rows=0)
     assert pq.read_table(folder / "shuffled" / "clusters.parquet").equals(clusters), \
@@ -211,7 +211,7 @@ def test_the_in_process_executor_does_not_import_ray():
     import subprocess
     import sys
 
-    code = "import sys, amalia_ray.data.dedup_in_process; print('ray' in sys.modules)"
+    code = "import sys, amalia_ray.data.dedup.in_process; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == \
         "False"
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from amalia_ray.core.config import TokenizerConfig
-from amalia_ray.data.conversations import faq_conversations, mismatched_answer_pairs
-from amalia_ray.data.tokenizer import train_tokenizer
+from amalia_ray.data.posttrain.conversations import faq_conversations, mismatched_answer_pairs
+from amalia_ray.data.tokenize.tokenizer import train_tokenizer
 from amalia_ray.train.objectives.dpo import DPO
 from amalia_ray.train.objectives.dpo import encode_pair, read_preferences
 

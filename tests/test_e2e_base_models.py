@@ -36,7 +36,7 @@ SERVED = TRAINED if EVERY else ["gemma3_text"]
 
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory):
-    from amalia_ray.data.conversations import write_faq_conversations
+    from amalia_ray.data.posttrain.conversations import write_faq_conversations
     from amalia_ray.train.train_stage import run_train_stage
 
     tmp = tmp_path_factory.mktemp("families")
@@ -103,8 +103,8 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     into it in place (with LoRA: the merged weights), weighted rule-based rewards, group advantages, k3 KL to the
     base (with LoRA: the policy with its adapters off); the first step's policy is its reference, and the export
     keeps the base's architecture."""
-    from amalia_ray.data.conversations import write_jsonl
-    from amalia_ray.data.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.conversations import write_jsonl
+    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
 
     _, chats, _ = trained

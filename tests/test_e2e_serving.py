@@ -330,9 +330,9 @@ def test_eval_command_line_contract(served, tmp_path):
 def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):
     """R1's seeds -> many samples at small scale: Ray Data actors send each seed prompt to the model served by
     Ray Serve + vLLM (OpenAI API over HTTP), n samples per request; with a reward only accepted samples stay."""
-    from amalia_ray.data.conversations import write_jsonl
-    from amalia_ray.data.synthesize import synthesize
-    from amalia_ray.data.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.conversations import write_jsonl
+    from amalia_ray.data.posttrain.synthesize import synthesize
+    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
 
     seeds = tmp_path / "seeds.jsonl"
     # and one seed over the served context (512 tokens): the server refuses it, it is quarantined, the rest expand

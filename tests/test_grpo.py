@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from amalia_ray.data.rl_tasks import arithmetic_tasks
+from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
 from amalia_ray.train.objectives.grpo import group_advantages, policy_loss
 from amalia_ray.train.rollout import read_tasks
 from amalia_ray.core.rewards import exact_answer_reward, format_reward, get_reward
@@ -102,7 +102,7 @@ def _tiny_tokenizer(tmp_path):
     import pyarrow.parquet as pq
 
     from amalia_ray.core.config import TokenizerConfig
-    from amalia_ray.data.tokenizer import train_tokenizer
+    from amalia_ray.data.tokenize.tokenizer import train_tokenizer
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -1,7 +1,7 @@
 import pyarrow as pa
 
 from amalia_ray.core.config import LanguageConfig, VarietyConfig
-from amalia_ray.data.language import LanguageID, VarietyTag, detect_language
+from amalia_ray.data.steps.language import LanguageID, VarietyTag, detect_language
 from amalia_ray.core.variety import score_variety
 
 # sentences written for these tests

@@ -2,7 +2,7 @@ import pyarrow as pa
 import pytest
 
 from amalia_ray.core.config import FineWebConfig, GopherQualityConfig, GopherRepetitionConfig, QualityConfig
-from amalia_ray.data.quality import (
+from amalia_ray.data.steps.quality import (
     duplicated_ngram_fraction,
     fineweb_reason,
     gopher_quality_reason,

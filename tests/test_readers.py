@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from amalia_ray.core.config import SourceConfig
-from amalia_ray.data.readers import read_file
+from amalia_ray.data.read.readers import read_file
 
 TEXT = "A biblioteca municipal abriu uma nova sala de leitura para os mais novos."
 
@@ -163,7 +163,7 @@ def test_a_zstd_bomb_is_cut_where_it_passes_the_limits_and_what_came_before_is_k
 def test_the_boundary_after_a_document_over_the_limit_is_found_when_a_read_block_cuts_it(tmp_path, monkeypatch):
     """A document over max_record_bytes keeps only its head, but the blank line or separator line after it is kept
     whole even when a read block ends inside it: the next document is not swallowed by the oversized one."""
-    from amalia_ray.data import readers
+    from amalia_ray.data.read import readers
 
     monkeypatch.setattr(readers, "_CHUNK", 256)
     for split, boundary in (("paragraph", "\n \n"), ("separator", "\n%\n")):

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from amalia_ray.core.config import TokenizerConfig
-from amalia_ray.data.pack import TokenizeAndPack
-from amalia_ray.data.tokenizer import CHAT_TOKENS, EOS, train_tokenizer
+from amalia_ray.data.tokenize.pack import TokenizeAndPack
+from amalia_ray.data.tokenize.tokenizer import CHAT_TOKENS, EOS, train_tokenizer
 
 FAQ = Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz")
 
@@ -65,7 +65,7 @@ def test_the_packing_actors_tokenize_as_transformers_does(tokenizer_dir, tmp_pat
     test base models' own (each family's)."""
     from transformers import AutoTokenizer
 
-    from amalia_ray.data.pack import tokenizer_for_workers
+    from amalia_ray.data.tokenize.pack import tokenizer_for_workers
     from tests.base_models import make_base_model
 
     folder = tokenizer_dir if family == "ours" else make_base_model(tmp_path / family, family)

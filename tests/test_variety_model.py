@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from amalia_ray.cli import app
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.variety_model import VarietyModel, label_texts
-from amalia_ray.data.variety_corpus import build_pairs, clean_message, group_of
-from amalia_ray.data.variety_training import coverage_accuracy, smallest_margin, train_variety_model
+from amalia_ray.data.variety.variety_corpus import build_pairs, clean_message, group_of
+from amalia_ray.data.variety.variety_training import coverage_accuracy, smallest_margin, train_variety_model
 
 
 def mo_file(messages: dict[str, str]) -> bytes:
@@ -169,7 +169,7 @@ def test_coverage_and_accuracy_by_margin():
 
 def test_the_data_step_and_the_command_tag_with_the_model(tmp_path):
     from amalia_ray.core.config import VarietyConfig
-    from amalia_ray.data.language import VarietyTag
+    from amalia_ray.data.steps.language import VarietyTag
 
     train_variety_model(tmp_path / "m", synthetic_pairs(120), holdout=0.0)
     batch = pa.table({"text": ["O utilizador está a guardar a imagem no ecrã", "O usuário está salvando a imagem",
@@ -195,7 +195,7 @@ def test_the_data_step_and_the_command_tag_with_the_model(tmp_path):
 
 
 def test_a_large_input_is_tagged_by_ray_data_in_parts(ray_cluster, tmp_path):
-    from amalia_ray.data.variety_tagging import tag_file
+    from amalia_ray.data.variety.variety_tagging import tag_file
 
     train_variety_model(tmp_path / "m", synthetic_pairs(120), holdout=0.0)
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in (PT + BR) * 20))

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from amalia_ray.core.config import ModelConfig, TokenizerConfig
 from amalia_ray.core.vocabulary import read_extension, write_extension
-from amalia_ray.data.vocab_extension import extend
+from amalia_ray.data.tokenize.vocab_extension import extend
 from tests.base_models import FAQ, faq_paragraphs, family_tokenizer, make_base_model
 from tests.conftest import free_port
 

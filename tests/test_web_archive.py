@@ -15,12 +15,12 @@ import yaml
 
 from amalia_ray.core.config import DataConfig, Recipe, SourceConfig
 from amalia_ray.core.ngrams import ItemIndex, words
-from amalia_ray.data.captures import CaptureKeys, latest_capture, normalize_url, parse_capture_time
-from amalia_ray.data.decontaminate import Decontaminate
-from amalia_ray.data.quality import heuristic_score
-from amalia_ray.data.quality_model import QualityModel, QualityModelScore, train_quality_model
-from amalia_ray.data.readers import read_file
-from amalia_ray.data.steps import best_of_cluster, exact_copies
+from amalia_ray.data.web.captures import CaptureKeys, latest_capture, normalize_url, parse_capture_time
+from amalia_ray.data.steps.decontaminate import Decontaminate
+from amalia_ray.data.steps.quality import heuristic_score
+from amalia_ray.data.steps.quality_model import QualityModel, QualityModelScore, train_quality_model
+from amalia_ray.data.read.readers import read_file
+from amalia_ray.data.dedup.keep import best_of_cluster, exact_copies
 from tests import web_archive
 
 REFERENCE_TXT = Path("/usr/share/debian-reference/debian-reference.pt.txt.gz")
@@ -109,7 +109,7 @@ def test_keep_rules_pick_the_known_best_member():
 
 
 def test_site_boilerplate_lines_are_removed_from_that_site_only():
-    from amalia_ray.data.boilerplate import StripBoilerplate, _line_hashes
+    from amalia_ray.data.web.boilerplate import StripBoilerplate, _line_hashes
 
     notice = "Este sítio utiliza cookies."
     lines = np.sort(_line_hashes("a.pt", [notice]))
@@ -125,7 +125,7 @@ def _near_duplicates(a: str, b: str) -> bool:
     signatures), is over 0.8: a planted cluster the stage will find (LSH finds a pair at Jaccard 0.86 with
     probability 0.994, not 1)."""
     from amalia_ray.core.config import NearDedupConfig
-    from amalia_ray.data.minhash import BandKeys, MinHashParams, SignatureSets, pair_jaccard
+    from amalia_ray.data.dedup.minhash import BandKeys, MinHashParams, SignatureSets, pair_jaccard
 
     cfg = NearDedupConfig()
     params = MinHashParams(ngram=cfg.ngram, num_perm=cfg.num_perm, bands=cfg.bands, seed=cfg.seed)
@@ -138,7 +138,7 @@ def _near_duplicates(a: str, b: str) -> bool:
 
 def _clearly_portuguese(texts: list[str]) -> list[bool]:
     from amalia_ray.core.config import LanguageConfig
-    from amalia_ray.data.language import LanguageID
+    from amalia_ray.data.steps.language import LanguageID
 
     out = LanguageID(LanguageConfig(keep=["pt"], min_score=0.5))(_docs([{"id": str(i), "text": t}
                                                                         for i, t in enumerate(texts)]))
@@ -214,9 +214,9 @@ def test_quality_classifier_trains_scores_and_loads_safely(tmp_path):
 def _main_text(html: str) -> str:
     """A page's text as the data stage makes it: main text, cleaned (PII scrubbed, …) and normalised."""
     from amalia_ray.core.config import CleaningConfig
-    from amalia_ray.data.cleaning import Clean
-    from amalia_ray.data.readers import html_main_text
-    from amalia_ray.data.steps import Normalize
+    from amalia_ray.data.steps.cleaning import Clean
+    from amalia_ray.data.read.readers import html_main_text
+    from amalia_ray.data.steps.cleaning import Normalize
 
     cleaned = Clean(CleaningConfig())(_docs([{"id": "0", "text": html_main_text(web_archive.page_html(html))}]))
     return Normalize().clean(cleaned["text"][0].as_py())
@@ -258,7 +258,7 @@ def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path, keys_only_
     boilerplate), language and variety are tagged, the mirror's worse copies lose to the originals
     (near_dedup.keep: quality) although their ids sort first, and the quoted pages are dropped as contaminated."""
     from amalia_ray.core.recipe import load_recipe
-    from amalia_ray.data.readers import html_main_text
+    from amalia_ray.data.read.readers import html_main_text
     from amalia_ray.pipeline.runner import Pipeline
 
     pages = web_archive.section_pages(3)
@@ -346,7 +346,7 @@ def test_the_data_stage_scores_with_a_trained_model_and_flags_contamination(ray_
     (tmp_path / "pos.jsonl").write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in reference[:300]))
     (tmp_path / "neg.jsonl").write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in neg[:300]))
     train_quality_model(tmp_path / "model", [str(tmp_path / "pos.jsonl")], [str(tmp_path / "neg.jsonl")])
-    from amalia_ray.data.steps import Normalize
+    from amalia_ray.data.steps.cleaning import Normalize
 
     portuguese = [Normalize().clean(p) for p in reference[300:] if " não " in p or " é " in p]
     good, bad, quoted = portuguese[0], neg[350], portuguese[1]

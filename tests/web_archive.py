@@ -32,7 +32,7 @@ CAPTURES = [
 def section_pages(per_chapter: int) -> list[tuple[str, str]]:
     """(path, HTML of one section) for the first `per_chapter` sections of each chapter whose main text (what
     main-content extraction keeps of the page, a section of mostly tables may keep little) has 150 words or more."""
-    from amalia_ray.data.readers import html_main_text
+    from amalia_ray.data.read.readers import html_main_text
 
     pages = []
     for chapter in sorted(HTML_DIR.glob("ch*.pt.html")):

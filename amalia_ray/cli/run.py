@@ -88,7 +88,7 @@ def data_dedup(
     this process for a small input (--executor)."""
     from amalia_ray.cluster.local import ray_session
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.minhash import MinHashParams
+    from amalia_ray.data.dedup.minhash import MinHashParams
 
     if not 0 <= threshold <= 1:
         raise AmaliaError(f"--threshold must be within [0, 1], got {threshold}")
@@ -103,16 +103,16 @@ def data_dedup(
     if not input.exists():
         raise AmaliaError(f"dedup input not found: {input}")
     if executor == "auto":
-        from amalia_ray.data.dedup_in_process import fits_in_process
+        from amalia_ray.data.dedup.in_process import fits_in_process
 
         on_cluster = os.environ.get("RAY_ADDRESS") or ("ray" in sys.modules and sys.modules["ray"].is_initialized())
         executor = "ray" if on_cluster or not fits_in_process(input) else "in-process"
     if executor == "in-process":
-        from amalia_ray.data.dedup_in_process import dedup_in_process
+        from amalia_ray.data.dedup.in_process import dedup_in_process
 
         stats = dedup_in_process(input, output, params, threshold or None, similarity=similarity)
     else:
-        from amalia_ray.data.dedup import dedup
+        from amalia_ray.data.dedup.ray_executor import dedup
 
         # nothing is served here: a logical CPU per core, so no more workers start (a second of imports each) than
         # there are cores to run them
@@ -138,7 +138,7 @@ def data_train_quality(
     """Train a quality classifier (DCLM's recipe: curated positives against raw web negatives) that the data stage
     applies with data.quality_model."""
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.quality_model import train_quality_model
+    from amalia_ray.data.steps.quality_model import train_quality_model
 
     if not 0 <= holdout < 1:
         raise AmaliaError(f"--holdout must be within [0, 1), got {holdout}")
@@ -156,7 +156,7 @@ def data_faq_chat(
 ) -> None:
     """Turn a FAQ's numbered questions and their answers into user/assistant conversations (SFT data)."""
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.conversations import write_faq_conversations
+    from amalia_ray.data.posttrain.conversations import write_faq_conversations
 
     if not source.is_file():
         raise AmaliaError(f"FAQ not found: {source}")
@@ -176,7 +176,7 @@ def data_preference_pairs(
     """DPO pairs from question-answer conversations: chosen = the question's own answer, rejected = another
     question's answer (pairs sampled from the model itself: a dpo stage with on_policy: true)."""
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.conversations import mismatched_answer_pairs, write_jsonl
+    from amalia_ray.data.posttrain.conversations import mismatched_answer_pairs, write_jsonl
 
     rows = []
     for n, line in enumerate(conversations.read_text(encoding="utf-8").splitlines(), 1):
@@ -209,7 +209,7 @@ def data_synthesize(
 ) -> None:
     """Expand seed prompts into many samples with a served model, through Ray Data (R1-style rejection sampling)."""
     from amalia_ray.cluster.local import ray_session
-    from amalia_ray.data.synthesize import synthesize
+    from amalia_ray.data.posttrain.synthesize import synthesize
 
     with ray_session():
         stats = synthesize(seeds, output, base_url=base_url, model=model, per_seed=per_seed, temperature=temperature,
@@ -227,8 +227,8 @@ def data_arithmetic(
     max_operand: Annotated[int, typer.Option(help="largest operand")] = 50,
 ) -> None:
     """Portuguese arithmetic and word problems with exact answers (GRPO tasks with verifiable rewards)."""
-    from amalia_ray.data.conversations import write_jsonl
-    from amalia_ray.data.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.conversations import write_jsonl
+    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
 
     console.print(f"{write_jsonl(arithmetic_tasks(n, seed, max_operand), output)} tasks -> {output}")
 

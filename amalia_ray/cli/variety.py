@@ -24,7 +24,7 @@ def data_variety_corpus(
     min_words: Annotated[int, typer.Option(help="pairs with a side of fewer words are left out")] = 3,
 ) -> None:
     """Aligned pt-PT / pt-BR pairs from separately translated packages: the variety classifier's training text."""
-    from amalia_ray.data.variety_corpus import write_variety_corpus
+    from amalia_ray.data.variety.variety_corpus import write_variety_corpus
 
     summary = write_variety_corpus(debs, output, min_words)
     console.print_json(json.dumps({"pairs": summary["pairs"], "by_group": summary["pairs_by_group"],
@@ -47,8 +47,8 @@ def data_train_variety(
     """Train the pt-PT / pt-BR classifier that `variety: {model: PATH}` applies in the data stage, the eval
     stage's variety metric and the pt_variety reward."""
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.variety_corpus import read_pairs
-    from amalia_ray.data.variety_training import train_variety_model
+    from amalia_ray.data.variety.variety_corpus import read_pairs
+    from amalia_ray.data.variety.variety_training import train_variety_model
 
     if not pairs.is_file():
         raise AmaliaError(f"pairs not found: {pairs}")
@@ -77,7 +77,7 @@ def data_variety(
     """Tag each text pt-PT, pt-BR or unknown with its pt_pt_score."""
     from amalia_ray.cluster.local import ray_session
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.variety_tagging import LOCAL_BYTES, tag_file
+    from amalia_ray.data.variety.variety_tagging import LOCAL_BYTES, tag_file
 
     if not 0 <= margin < 0.5:
         raise AmaliaError(f"--margin must be within [0, 0.5), got {margin}")

@@ -1,7 +1,7 @@
 """A learned pt-PT / pt-BR variety classifier: character n-grams (spelling: -ção / -cção, -ómico / -ômico, "facto"
 / "fato"), word uni- and bigrams (function words and their order: "pode-se" / "se pode", "estar a" + infinitive /
 the gerund, você / tu) hashed into a fixed number of features, plus the cue scorer's two counts, and a logistic
-regression over them (scikit-learn), trained on separately translated text (`data/variety_training.py`).
+regression over them (scikit-learn), trained on separately translated text (`data/variety/variety_training.py`).
 
 The model is a folder holding `variety_model.json` (settings, what it was trained on, its held-out figures) and
 `weights.npz` (the non-zero weights): plain arrays and JSON, nothing executable, so a model from elsewhere is safe

@@ -1,5 +1,6 @@
-"""The data stage on Ray Data: the corpus's files listed, fingerprinted and cut into read tasks, read into
-documents (jsonl, Parquet, text, HTML, WARC/ARC) with unreadable records quarantined, cleaned, filtered,
-deduplicated exactly and near (MinHash-LSH, run on Ray or in one process for a small input) with keys moving
-through byte-sized exchanges and the text written once; then the tokenizer and the packed token shards the
-pretraining stage reads; and the post-training data generators and the pt-PT / pt-BR classifier's training data."""
+"""The data stages on Ray Data (curate.py: the corpus curated, the tokenizer, tokenize and pack, each writing one
+folder). The corpus is read into documents (read/), run through per-document steps on one protocol (steps/), its
+web pages decided on across documents (web/), deduplicated exactly and near (dedup/) with keys, not text, moving
+through byte-sized exchanges (exchange/), and written once; then tokenized and packed for pretraining (tokenize/).
+Post-training data is made by code (posttrain/), and the pt-PT / pt-BR classifier's training data read from Debian
+packages (variety/)."""

@@ -14,31 +14,21 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.shards import rows_per_group
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.core.ngrams import ItemIndex
-from amalia_ray.data.boilerplate import StripBoilerplate, boilerplate_lines
-from amalia_ray.data.captures import CaptureKeys, capture_decisions, capture_keys
-from amalia_ray.data.cleaning import Clean
-from amalia_ray.data.decontaminate import Decontaminate, contamination_report
-from amalia_ray.data.dedup import check_unique_ids, near_duplicate_clusters, with_clusters
-from amalia_ray.data.language import LanguageID, VarietyTag
-from amalia_ray.data.minhash import MinHashParams
-from amalia_ray.data.pack import TokenizeAndPack, tokenizer_for_workers
-from amalia_ray.data.decide import ROW, decide, set_columns
-from amalia_ray.data.partitions import LEDGER, configure_data_context, count_by, write_ordered_shards, write_shards
-from amalia_ray.data.quality import HeuristicScore, quality_steps
-from amalia_ray.data.quality_model import QualityModelScore
-from amalia_ray.data.inputs import Listed, ReadLedger, fingerprint_lines, list_sources, read_sources
-from amalia_ray.data.steps import (
-    ExactKeys,
-    MinLength,
-    MixBySource,
-    Normalize,
-    best_of_cluster,
-    exact_copies,
-    is_validation,
-    keep_keys,
-)
-from amalia_ray.data.tokenizer import base_tokenizer, train_tokenizer
-
+from amalia_ray.data.dedup.keep import ExactKeys, best_of_cluster, exact_copies, keep_keys
+from amalia_ray.data.dedup.minhash import MinHashParams
+from amalia_ray.data.dedup.ray_executor import check_unique_ids, near_duplicate_clusters, with_clusters
+from amalia_ray.data.exchange.decide import ROW, decide, set_columns
+from amalia_ray.data.exchange.partitions import (LEDGER, configure_data_context, count_by, write_ordered_shards,
+                                                 write_shards)
+from amalia_ray.data.read.inputs import Listed, ReadLedger, fingerprint_lines, list_sources, read_sources
+from amalia_ray.data.steps.decontaminate import contamination_report
+from amalia_ray.data.steps.quality import MinLength
+from amalia_ray.data.steps.recipe_steps import after_pages, before_pages, run_steps
+from amalia_ray.data.tokenize.mix import MixBySource, is_validation
+from amalia_ray.data.tokenize.pack import TokenizeAndPack, tokenizer_for_workers
+from amalia_ray.data.tokenize.tokenizer import base_tokenizer, train_tokenizer
+from amalia_ray.data.web.boilerplate import StripBoilerplate, boilerplate_lines
+from amalia_ray.data.web.captures import capture_decisions, capture_keys
 
 def list_corpus(cfg: DataConfig, resolve) -> list[list[Listed]]:
     """Each source's files with their sizes and modification times; a pattern matching nothing is an error."""
@@ -64,33 +54,15 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     moved = LEDGER.mark()
     tmp = fresh_dir(out_dir)
     ledger = ReadLedger()
-    docs = (
-        read_sources(cfg.sources, listing or list_corpus(cfg, resolve), ledger)
-        .map_batches(Clean(cfg.cleaning), batch_format="pyarrow")
-        .map_batches(Normalize(cfg.normalization), batch_format="pyarrow")
-        .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow")
-        .map_batches(CaptureKeys({s.name: (s.url_field, s.date_field) for s in cfg.sources}), batch_format="pyarrow")
-    )
+    docs = run_steps(read_sources(cfg.sources, listing or list_corpus(cfg, resolve), ledger), before_pages(cfg))
     boilerplate = 0
     if any(s.format in URL_FORMATS for s in cfg.sources):  # plain text and HTML files carry no URL
         docs, boilerplate = _web_pages(docs.materialize(), cfg)
-    variety_model = str(resolve(cfg.variety.model)) if cfg.variety and cfg.variety.model else None
-    steps = [*([LanguageID(cfg.language)] if cfg.language else []), *([VarietyTag(cfg.variety, variety_model)] if cfg.variety else []),
-             *quality_steps(cfg.quality)]
-    if cfg.quality and not cfg.quality_model:
-        steps.append(HeuristicScore(cfg.quality.language))
-    for step in steps:
-        docs = docs.map_batches(step, batch_format="pyarrow")
-    if cfg.quality_model:
-        docs = docs.map_batches(
-            QualityModelScore, fn_constructor_args=(str(resolve(cfg.quality_model)), cfg.quality_threshold),
-            batch_format="pyarrow", batch_size=1024,
-            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, int(ray.cluster_resources().get("CPU", 1)))))
     index = None
     if cfg.decontaminate:
         d = cfg.decontaminate
         index = ItemIndex.build(benchmark_items or {}, d.ngram, d.min_item_words)
-        docs = docs.map_batches(Decontaminate(index, d.min_overlap, d.action), batch_format="pyarrow")
+    docs = run_steps(docs, after_pages(cfg, resolve, index))
     docs = docs.materialize()
     read = ledger.write(tmp / "inputs.parquet")
     per_filter = count_by(docs, ["source", "drop_reason"])

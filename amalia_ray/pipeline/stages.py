@@ -18,7 +18,7 @@ from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import stop_file
 from amalia_ray.core.variety_model import VarietyModel
 from amalia_ray.data import curate as data_stage
-from amalia_ray.data.quality_model import QualityModel
+from amalia_ray.data.steps.quality_model import QualityModel
 from amalia_ray.evals.contamination import seen_items
 from amalia_ray.evals.fewshot import task_items
 from amalia_ray.evals.evaluate import metrics_of, run_task

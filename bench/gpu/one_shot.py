@@ -47,7 +47,7 @@ def make_model(folder: Path, on_cpu: bool) -> Path:
 
 def sft(base: Path, work: Path, on_cpu: bool) -> dict:
     from amalia_ray.core.config import ModelConfig, SFTStage
-    from amalia_ray.data.conversations import write_faq_conversations
+    from amalia_ray.data.posttrain.conversations import write_faq_conversations
     from amalia_ray.train.train_stage import run_train_stage
     from tests.base_models import FAQ
 
@@ -73,8 +73,8 @@ def sft(base: Path, work: Path, on_cpu: bool) -> dict:
 
 def grpo(base: Path, work: Path, on_cpu: bool) -> dict:
     from amalia_ray.core.config import GRPOStage, ModelConfig
-    from amalia_ray.data.conversations import write_jsonl
-    from amalia_ray.data.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.conversations import write_jsonl
+    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
 
     tasks = work / "arithmetic.jsonl"

@@ -12,8 +12,8 @@ import numpy as np
 
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.variety_model import KIND, MODEL_FILE, N_CUE_FEATURES, WEIGHTS_FILE, VarietyModel, featurize
-from amalia_ray.data.steps import unit_hash
-from amalia_ray.data.variety_corpus import PT_BR, PT_PT
+from amalia_ray.data.steps.base import unit_hash
+from amalia_ray.data.variety.variety_corpus import PT_BR, PT_PT
 
 MARGINS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45)
 

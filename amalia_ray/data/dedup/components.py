@@ -17,9 +17,9 @@ import polars as pl
 import pyarrow as pa
 import ray
 
-from amalia_ray.data.dedup_steps import LABELS, local_components
-from amalia_ray.data.frames import to_arrow
-from amalia_ray.data.partitions import as_table, block_refs, exchange, map_blocks
+from amalia_ray.data.dedup.dedup_steps import LABELS, local_components
+from amalia_ray.data.exchange.frames import to_arrow
+from amalia_ray.data.exchange.partitions import as_table, block_refs, exchange, map_blocks
 
 log = logging.getLogger(__name__)
 

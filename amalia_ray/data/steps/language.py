@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from amalia_ray.core.config import LanguageConfig, VarietyConfig
-from amalia_ray.data.steps import add_drop_reasons, already_dropped
+from amalia_ray.data.steps.base import DocumentStep, add_drop_reasons, already_dropped
 from amalia_ray.core.variety_model import label_texts
 
 # fastText reads one line; the first few thousand characters decide the language as well as the whole document
@@ -23,7 +23,7 @@ def detect_language(text: str) -> tuple[str, float]:
     return best["lang"], float(best["score"])
 
 
-class LanguageID:
+class LanguageID(DocumentStep):
     """Adds `language` and `language_score`; drops documents in other languages or below the score threshold."""
 
     def __init__(self, cfg: LanguageConfig):
@@ -40,7 +40,7 @@ class LanguageID:
         return add_drop_reasons(batch, reasons)
 
 
-class VarietyTag:
+class VarietyTag(DocumentStep):
     """Adds `pt_variety` (pt-PT / pt-BR / unknown) and `pt_pt_score` (the variety model's P(pt-PT) when `model`
     names one, loaded once per worker process, else the cue scorer's share); drops varieties the recipe does not
     keep."""

@@ -1,4 +1,5 @@
-"""Heuristic quality filters (Gopher quality, Gopher repetition, FineWeb line filters) as Arrow-batch steps.
+"""Heuristic quality filters (a minimum length, Gopher quality, Gopher repetition, FineWeb line filters) as
+Arrow-batch steps.
 
 They follow the published definitions (Rae et al. 2021; FineWeb; datatrove's implementations) with thresholds from
 the recipe; the defaults are FineWeb-2's Portuguese ones where FineWeb-2 tuned them. A dropped document gets
@@ -11,9 +12,10 @@ import re
 from collections import Counter
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from amalia_ray.core.config import FineWebConfig, GopherQualityConfig, GopherRepetitionConfig, QualityConfig
-from amalia_ray.data.steps import add_drop_reasons, already_dropped
+from amalia_ray.data.steps.base import DocumentStep, add_drop_reasons, already_dropped, mark_dropped
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _PARAGRAPHS = re.compile(r"\n{2,}")
@@ -155,7 +157,20 @@ def heuristic_score(text: str, language: str) -> float:
     return sum(parts) / len(parts)
 
 
-class HeuristicScore:
+class MinLength(DocumentStep):
+    """Marks documents shorter than `min_chars` characters."""
+
+    reason = "min_chars"
+
+    def __init__(self, min_chars: int):
+        self.min_chars = min_chars
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        short = pc.less(pc.utf8_length(batch["text"]), self.min_chars)
+        return mark_dropped(batch, short, self.reason)
+
+
+class HeuristicScore(DocumentStep):
     """Adds `quality_score` (heuristic_score) to every document not dropped yet (null for the dropped)."""
 
     def __init__(self, language: str):
@@ -167,7 +182,7 @@ class HeuristicScore:
         return batch.append_column("quality_score", pa.array(scores, pa.float64()))
 
 
-class QualityFilter:
+class QualityFilter(DocumentStep):
     """Applies one rule function to every not-yet-dropped document of a batch."""
 
     def __init__(self, name: str, rule, *args):

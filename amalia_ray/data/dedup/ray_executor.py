@@ -1,6 +1,7 @@
 """Near-duplicate removal with MinHash-LSH on Ray Data: shingles + signatures → band buckets → candidate pairs →
-exact Jaccard verification (NeMo Curator style) → connected components (distributed) → keep the smallest id of each
-cluster, with `cluster_size` kept as a column so documents can be re-weighted later (FineWeb-2 rehydration).
+optional Jaccard verification (estimated from the signatures, or exact on the shingles as NeMo Curator does) →
+connected components (distributed) → keep the smallest id of each cluster, with `cluster_size` kept as a column
+so documents can be re-weighted later (FineWeb-2 rehydration).
 Deterministic: same input and seed → same kept ids.
 
 Documents are read and written by Ray Data; the steps in between run as Ray tasks over its blocks (`map_blocks`,
@@ -19,14 +20,14 @@ import ray
 from ray.data.expressions import col
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.data.components import LOCAL_EDGES, connected_components
-from amalia_ray.data.decide import ROW, decide, set_columns
-from amalia_ray.data.dedup_steps import (CLUSTER_SCHEMA, HASH_BATCH_ROWS, attach_clusters, attach_values, band_rows,
-                                         bucket_edges, check_columns, cluster_sizes, endpoints, input_files,
-                                         keep_similar, pair_values, read_tables, repeated_id, side_rows,
-                                         smallest_repeated_id, summary, unique_edges, value_rows)
-from amalia_ray.data.minhash import BandKeys, MinHashParams
-from amalia_ray.data.partitions import configure_data_context, exchange, map_blocks, write_shards
+from amalia_ray.data.dedup.components import LOCAL_EDGES, connected_components
+from amalia_ray.data.exchange.decide import ROW, decide, set_columns
+from amalia_ray.data.dedup.dedup_steps import (
+    CLUSTER_SCHEMA, HASH_BATCH_ROWS, attach_clusters, attach_values, band_rows, bucket_edges, check_columns,
+    cluster_sizes, endpoints, input_files, keep_similar, pair_values, read_tables, repeated_id, side_rows,
+    smallest_repeated_id, summary, unique_edges, value_rows)
+from amalia_ray.data.dedup.minhash import BandKeys, MinHashParams
+from amalia_ray.data.exchange.partitions import configure_data_context, exchange, map_blocks, write_shards
 
 # lookup tables up to this many rows are sent to every task instead of being joined by a shuffle
 BROADCAST_ROWS = 5_000_000

@@ -15,7 +15,8 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from amalia_ray.data.decide import ROW
+from amalia_ray.data.exchange.decide import ROW
+from amalia_ray.data.steps.base import DocumentStep
 
 # query parameters that say where a visitor came from, not which page it is
 TRACKING_PARAMS = frozenset({
@@ -129,7 +130,7 @@ def parse_capture_time(value) -> int | None:
     return int(parsed.timestamp())
 
 
-class CaptureKeys:
+class CaptureKeys(DocumentStep):
     """Adds `url_key` and `captured_at` from every document's metadata (null where there is no URL or date).
     `fields`: source name -> (url field, date field) of its metadata."""
 

@@ -1,15 +1,17 @@
-"""Cleaning steps over Arrow batches: mojibake repair, in-document repeated-line removal, PII scrubbing."""
+"""Cleaning steps over Arrow batches: mojibake repair, in-document repeated-line removal, PII scrubbing, Unicode and
+whitespace normalization."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import unicodedata
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from amalia_ray.core.config import CleaningConfig
-from amalia_ray.data.steps import map_text
+from amalia_ray.data.steps.base import DocumentStep, map_text
 
 EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}\b")
 # international (+351 912 345 678, +55 (11) 91234-5678) and Portuguese national numbers (912 345 678, 213456789)
@@ -63,7 +65,7 @@ def remove_repeated_lines(text: str, min_length: int) -> str:
     return "\n".join(out)
 
 
-class Clean:
+class Clean(DocumentStep):
     def __init__(self, cfg: CleaningConfig):
         self.cfg = cfg
         if cfg.fix_mojibake:
@@ -85,3 +87,22 @@ class Clean:
             return map_text(batch, self.clean)
         suspect = pc.match_substring_regex(pc.fill_null(batch["text"], ""), FTFY_MIGHT_CHANGE).to_pylist()
         return map_text(batch, self.clean, suspect)
+
+
+_SPACES = re.compile(r"[ \t\u00a0]+")
+_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+class Normalize(DocumentStep):
+    """Unicode normalization, per-line whitespace cleanup and blank-line collapsing."""
+
+    def __init__(self, form: str = "NFC"):
+        self.form = form
+
+    def clean(self, text: str) -> str:
+        text = unicodedata.normalize(self.form, text).replace("\r\n", "\n").replace("\r", "\n")
+        lines = (_SPACES.sub(" ", line).strip() for line in text.split("\n"))
+        return _BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return map_text(batch, self.clean)

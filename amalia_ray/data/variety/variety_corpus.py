@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.data.streams import _Limited
+from amalia_ray.data.read.streams import _Limited
 
 PT_PT, PT_BR = "pt-PT", "pt-BR"
 # locale folder names of each variety (gettext: pt is Portugal's; Mozilla and LibreOffice spell them out)
@@ -220,7 +220,7 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
     """Aligned (pt-PT, pt-BR) pairs from the packages, and what was kept and dropped per source. `detect`: a
     language-ID function text -> (language, score) (the data stage's fastText by default)."""
     if detect is None:
-        from amalia_ray.data.language import detect_language as detect
+        from amalia_ray.data.steps.language import detect_language as detect
     units: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
     versions = {}
     problems: Counter = Counter()

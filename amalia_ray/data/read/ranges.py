@@ -37,7 +37,7 @@ import zlib
 import ray
 
 from amalia_ray.core.config import SourceConfig
-from amalia_ray.data.streams import _CHUNK, InputFile, open_range
+from amalia_ray.data.read.streams import _CHUNK, InputFile, open_range
 
 _GZIP_MAGIC = b"\x1f\x8b\x08"
 _PROBE = 64 << 10  # the compressed bytes a member-start candidate is checked with
@@ -175,7 +175,7 @@ def first_record(path: str, source: SourceConfig, start: int, end: int) -> int |
     (2) the records from it read cleanly, each ending where the next begins, for `range_bytes` (or to the end of the
     file). Either check may pass over a true start (the cut then moves on, or the range joins the next); at most
     _CANDIDATES are tried per cut, so crafted bytes cost a bounded read."""
-    from amalia_ray.data.archives import warc_records
+    from amalia_ray.data.read.archives import warc_records
 
     def inside_a_record(offset: int) -> bool:
         low = max(0, offset - source.max_record_bytes)
@@ -237,7 +237,7 @@ def inflated_bytes(path: str, source: SourceConfig, start: int, end: int) -> int
 @ray.remote(num_cpus=1)
 def documents(path: str, source: SourceConfig, start: int, end: int) -> int:
     """The documents a reader of bytes [start, end) of a text file numbers."""
-    from amalia_ray.data.readers import read_text
+    from amalia_ray.data.read.readers import read_text
 
     file = InputFile(path, source.storage_options, start, end, bounded=True)
     try:

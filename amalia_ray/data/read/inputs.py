@@ -24,9 +24,9 @@ import ray
 from amalia_ray.core.config import SourceConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import open_filesystem
-from amalia_ray.data.ranges import plan_ranges, reads_to_range_end
-from amalia_ray.data.readers import read_file_tables
-from amalia_ray.data.streams import InputFile, is_uri
+from amalia_ray.data.read.ranges import plan_ranges, reads_to_range_end
+from amalia_ray.data.read.readers import read_file_tables
+from amalia_ray.data.read.streams import InputFile, is_uri
 
 Listed = tuple[str, int, int]  # path or URI, size in bytes, modification time (ns; 0 where storage gives none)
 

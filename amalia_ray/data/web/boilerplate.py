@@ -13,9 +13,9 @@ import pyarrow as pa
 import ray
 from ray.data.expressions import col
 
-from amalia_ray.data.frames import to_arrow
-from amalia_ray.data.partitions import count_by, exchange, map_blocks
-from amalia_ray.data.steps import already_dropped, map_text
+from amalia_ray.data.exchange.frames import to_arrow
+from amalia_ray.data.exchange.partitions import count_by, exchange, map_blocks
+from amalia_ray.data.steps.base import DocumentStep, already_dropped, map_text
 
 LINE_KEYS = pa.schema([("site", pa.string()), ("key", pa.uint64())])
 
@@ -68,7 +68,7 @@ def boilerplate_lines(pages: ray.data.Dataset, min_pages: int, min_share: float)
     return np.sort(np.concatenate(keys)) if keys else np.empty(0, np.uint64)
 
 
-class StripBoilerplate:
+class StripBoilerplate(DocumentStep):
     """Removes a site's boilerplate lines from each of its live pages."""
 
     def __init__(self, lines: np.ndarray):

@@ -9,8 +9,8 @@ import re
 from collections.abc import Iterator
 
 from amalia_ray.core.config import SourceConfig
-from amalia_ray.data.records import _RAW_LIMIT, Quarantine, Record, decode_html, html_main_text, preview, truncated
-from amalia_ray.data.streams import InputFile
+from amalia_ray.data.read.records import _RAW_LIMIT, Quarantine, Record, decode_html, html_main_text, preview, truncated
+from amalia_ray.data.read.streams import InputFile
 
 
 class _Rewindable:

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from amalia_ray.data.partitions import (
+from amalia_ray.data.exchange.partitions import (
     LEDGER,
     MAX_MAP_BYTES,
     ExchangePlan,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pyarrow as pa
 
 from amalia_ray.core.ngrams import ItemIndex
-from amalia_ray.data.steps import add_drop_reasons, already_dropped
+from amalia_ray.data.steps.base import DocumentStep, add_drop_reasons, already_dropped
 
 
-class Decontaminate:
+class Decontaminate(DocumentStep):
     def __init__(self, index: ItemIndex, min_overlap: int, action: str):
         self.index, self.min_overlap, self.action = index, min_overlap, action
 

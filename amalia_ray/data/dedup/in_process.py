@@ -1,8 +1,8 @@
 """`amalia data dedup` in this process, without a Ray cluster: for an input small enough to hold in memory, where
-starting Ray (seconds) would cost more than the work. The same steps as on Ray (dedup.py: band rows, bucket stars,
-verification, connected components, cluster sizes, the clusters attached), each applied to the whole corpus as one
-part instead of to the parts of a keyed exchange, so both give the same clusters and kept documents. Memory: the
-documents, their band keys (bands × 16 bytes each) and, with verification, the candidates' signatures or shingle
+starting Ray (seconds) would cost more than the work. The same steps as on Ray (ray_executor.py: band rows, bucket
+stars, verification, connected components, cluster sizes, the clusters attached), each applied to the whole corpus
+as one part instead of to the parts of a keyed exchange, so both give the same clusters and kept documents. Memory:
+the documents, their band keys (bands × 16 bytes each) and, with verification, the candidates' signatures or shingle
 sets: a few times the input. The statistics match the Ray executor's but for `candidate_edges` when verifying: on
 Ray a pair found in several bands is counted once per exchange part it lands in, here once."""
 
@@ -16,11 +16,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.data.dedup_steps import (CLUSTER_SCHEMA, HASH_BATCH_ROWS, attach_clusters, attach_values, band_rows,
-                                         bucket_edges, check_columns, cluster_sizes, endpoints, input_files,
-                                         keep_similar, local_components, pair_values, read_tables, repeated_id,
-                                         side_rows, smallest_repeated_id, summary, unique_edges, value_rows)
-from amalia_ray.data.minhash import BandKeys, MinHashParams
+from amalia_ray.data.dedup.dedup_steps import (
+    CLUSTER_SCHEMA, HASH_BATCH_ROWS, attach_clusters, attach_values, band_rows, bucket_edges, check_columns,
+    cluster_sizes, endpoints, input_files, keep_similar, local_components, pair_values, read_tables, repeated_id,
+    side_rows, smallest_repeated_id, summary, unique_edges, value_rows)
+from amalia_ray.data.dedup.minhash import BandKeys, MinHashParams
 
 # inputs up to this many bytes (a .gz counted at 4×, Parquet at its uncompressed size) run here when no Ray cluster
 # is given

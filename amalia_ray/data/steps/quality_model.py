@@ -10,6 +10,7 @@ stage runs it on a pool of Ray actors so each loads the model once."""
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ import pyarrow.compute as pc
 
 from amalia_ray.core.config import SourceConfig
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.data.readers import read_file_tables
-from amalia_ray.data.steps import Normalize, add_drop_reasons, already_dropped, unit_hash
+from amalia_ray.data.read.readers import read_file_tables
+from amalia_ray.data.steps.base import DocumentStep, add_drop_reasons, already_dropped, unit_hash
+from amalia_ray.data.steps.cleaning import Normalize
 
 MODEL_FILE = "quality_model.json"
 WEIGHTS_FILE = "weights.npz"
@@ -61,12 +63,19 @@ class QualityModel:
         return 1 / (1 + np.exp(-z))
 
 
-class QualityModelScore:
+class QualityModelScore(DocumentStep):
     """Adds `quality_score` to every document not dropped yet; with a threshold, marks those below it
-    `quality_model:below_threshold`."""
+    `quality_model:below_threshold`. Run in an actor pool: each actor loads the model once, at its first batch."""
+
+    in_actors = True
 
     def __init__(self, folder: str, threshold: float | None):
-        self.model, self.threshold = QualityModel(Path(folder)), threshold
+        self.folder, self.threshold = folder, threshold
+        self.init_args = (folder, threshold)  # what an actor of the pool is constructed with
+
+    @cached_property
+    def model(self) -> QualityModel:
+        return QualityModel(Path(self.folder))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         done = already_dropped(batch)

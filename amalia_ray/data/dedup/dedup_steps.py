@@ -1,6 +1,6 @@
 """The steps of near-duplicate removal, each a function of Arrow tables with no cluster in it, so that the Ray
-executor (dedup.py: steps over blocks and the parts of keyed exchanges) and the in-process one
-(dedup_in_process.py: each step over the whole corpus as one part) run the same code and find the same clusters."""
+executor (ray_executor.py: steps over blocks and the parts of keyed exchanges) and the in-process one
+(in_process.py: each step over the whole corpus as one part) run the same code and find the same clusters."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.data.frames import to_arrow
-from amalia_ray.data.minhash import BandKeys, MinHashParams, ShingleSets, SignatureSets, pair_jaccard
+from amalia_ray.data.exchange.frames import to_arrow
+from amalia_ray.data.dedup.minhash import BandKeys, MinHashParams, ShingleSets, SignatureSets, pair_jaccard
 
 # large_string: ids add up to more than 2 GiB (32-bit offsets) in a task that holds millions of edges
 LABELS = pa.schema([("node", pa.large_string()), ("label", pa.large_string())])

@@ -26,9 +26,9 @@ import pyarrow as pa
 from amalia_ray.core.config import SourceConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.filesystem import open_filesystem
-from amalia_ray.data.archives import read_warc
-from amalia_ray.data.records import _RAW_LIMIT, Quarantine, Record, decode_html, html_main_text, preview, truncated
-from amalia_ray.data.streams import _CHUNK, InflationLimit, InputFile, StorageReadError, check_inflation, is_uri
+from amalia_ray.data.read.archives import read_warc
+from amalia_ray.data.read.records import _RAW_LIMIT, Quarantine, Record, decode_html, html_main_text, preview, truncated
+from amalia_ray.data.read.streams import _CHUNK, InflationLimit, InputFile, StorageReadError, check_inflation, is_uri
 
 DOC_SCHEMA = pa.schema([
     ("id", pa.string()), ("source", pa.string()), ("path", pa.string()), ("location", pa.string()),

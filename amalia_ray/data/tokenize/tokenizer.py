@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from amalia_ray.core.config import TokenizerConfig
 from amalia_ray.core.vocabulary import write_extension
-from amalia_ray.data.vocab_extension import extend
+from amalia_ray.data.tokenize.vocab_extension import extend
 
 BOS, EOS, PAD = "<|bos|>", "<|endoftext|>", "<|pad|>"
 CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
