@@ -4,7 +4,7 @@ whole split, as training once did, grows with it. Prints JSON per split size.
 
     .venv/bin/python bench/packed_stream_memory.py [--base-rows 4000] [--seq-len 256] [--scales 1 20 100]
 
-Splits are written in the pack stage's layout and row-group size (`core/shards.py`), with random tokens; the base
+Splits are written in the pack stage's layout and row-group size (`core/formats/shards.py`), with random tokens; the base
 size is about the demo's training split (`amalia run recipes/demo.yaml`: the pack stage's train_sequences). Each
 reading runs in a fresh process, one of two workers reading 200 global batches of 64 sequences. The same
 measurement, with a bound, is tests/test_shards.py::test_a_worker_streams_the_packed_split_in_memory_flat_in_its_size.
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' sp
 
 
 def main() -> None:
-    from amalia_ray.core.shards import rows_per_group
+    from amalia_ray.core.formats.shards import rows_per_group
     from tests.test_shards import _in_fresh_process, write_packed_split
 
     parser = argparse.ArgumentParser()

@@ -44,7 +44,8 @@ def bench_model(seq_len: int):
 
 def build_inputs(tmp: Path) -> tuple[Path, Path, list[dict]]:
     from amalia_ray.core.config import TokenizerConfig
-    from amalia_ray.data.posttrain.conversations import faq_conversations, write_jsonl
+    from amalia_ray.core.formats.conversations import write_conversations
+    from amalia_ray.data.posttrain.conversations import faq_conversations
     from amalia_ray.data.tokenize.tokenizer import train_tokenizer
 
     corpus = tmp / "corpus"
@@ -53,7 +54,7 @@ def build_inputs(tmp: Path) -> tuple[Path, Path, list[dict]]:
     pq.write_table(pa.table({"text": texts}), corpus / "part.parquet")
     train_tokenizer(corpus, tmp / "tok", TokenizerConfig(vocab_size=8192))
     conversations = faq_conversations(gzip.open(FAQ, "rt", encoding="utf-8").read())
-    write_jsonl(conversations, tmp / "chats.jsonl")
+    write_conversations(conversations, tmp / "chats.jsonl")
     return tmp / "chats.jsonl", tmp / "tok", conversations
 
 

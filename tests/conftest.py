@@ -170,14 +170,15 @@ def post_training(demo_run, recipe_path) -> Path:
     dpo, trained up to sft here (test_e2e.py trains the rest; test_e2e_serving.py serves the sft adapter). Returns
     the recipe."""
     from amalia_ray.core.recipe import load_recipe
-    from amalia_ray.data.posttrain.conversations import write_faq_conversations, write_jsonl
+    from amalia_ray.core.formats.rl_tasks import write_tasks
+    from amalia_ray.data.posttrain.conversations import write_faq_conversations
     from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
     from amalia_ray.pipeline.runner import Pipeline
 
     chats = recipe_path.parent / "faq-chat.jsonl"
     assert write_faq_conversations(Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"), chats) >= 100
     tasks = recipe_path.parent / "dpo-tasks.jsonl"
-    write_jsonl(arithmetic_tasks(48, seed=1), tasks)
+    write_tasks(arithmetic_tasks(48, seed=1), tasks)
     data = yaml.safe_load(recipe_path.read_text())
     sft = {**common_fields(data["train"][0]), "name": "sft", "objective": "sft", "dataset": str(chats),
            "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 4}

@@ -14,7 +14,8 @@ from amalia_ray.core.config import TokenizerConfig
 from amalia_ray.data.posttrain.conversations import faq_conversations, mismatched_answer_pairs
 from amalia_ray.data.tokenize.tokenizer import train_tokenizer
 from amalia_ray.train.objectives.dpo import DPO
-from amalia_ray.train.objectives.dpo import encode_pair, read_preferences
+from amalia_ray.core.formats.preference_pairs import read_preferences
+from amalia_ray.train.objectives.dpo import encode_pair
 
 FAQ = Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz")
 

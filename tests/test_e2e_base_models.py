@@ -103,14 +103,14 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     into it in place (with LoRA: the merged weights), weighted rule-based rewards, group advantages, k3 KL to the
     base (with LoRA: the policy with its adapters off); the first step's policy is its reference, and the export
     keeps the base's architecture."""
-    from amalia_ray.data.posttrain.conversations import write_jsonl
+    from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
 
     _, chats, _ = trained
     base = make_base_model(chats.parent / "bases" / "qwen3", "qwen3")
     tasks = tmp_path / "arithmetic.jsonl"
-    write_jsonl(arithmetic_tasks(32, seed=0), tasks)
+    write_tasks(arithmetic_tasks(32, seed=0), tasks)
     stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
                       global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
                       checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,

@@ -330,13 +330,13 @@ def test_eval_command_line_contract(served, tmp_path):
 def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):
     """R1's seeds -> many samples at small scale: Ray Data actors send each seed prompt to the model served by
     Ray Serve + vLLM (OpenAI API over HTTP), n samples per request; with a reward only accepted samples stay."""
-    from amalia_ray.data.posttrain.conversations import write_jsonl
+    from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.synthesize import synthesize
     from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
 
     seeds = tmp_path / "seeds.jsonl"
     # and one seed over the served context (512 tokens): the server refuses it, it is quarantined, the rest expand
-    write_jsonl([*arithmetic_tasks(12, seed=3), {"id": "longo", "prompt": "Repete: " + "palavra " * 800}], seeds)
+    write_tasks([*arithmetic_tasks(12, seed=3), {"id": "longo", "prompt": "Repete: " + "palavra " * 800}], seeds)
     common = {"base_url": served["url"], "model": "pre", "per_seed": 3, "max_tokens": 24, "api_key": served["key"]}
     everything = synthesize(seeds, tmp_path / "all.jsonl", **common)
     accepted = synthesize(seeds, tmp_path / "kept.jsonl", **common, reward="has_number")

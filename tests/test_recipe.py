@@ -116,9 +116,9 @@ def test_rewards_and_curriculum_hooks_are_checked_when_the_recipe_loads():
             parse_recipe(_post_training(objective="grpo", rewards=[spec]))
     parse_recipe(_post_training(objective="grpo", rewards=["amalia_ray.core.rewards:has_number_reward"]))
     data = yaml.safe_load(demo_text())
-    data["train"][0]["curriculum"] = {"hook": "amalia_ray.core.shards:no_such_schedule"}
+    data["train"][0]["curriculum"] = {"hook": "amalia_ray.core.formats.shards:no_such_schedule"}
     with pytest.raises(RecipeError, match=r"train\[0\]\.curriculum\.hook: curriculum hook "
-                                          r"'amalia_ray.core.shards:no_such_schedule' cannot be imported"):
+                                          r"'amalia_ray.core.formats.shards:no_such_schedule' cannot be imported"):
         parse_recipe(yaml.safe_dump(data, sort_keys=False))
 
 

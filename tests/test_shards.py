@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from amalia_ray.core.config import CurriculumConfig
-from amalia_ray.core.shards import MixtureSampler, PackedSplit, document_positions, load_hook, phase_schedule
+from amalia_ray.core.formats.shards import MixtureSampler, PackedSplit, document_positions, load_hook, phase_schedule
 
 SEQ = 4
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from amalia_ray.core.shards import fillers_per_step
+from amalia_ray.core.formats.shards import fillers_per_step
 from amalia_ray.train.loop import local_micro_batches
 from amalia_ray.train.lr_schedule import lr_at
 
@@ -70,7 +70,7 @@ def test_document_masking_keeps_attention_within_each_document(tmp_path, kernel,
     from torch.nn.attention.flex_attention import flex_attention
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from amalia_ray.core.shards import PackedSplit
+    from amalia_ray.core.formats.shards import PackedSplit
     from amalia_ray.train.objectives.pretrain import Pretrain, logits
 
     monkeypatch.setattr("transformers.integrations.flex_attention.compile_friendly_flex_attention",

@@ -176,18 +176,21 @@ def data_preference_pairs(
     """DPO pairs from question-answer conversations: chosen = the question's own answer, rejected = another
     question's answer (pairs sampled from the model itself: a dpo stage with on_policy: true)."""
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.posttrain.conversations import mismatched_answer_pairs, write_jsonl
+    from amalia_ray.core.formats.conversations import validate_conversation
+    from amalia_ray.core.formats.preference_pairs import write_preferences
+    from amalia_ray.core.storage import jsonl_rows
+    from amalia_ray.data.posttrain.conversations import mismatched_answer_pairs
 
     rows = []
-    for n, line in enumerate(conversations.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append({"id": str(n), **json.loads(line)})
-                rows[-1]["messages"][-1]["content"]
-            except (json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
-                raise AmaliaError(f"{conversations}:{n}: not a JSON object with 'messages' ({e})") from None
     try:
-        n = write_jsonl(mismatched_answer_pairs(rows, seed), output)
+        for f, n, row in jsonl_rows(conversations, "conversations"):
+            if error := validate_conversation(row):
+                raise ValueError(f"{f}:{n}: {error}")
+            rows.append({"id": str(n), **row})  # a row's own id, if it has one, wins
+    except ValueError as e:
+        raise AmaliaError(str(e)) from None
+    try:
+        n = write_preferences(mismatched_answer_pairs(rows, seed), output)
     except ValueError as e:
         raise AmaliaError(f"{conversations}: {e}") from None
     console.print(f"{n} preference pairs -> {output}")
@@ -227,10 +230,10 @@ def data_arithmetic(
     max_operand: Annotated[int, typer.Option(help="largest operand")] = 50,
 ) -> None:
     """Portuguese arithmetic and word problems with exact answers (GRPO tasks with verifiable rewards)."""
-    from amalia_ray.data.posttrain.conversations import write_jsonl
+    from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
 
-    console.print(f"{write_jsonl(arithmetic_tasks(n, seed, max_operand), output)} tasks -> {output}")
+    console.print(f"{write_tasks(arithmetic_tasks(n, seed, max_operand), output)} tasks -> {output}")
 
 
 @app.command()

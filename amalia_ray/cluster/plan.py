@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from amalia_ray.core.config import LOSS_CHUNK_POSITIONS, PlanConfig, Recipe, TrainStageConfig
 from amalia_ray.core.flops import model_flops_per_token
-from amalia_ray.core.shards import fillers_per_step
+from amalia_ray.core.formats.shards import fillers_per_step
 
 GB = 1024**3
 

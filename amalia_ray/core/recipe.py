@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from amalia_ray.core.config import DPOStage, GRPOStage, PretrainStage, Recipe
 from amalia_ray.core.errors import RecipeError
 from amalia_ray.core.rewards import get_reward
-from amalia_ray.core.shards import load_hook
+from amalia_ray.core.formats.shards import load_hook
 
 @dataclass(frozen=True)
 class LoadedRecipe:

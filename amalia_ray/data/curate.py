@@ -11,7 +11,7 @@ from ray.data.expressions import col
 
 from amalia_ray.core.config import DataConfig, NearDedupConfig, PackConfig, TokenizerConfig
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.shards import rows_per_group
+from amalia_ray.core.formats.shards import rows_per_group
 from amalia_ray.core.storage import commit_dir, fresh_dir
 from amalia_ray.core.ngrams import ItemIndex
 from amalia_ray.data.dedup.keep import ExactKeys, best_of_cluster, exact_copies, keep_keys

@@ -24,7 +24,7 @@ from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
 from amalia_ray.core.config import TrainStageConfig
 from amalia_ray.core.flops import flops_per_token_of
-from amalia_ray.core.shards import fillers_per_step, micro_batches_per_rank
+from amalia_ray.core.formats.shards import fillers_per_step, micro_batches_per_rank
 from amalia_ray.train.train_metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives.base import Objective, StageInputs

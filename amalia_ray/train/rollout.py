@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from amalia_ray.core.config import RolloutConfig
-from amalia_ray.core.storage import jsonl_rows
 
 if TYPE_CHECKING:
     import numpy as np
@@ -229,21 +228,6 @@ def push_weights(model, engine, dtype: torch.dtype, bucket_bytes: int = PUSH_BUC
         if bucket:
             ray.get(engine.push.remote(bucket))
         ray.get(engine.end_update.remote())
-
-
-def read_tasks(path: Path) -> list[dict]:
-    """jsonl file(s): a `prompt` (string, or {role, content} messages) and whatever the rewards read (`answer`…)."""
-    rows = []
-    for f, n, row in jsonl_rows(path, "task data"):
-        prompt = row.get("prompt") if isinstance(row, dict) else None
-        ok = (isinstance(prompt, str) and prompt) or (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt))
-        if not ok:
-            raise ValueError(f"{f}:{n}: field 'prompt' must be a non-empty string or {{role, content}} messages")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"no task in {path}")
-    return rows
 
 
 def encode_prompt(tok, prompt) -> list[int]:

@@ -73,12 +73,12 @@ def sft(base: Path, work: Path, on_cpu: bool) -> dict:
 
 def grpo(base: Path, work: Path, on_cpu: bool) -> dict:
     from amalia_ray.core.config import GRPOStage, ModelConfig
-    from amalia_ray.data.posttrain.conversations import write_jsonl
+    from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
 
     tasks = work / "arithmetic.jsonl"
-    write_jsonl(arithmetic_tasks(64, seed=0), tasks)
+    write_tasks(arithmetic_tasks(64, seed=0), tasks)
     stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=5, seq_len=256,
                       global_batch_size=8, micro_batch_size=4, num_workers=1 if on_cpu else 2, warmup_steps=0,
                       lr=1e-6,

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import gzip
-import json
 import re
 from pathlib import Path
+
+from amalia_ray.core.formats.conversations import write_conversations
 
 _HEADING = re.compile(r"^\d+(?:\.\d+)*\.\s+\S")
 _QUESTION = re.compile(r"^(\d+(?:\.\d+)+)\.\s+(.*)$")
@@ -50,7 +51,7 @@ def _first_paragraphs(body: list[str], limit: int) -> str:
 
 def write_faq_conversations(source: Path, output: Path, max_answer_chars: int = 1200) -> int:
     text = (gzip.open(source, "rt", encoding="utf-8") if source.suffix == ".gz" else source.open(encoding="utf-8")).read()
-    return write_jsonl(faq_conversations(text, max_answer_chars), output)
+    return write_conversations(faq_conversations(text, max_answer_chars), output)
 
 
 def mismatched_answer_pairs(conversations: list[dict], seed: int = 0) -> list[dict]:
@@ -78,10 +79,3 @@ def mismatched_answer_pairs(conversations: list[dict], seed: int = 0) -> list[di
                       "chosen": [chosen], "rejected": [{"role": "assistant", "content": rejected["content"]}]})
     return sorted(pairs, key=lambda p: p["id"])
 
-
-def write_jsonl(rows: list[dict], output: Path) -> int:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return len(rows)

@@ -14,6 +14,8 @@ import pyarrow as pa
 import ray
 
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.formats.rl_tasks import validate_task
+from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
 from amalia_ray.core.rewards import get_reward
 
@@ -81,18 +83,16 @@ def synthesize(seeds: Path, output: Path, *, base_url: str, model: str, per_seed
     if not seeds.exists():
         raise AmaliaError(f"seed file not found: {seeds}")
     rows = []
-    for n, line in enumerate(seeds.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompt = row["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise AmaliaError(f"{seeds}:{n}: not a JSON object with 'prompt' ({e})") from None
-        # nested fields travel as JSON text so every row has one Arrow schema
-        rows.append({**{k: json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v
-                        for k, v in row.items()}, "id": str(row.get("id", n)),
-                     "prompt": json.dumps(prompt, ensure_ascii=False)})
+    try:
+        for f, n, row in jsonl_rows(seeds, "seed prompts"):
+            if error := validate_task(row):
+                raise ValueError(f"{f}:{n}: {error}")
+            # nested fields travel as JSON text so every row has one Arrow schema
+            rows.append({**{k: json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v
+                            for k, v in row.items()}, "id": str(row.get("id", n)),
+                         "prompt": json.dumps(row["prompt"], ensure_ascii=False)})
+    except ValueError as e:
+        raise AmaliaError(str(e)) from None
     columns = list(dict.fromkeys(k for row in rows for k in row))  # seeds may differ in their fields: one schema
     rows = [{k: row.get(k) for k in columns} for row in rows]
     expanded = ray.data.from_items(rows).map_batches(

@@ -25,7 +25,7 @@ class TokenizeAndPack:
     """Arrow batch of documents -> rows of exactly `seq_len` token ids, `doc_starts` and `source`.
 
     Documents of one source are joined with EOS and cut into sequences, so every sequence belongs to one source and
-    training can re-weight sources (core/shards.py); the tail shorter than `seq_len` at the end of each batch and
+    training can re-weight sources (core/formats/shards.py); the tail shorter than `seq_len` at the end of each batch and
     source is dropped (at most one sequence per batch and source). `doc_starts` keeps where each document begins
     inside a sequence, for objectives that reset positions or mask attention across documents.
     """

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from amalia_ray.core.config import TrainStageConfig
-from amalia_ray.core.shards import MixtureSampler
+from amalia_ray.core.formats.shards import MixtureSampler
 
 # what every stage's step records carry that is worth optimizing or plotting (a sweep's metric must be one of what
 # its stage reports)

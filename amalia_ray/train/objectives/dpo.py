@@ -1,6 +1,5 @@
-"""DPO: the objective, and its preference pairs in TRL's format: jsonl rows {prompt, chosen, rejected}, either plain strings
-(standard) or lists of {role, content} messages (conversational: prompt = the turns before the answer, chosen /
-rejected = the competing assistant turn).
+"""DPO on preference pairs in TRL's format (core/formats/preference_pairs.py), or on pairs the stage's initial model
+makes from task prompts (on-policy).
 
 Tokenized the way TRL's DPOTrainer does it, so losses agree: the prompt is rendered with the generation prompt, each
 completion is what prompt+completion adds after the prompt's tokens; plain-string completions get the EOS token. A
@@ -22,8 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from amalia_ray.core.config import DPOStage
-from amalia_ray.core.shards import MixtureSampler, one_block
-from amalia_ray.core.storage import jsonl_rows
+from amalia_ray.core.formats.shards import MixtureSampler, one_block
+from amalia_ray.core.formats.jsonl import is_messages
+from amalia_ray.core.formats.preference_pairs import read_preferences
 from amalia_ray.train.completions import pad_completions, token_logps
 from amalia_ray.train.objectives.base import Objective, StageInputs
 
@@ -40,29 +40,8 @@ class Pair:
     clean_split: bool = True
 
 
-def read_preferences(path: Path) -> list[dict]:
-    """jsonl file(s) of {prompt, chosen, rejected}; a bad row is an error naming file, line and field."""
-    rows = []
-    for f, n, row in jsonl_rows(path, "preference data"):
-        for field in ("prompt", "chosen", "rejected"):
-            value = row.get(field) if isinstance(row, dict) else None
-            if not (isinstance(value, str) and value) and not _is_messages(value):
-                raise ValueError(f"{f}:{n}: field '{field}' must be a non-empty string or a list of "
-                                 "{role, content} messages")
-        if _is_messages(row["prompt"]) != _is_messages(row["chosen"]) or \
-                _is_messages(row["chosen"]) != _is_messages(row["rejected"]):
-            raise ValueError(f"{f}:{n}: prompt, chosen and rejected must all be strings or all be messages")
-        rows.append(row)
-    return rows
-
-
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
-
-
 def encode_pair(tok, row: dict) -> Pair:
-    if _is_messages(row["prompt"]):
+    if is_messages(row["prompt"]):
         prompt = _ids(tok.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True))
         chosen = _ids(tok.apply_chat_template(row["prompt"] + row["chosen"], tokenize=True))
         rejected = _ids(tok.apply_chat_template(row["prompt"] + row["rejected"], tokenize=True))
@@ -154,7 +133,8 @@ class DPO(Objective):
         stage's checkpoint) — `num_generations` completions per task prompt sampled through the vLLM rollout engine,
         scored by the stage's rewards; the best becomes chosen and the worst rejected (ties give no pair)."""
         from amalia_ray.core.rewards import get_reward
-        from amalia_ray.train.rollout import encode_prompt, read_tasks
+        from amalia_ray.core.formats.rl_tasks import read_tasks
+        from amalia_ray.train.rollout import encode_prompt
 
         self = cls.__new__(cls)
         self._setup(tokenizer_dir, seq_len, stage.beta)

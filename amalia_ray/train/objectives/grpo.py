@@ -15,13 +15,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from amalia_ray.core.shards import MixtureSampler, one_block
+from amalia_ray.core.formats.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
 from amalia_ray.core.rewards import get_reward
 from amalia_ray.core.config import GRPOStage
 from amalia_ray.train.lora import adapters_off
 from amalia_ray.train.objectives.base import Objective, StageInputs
-from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, read_tasks, sample_and_score
+from amalia_ray.core.formats.rl_tasks import read_tasks
+from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, sample_and_score
 
 log = logging.getLogger("amalia_ray.train")
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from amalia_ray.core.config import CurriculumConfig, PretrainStage
-from amalia_ray.core.shards import MixtureSampler, PackedSplit, document_positions, load_hook, phase_schedule
+from amalia_ray.core.formats.shards import MixtureSampler, PackedSplit, document_positions, load_hook, phase_schedule
 from amalia_ray.train.loss import next_token_loss
 from amalia_ray.train.objectives.base import Objective, StageInputs
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from amalia_ray.core.config import SFTStage
-from amalia_ray.core.shards import MixtureSampler, one_block
-from amalia_ray.core.storage import jsonl_rows
+from amalia_ray.core.formats.shards import MixtureSampler, one_block
+from amalia_ray.core.formats.conversations import read_conversations
 from amalia_ray.train.chat import encode_conversation, pack_conversations
 from amalia_ray.train.loss import next_token_loss
 from amalia_ray.train.objectives.base import Objective, StageInputs
@@ -61,12 +61,3 @@ class SFT(Objective):
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, int]:
         return next_token_loss(logits(model, batch), batch["labels"])
 
-
-def read_conversations(path: Path) -> list[list[dict]]:
-    """jsonl file(s) with a `messages` list per row; a bad row is an error naming file and line."""
-    out = []
-    for f, n, row in jsonl_rows(path, "conversations"):
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-            raise ValueError(f"{f}:{n}: not a JSON object with 'messages' (a list of {{role, content}})")
-        out.append(row["messages"])
-    return out

@@ -1,0 +1,39 @@
+"""jsonl as the post-training formats use it: rows read with their file and line, rows written one per line
+(UTF-8, unescaped), and the rule for a list of chat messages that every format shares."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from amalia_ray.core.storage import jsonl_rows
+
+
+def is_messages(value) -> bool:
+    """A non-empty list of {role, content} chat messages."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
+
+
+def read_rows(path: Path, what: str, validate: Callable[[object], str | None]) -> list[dict]:
+    """Every row of a jsonl file or of the *.jsonl files under a folder, each checked by `validate`; the first bad
+    one is a ValueError naming its file and line."""
+    rows = []
+    for f, n, row in jsonl_rows(path, what):
+        if error := validate(row):
+            raise ValueError(f"{f}:{n}: {error}")
+        rows.append(row)
+    return rows
+
+
+def write_rows(rows: Iterable[dict], output: Path, validate: Callable[[object], str | None]) -> int:
+    """The rows as jsonl at `output` (its folder made), each checked by `validate` first; returns how many."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with output.open("w", encoding="utf-8") as f:
+        for n, row in enumerate(rows, 1):
+            if error := validate(row):
+                raise ValueError(f"row {n} for {output}: {error}")
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return n
