@@ -134,7 +134,7 @@ bench: install corpus
 # docs/recipe.md is written from the recipe's pydantic models, docs/architecture.md from the package's docstrings
 # (a test fails when either is stale)
 docs: install
-	$(BIN)/python -m amalia_ray.core.recipe_reference > docs/recipe.md
+	$(BIN)/python -m amalia_ray.recipe_reference > docs/recipe.md
 	$(BIN)/python -m amalia_ray.architecture > docs/architecture.md
 
 clean:

@@ -45,7 +45,7 @@ def bench_model(seq_len: int):
 def build_inputs(tmp: Path) -> tuple[Path, Path, list[dict]]:
     from amalia_ray.core.config import TokenizerConfig
     from amalia_ray.core.formats.conversations import write_conversations
-    from amalia_ray.data.posttrain.conversations import faq_conversations
+    from amalia_ray.data.posttrain.faq_chats import faq_conversations
     from amalia_ray.data.tokenize.tokenizer import train_tokenizer
 
     corpus = tmp / "corpus"

@@ -171,8 +171,8 @@ def post_training(demo_run, recipe_path) -> Path:
     the recipe."""
     from amalia_ray.core.recipe import load_recipe
     from amalia_ray.core.formats.rl_tasks import write_tasks
-    from amalia_ray.data.posttrain.conversations import write_faq_conversations
-    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.faq_chats import write_faq_conversations
+    from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
     from amalia_ray.pipeline.runner import Pipeline
 
     chats = recipe_path.parent / "faq-chat.jsonl"

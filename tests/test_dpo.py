@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from amalia_ray.core.config import TokenizerConfig
-from amalia_ray.data.posttrain.conversations import faq_conversations, mismatched_answer_pairs
+from amalia_ray.data.posttrain.faq_chats import faq_conversations, mismatched_answer_pairs
 from amalia_ray.data.tokenize.tokenizer import train_tokenizer
 from amalia_ray.train.objectives.dpo import DPO
 from amalia_ray.core.formats.preference_pairs import read_preferences

@@ -36,7 +36,7 @@ SERVED = TRAINED if EVERY else ["gemma3_text"]
 
 @pytest.fixture(scope="module")
 def trained(ray_cluster, tmp_path_factory):
-    from amalia_ray.data.posttrain.conversations import write_faq_conversations
+    from amalia_ray.data.posttrain.faq_chats import write_faq_conversations
     from amalia_ray.train.train_stage import run_train_stage
 
     tmp = tmp_path_factory.mktemp("families")
@@ -104,7 +104,7 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     base (with LoRA: the policy with its adapters off); the first step's policy is its reference, and the export
     keeps the base's architecture."""
     from amalia_ray.core.formats.rl_tasks import write_tasks
-    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
 
     _, chats, _ = trained

@@ -332,7 +332,7 @@ def test_synthetic_data_from_seeds_through_a_served_model(served, tmp_path):
     Ray Serve + vLLM (OpenAI API over HTTP), n samples per request; with a reward only accepted samples stay."""
     from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.synthesize import synthesize
-    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
 
     seeds = tmp_path / "seeds.jsonl"
     # and one seed over the served context (512 tokens): the server refuses it, it is quarantined, the rest expand

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
+from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
 from amalia_ray.train.objectives.grpo import group_advantages, policy_loss
 from amalia_ray.core.formats.rl_tasks import read_tasks
 from amalia_ray.core.rewards import exact_answer_reward, format_reward, get_reward

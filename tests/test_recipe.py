@@ -130,7 +130,7 @@ def test_config_hash_tracks_content():
 
 
 def test_the_recipe_reference_is_what_the_models_say():
-    from amalia_ray.core.recipe_reference import render
+    from amalia_ray.recipe_reference import render
     from tests.conftest import ROOT
 
     assert (ROOT / "docs" / "recipe.md").read_text() == render(), "docs/recipe.md is stale: run `make docs`"

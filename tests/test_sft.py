@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from amalia_ray.core.config import TokenizerConfig
-from amalia_ray.data.posttrain.conversations import faq_conversations
+from amalia_ray.data.posttrain.faq_chats import faq_conversations
 from amalia_ray.data.tokenize.tokenizer import train_tokenizer
 from amalia_ray.train.chat import best_fit_decreasing, encode_conversation
 from amalia_ray.train.objectives.sft import SFT

@@ -156,7 +156,7 @@ def data_faq_chat(
 ) -> None:
     """Turn a FAQ's numbered questions and their answers into user/assistant conversations (SFT data)."""
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.data.posttrain.conversations import write_faq_conversations
+    from amalia_ray.data.posttrain.faq_chats import write_faq_conversations
 
     if not source.is_file():
         raise AmaliaError(f"FAQ not found: {source}")
@@ -179,7 +179,7 @@ def data_preference_pairs(
     from amalia_ray.core.formats.conversations import validate_conversation
     from amalia_ray.core.formats.preference_pairs import write_preferences
     from amalia_ray.core.storage import jsonl_rows
-    from amalia_ray.data.posttrain.conversations import mismatched_answer_pairs
+    from amalia_ray.data.posttrain.faq_chats import mismatched_answer_pairs
 
     rows = []
     try:
@@ -231,7 +231,7 @@ def data_arithmetic(
 ) -> None:
     """Portuguese arithmetic and word problems with exact answers (GRPO tasks with verifiable rewards)."""
     from amalia_ray.core.formats.rl_tasks import write_tasks
-    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
 
     console.print(f"{write_tasks(arithmetic_tasks(n, seed, max_operand), output)} tasks -> {output}")
 

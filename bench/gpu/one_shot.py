@@ -47,7 +47,7 @@ def make_model(folder: Path, on_cpu: bool) -> Path:
 
 def sft(base: Path, work: Path, on_cpu: bool) -> dict:
     from amalia_ray.core.config import ModelConfig, SFTStage
-    from amalia_ray.data.posttrain.conversations import write_faq_conversations
+    from amalia_ray.data.posttrain.faq_chats import write_faq_conversations
     from amalia_ray.train.train_stage import run_train_stage
     from tests.base_models import FAQ
 
@@ -74,7 +74,7 @@ def sft(base: Path, work: Path, on_cpu: bool) -> dict:
 def grpo(base: Path, work: Path, on_cpu: bool) -> dict:
     from amalia_ray.core.config import GRPOStage, ModelConfig
     from amalia_ray.core.formats.rl_tasks import write_tasks
-    from amalia_ray.data.posttrain.rl_tasks import arithmetic_tasks
+    from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
 
     tasks = work / "arithmetic.jsonl"

@@ -1,2 +1,2 @@
-"""Post-training data made by code: conversations and preference pairs from real Q&A text (conversations.py),
-verifiable tasks for RL (rl_tasks.py), and synthetic samples from a served model (synthesize.py)."""
+"""Post-training data made by code: conversations and preference pairs from a FAQ's real Q&A text (faq_chats.py),
+verifiable arithmetic tasks for RL (arithmetic_tasks.py), and synthetic samples from a served model (synthesize.py)."""

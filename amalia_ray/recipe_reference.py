@@ -1,5 +1,5 @@
 """The recipe reference (docs/recipe.md), written from the pydantic models' fields and descriptions so it cannot
-drift from what the loader accepts. `python -m amalia_ray.core.recipe_reference > docs/recipe.md` rewrites it; a test
+drift from what the loader accepts. `python -m amalia_ray.recipe_reference > docs/recipe.md` rewrites it; a test
 fails when the file and the models disagree."""
 
 from __future__ import annotations
