@@ -35,10 +35,10 @@ Evaluation reaches models only over HTTP; the recipe's models (`core/config/`) i
 modules import each other, directly or round a longer circle, at module level or inside a function.
 `tests/test_layers.py` reads every import and holds the code to this.
 
-To follow a recipe from `amalia run` to an objective's loss: `cli/run.py` → `pipeline/runner.py` (the stages in
-order) → `pipeline/stages.py` (a recipe section wired to its stage) → `train/train_stage.py` (the Ray Train
-trainer) → `train/loop.py` (`setup`, `train_step`) → `train/objectives/registry.py` → the objective's module and its
-`loss`.
+To follow a recipe from `amalia run` to an objective's loss: `cli/run_commands.py` → `pipeline/runner.py` (the
+stages in order) → `pipeline/stages.py` (a recipe section wired to its stage) → `train/train_stage.py` (the Ray
+Train trainer) → `train/loop.py` (`setup`, `train_step`) → `train/objectives/registry.py` → the objective's module
+and its `loss`.
 """
 
 OUTSIDE = """## Beside the package

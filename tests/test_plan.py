@@ -119,7 +119,7 @@ def test_a_stage_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
 def test_the_plan_shows_every_figure_whole_at_any_terminal_width(columns):
     """At 80 columns (a terminal's and a CI log's default) one block of label-value lines per stage, no line wider
     than the terminal; wide enough, the table. Either way every figure whole: nothing cut to "sta…"."""
-    from amalia_ray.cli.cluster import _figure
+    from amalia_ray.cli.cluster_commands import _figure
 
     loaded = load_recipe(AMALIA_9B)
     result = CliRunner().invoke(app, ["plan", str(AMALIA_9B)], env={"COLUMNS": str(columns)})

@@ -150,7 +150,7 @@ def test_adapters_name_a_served_model_and_a_folder(checkpoint, tmp_path):
 
 
 def test_lora_options_attach_adapters_to_the_first_or_the_named_checkpoint():
-    from amalia_ray.cli.serve import _adapters
+    from amalia_ray.cli.serve_commands import _adapters
 
     got = _adapters(["a=/x/a", "sft:b=/x/b", "c=/x/c"], ["base", "sft"])
     assert got == {"base": {"a": Path("/x/a"), "c": Path("/x/c")}, "sft": {"b": Path("/x/b")}}

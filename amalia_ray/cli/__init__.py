@@ -3,11 +3,11 @@
 the pipeline; `amalia serve` and `amalia eval` call the serve and evals stages' public API directly, which entry
 points may."""
 
-import amalia_ray.cli.run
-import amalia_ray.cli.variety
-import amalia_ray.cli.serve
-import amalia_ray.cli.cluster
-import amalia_ray.cli.sweep  # noqa: F401 - imported for the commands they register
+import amalia_ray.cli.run_commands
+import amalia_ray.cli.variety_commands
+import amalia_ray.cli.serve_commands
+import amalia_ray.cli.cluster_commands
+import amalia_ray.cli.sweep_commands  # noqa: F401 - imported for the commands they register
 from amalia_ray.cli.common import app
 
 

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from amalia_ray.cli.common import console, guarded
-from amalia_ray.cli.run import data_app
+from amalia_ray.cli.run_commands import data_app
 
 
 @data_app.command("variety-corpus")
