@@ -177,16 +177,13 @@ def data_preference_pairs(
     question's answer (pairs sampled from the model itself: a dpo stage with on_policy: true)."""
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.core.formats.conversations import validate_conversation
+    from amalia_ray.core.formats.jsonl import checked_rows
     from amalia_ray.core.formats.preference_pairs import write_preferences
-    from amalia_ray.core.storage import jsonl_rows
     from amalia_ray.data.posttrain.faq_chats import mismatched_answer_pairs
 
-    rows = []
-    try:
-        for f, n, row in jsonl_rows(conversations, "conversations"):
-            if error := validate_conversation(row):
-                raise ValueError(f"{f}:{n}: {error}")
-            rows.append({"id": str(n), **row})  # a row's own id, if it has one, wins
+    try:  # a row's own id, if it has one, wins over its line number
+        rows = [{"id": str(n), **row} for _, n, row in checked_rows(conversations, "conversations",
+                                                                    validate_conversation)]
     except ValueError as e:
         raise AmaliaError(str(e)) from None
     try:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from amalia_ray.core.storage import jsonl_rows
@@ -16,15 +16,18 @@ def is_messages(value) -> bool:
         isinstance(m, dict) and {"role", "content"} <= set(m) for m in value)
 
 
-def read_rows(path: Path, what: str, validate: Callable[[object], str | None]) -> list[dict]:
-    """Every row of a jsonl file or of the *.jsonl files under a folder, each checked by `validate`; the first bad
-    one is a ValueError naming its file and line."""
-    rows = []
+def checked_rows(path: Path, what: str, validate: Callable[[object], str | None]) -> Iterator[tuple[Path, int, dict]]:
+    """(file, line, row) for every row of a jsonl file or of the *.jsonl files under a folder, each checked by
+    `validate`; the first bad one is a ValueError naming its file and line."""
     for f, n, row in jsonl_rows(path, what):
         if error := validate(row):
             raise ValueError(f"{f}:{n}: {error}")
-        rows.append(row)
-    return rows
+        yield f, n, row
+
+
+def read_rows(path: Path, what: str, validate: Callable[[object], str | None]) -> list[dict]:
+    """The rows of `checked_rows`."""
+    return [row for _, _, row in checked_rows(path, what, validate)]
 
 
 def write_rows(rows: Iterable[dict], output: Path, validate: Callable[[object], str | None]) -> int:

@@ -14,8 +14,8 @@ import pyarrow as pa
 import ray
 
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.formats.jsonl import checked_rows
 from amalia_ray.core.formats.rl_tasks import validate_task
-from amalia_ray.core.storage import jsonl_rows
 from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
 from amalia_ray.core.rewards import get_reward
 
@@ -84,9 +84,7 @@ def synthesize(seeds: Path, output: Path, *, base_url: str, model: str, per_seed
         raise AmaliaError(f"seed file not found: {seeds}")
     rows = []
     try:
-        for f, n, row in jsonl_rows(seeds, "seed prompts"):
-            if error := validate_task(row):
-                raise ValueError(f"{f}:{n}: {error}")
+        for _, n, row in checked_rows(seeds, "seed prompts", validate_task):
             # nested fields travel as JSON text so every row has one Arrow schema
             rows.append({**{k: json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v
                             for k, v in row.items()}, "id": str(row.get("id", n)),
