@@ -87,6 +87,8 @@ def test_a_lora_stage_sweeps_its_adapters_and_promotes_them(tmp_path):
     with pytest.raises(AmaliaError, match="a proxy model .*set lora.merge: true"):
         benchmarked.check_against(unmerged, [])  # the proxy's 1-layer model has no engine to run adapters on
     benchmarked.check_against(unmerged.model_copy(update={"proxy": type(unmerged.proxy)()}), [])  # one engine
+    with pytest.raises(AmaliaError, match="random initial weights"):  # a new model's first stage: no engine
+        benchmarked.check_against(unmerged.model_copy(update={"proxy": type(unmerged.proxy)()}), [], has_start=False)
     full = load_recipe(write_recipe(tmp_path / "full")).recipe.train[0]
     with pytest.raises(AmaliaError, match="trains no LoRA adapters"):
         space.check_against(full, [])

@@ -122,10 +122,10 @@ def run_train_stage(
             # the export keeps the starting checkpoint's dtype and generation settings (a new model: fp32, its ids)
             export_dtype=stored_dtype(Path(init_hf_dir)) if init_hf_dir else None,
             generation_config=generation_config_of(init_hf_dir or base_dir),
-            stage_dir=stage_dir,
-            export_dir=export_dir,
+            stage_dir=Path(stage_dir),
+            export_dir=Path(export_dir),
             seed=seed,
-            stop_file=stop_file,
+            stop_file=Path(stop_file) if stop_file else None,
             step_transient=step_transient,
             checkpoint_key=key,  # masked wherever it might be printed, and left out of the config's repr
         )},

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from amalia_ray.core.config import DPOStage
+from amalia_ray.core.config import DPOStage, RolloutConfig
 from amalia_ray.core.formats.shards import MixtureSampler, one_block
 from amalia_ray.core.formats.jsonl import is_messages
 from amalia_ray.core.formats.preference_pairs import read_preferences
@@ -149,6 +149,9 @@ class DPO(Objective):
         self.on_policy = {"tasks": [tasks[i] for i in keep], "prompts": [prompts[i] for i in keep],
                           "rewards": [get_reward(n, stage.variety_model) for n in stage.rewards],
                           "weights": torch.tensor(weights),
+                          # validated again: the engine needs a longer max_model_len than a stage's shortest seq_len
+                          "engine": RolloutConfig.model_validate({**stage.rollout.model_dump(),
+                                                                  "max_model_len": seq_len}),
                           "stage": stage, "tokenizer_dir": tokenizer_dir, "work_dir": work_dir, "seed": seed,
                           "use_gpu": use_gpu, "validation_fraction": validation_fraction, "source": tasks_path}
         if not keep:
@@ -165,9 +168,8 @@ class DPO(Objective):
 
         cfg, stage = self.on_policy, self.on_policy["stage"]
         n = stage.num_generations
-        engine = engine_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], stage.rollout.model_copy(
-                                 update={"max_model_len": self.seq_len}), cfg["seed"], cfg["use_gpu"],
-                                 len(cfg["prompts"]) * n, max(map(len, cfg["prompts"])) + stage.max_completion_length)
+        engine = engine_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
+                                 cfg["use_gpu"], len(cfg["prompts"]) * n, max(map(len, cfg["prompts"])) + stage.max_completion_length)
         payload = [None]
         if dist.get_rank() == 0:
             items, scores = sample_and_score(engine, self.tok, cfg["prompts"], cfg["tasks"], cfg["rewards"], n,
