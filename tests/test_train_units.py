@@ -314,3 +314,23 @@ def test_each_recipe_objective_is_one_registered_class_built_from_its_own_typed_
     dict_reads = [f"{f.name}:{n}" for f in train.rglob("*.py") for n, line in enumerate(f.read_text().splitlines(), 1)
                   if re.search(r"\bstage(\[[\"']|\.get\()", line)]
     assert not dict_reads, f"a training stage read as a dict: {dict_reads}"
+
+
+def test_the_text_ray_train_keeps_of_a_workers_config_holds_no_secret(tmp_path):
+    """Ray Train keeps the text of `train_loop_config` in its run state: the checkpoint signing key and the recipe
+    (storage credentials) stay out of it."""
+    from pathlib import Path
+
+    from amalia_ray.cluster.plan import StepTransient
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.train.loop import LoopConfig
+
+    recipe = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "demo.yaml").recipe
+    recipe = recipe.model_copy(update={"run": recipe.run.model_copy(
+        update={"storage_options": {"secret_key": "storage-secret-0123"}})})
+    config = {"run": LoopConfig(stage=recipe.train[0], hf_config={}, data_dir=tmp_path, tokenizer_dir=tmp_path,
+                                stage_dir=tmp_path, export_dir=tmp_path, seed=0, checkpoint_key="signing-key-4567",
+                                step_transient=StepTransient(recipe.train[0], recipe, None))}
+    text = str(config)
+    assert "storage-secret-0123" not in text and "signing-key-4567" not in text
+    assert "StepTransient(stage=" in text, "what the workers are given is still readable"

@@ -185,6 +185,22 @@ def step_transient_bytes(stage: TrainStageConfig, recipe: Recipe, dims: Dims, se
     return int(step_transient_gb(plan_stage(at, recipe, dims, advise=False)) * GB)
 
 
+@dataclass(frozen=True)
+class StepTransient:
+    """`step_transient_bytes` of one stage as the function its training workers call with a sequence's tokens. Its
+    repr names the stage only: Ray Train keeps the text of what its workers are given in its run state, and the
+    recipe may hold storage credentials."""
+    stage: TrainStageConfig
+    recipe: Recipe
+    dims: Dims
+
+    def __call__(self, sequence_tokens: int) -> int:
+        return step_transient_bytes(self.stage, self.recipe, self.dims, sequence_tokens)
+
+    def __repr__(self) -> str:
+        return f"StepTransient(stage={self.stage.name!r})"
+
+
 def recomputed_blocks(stage: TrainStageConfig, layers: int) -> int:
     """Blocks checkpointed (recomputed in the backward pass): one in every `recompute_every`, from the first."""
     return -(-layers // stage.recompute_every) if stage.recompute_every else 0

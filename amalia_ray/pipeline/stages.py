@@ -336,13 +336,11 @@ def _step_transient(p: RunContext, stage):
     engine must leave free; None for other objectives."""
     if stage.objective != "grpo":
         return None
-    import functools
-
-    from amalia_ray.cluster.plan import Dims, step_transient_bytes
+    from amalia_ray.cluster.plan import Dims, StepTransient
 
     m = hf_model.anchored(p.recipe.model, p.loaded.resolve)
     hf_config = hf_model.recipe_config(m, p.loaded.resolve) if m.base else None  # with the recipe's overrides
-    return functools.partial(step_transient_bytes, stage, p.recipe, Dims.of(p.recipe, hf_config))
+    return StepTransient(stage, p.recipe, Dims.of(p.recipe, hf_config))
 
 
 def _in_stage_order(p: RunContext, model_ids: list[str], adapters: dict[str, str]) -> list[str]:
