@@ -164,20 +164,28 @@ def run_train_stage(
 
         raise StageStopped(f"[{stage.name}] stopped on request at step {final['step']} of {stage.steps}, its "
                            "checkpoint saved: run the same recipe again to carry on from it")
-    history = [json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text().splitlines() if line]
+    final.update(summarize_history([json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text()
+                                    .splitlines() if line], final.get("loss")))
+    final["placement"] = stage.placement
+    final["checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    return final
+
+
+def summarize_history(history: list[dict], last_loss: float | None = None) -> dict:
+    """What a stage's step records add up to: the first and last loss, tokens trained, the mean number of workers
+    (weighted by how long each size trained: an elastic run changes size) and the layouts it ran in."""
+    summary: dict = {}
     if history:
-        final.setdefault("loss", history[-1]["loss"])
-        final["first_loss"] = history[0]["loss"]
-    final["tokens_trained"] = sum(r["tokens"] for r in history)
+        summary["loss"] = last_loss if last_loss is not None else history[-1]["loss"]
+        summary["first_loss"] = history[0]["loss"]
+    summary["tokens_trained"] = sum(r["tokens"] for r in history)
     busy = sum(r["step_time_s"] for r in history)
-    if busy:  # elastic runs change size: the workers held, weighted by how long each size trained
-        final["mean_world_size"] = sum(r["step_time_s"] * r["world_size"] for r in history) / busy
+    if busy:
+        summary["mean_world_size"] = sum(r["step_time_s"] * r["world_size"] for r in history) / busy
     layouts: list[tuple[int, int]] = []  # (workers, nodes) as the run went: an elastic run shrinks or grows
     for r in history:
         if (layout := (r["world_size"], r.get("worker_nodes", 1))) not in layouts[-1:]:
             layouts.append(layout)
-    final["worker_nodes"] = max((n for _, n in layouts), default=None)
-    final["worker_layout"] = " → ".join(f"{w} on {n} node(s)" for w, n in layouts)
-    final["placement"] = stage.placement
-    final["checkpoint"] = result.checkpoint.path if result.checkpoint else None
-    return final
+    summary["worker_nodes"] = max((n for _, n in layouts), default=None)
+    summary["worker_layout"] = " → ".join(f"{w} on {n} node(s)" for w, n in layouts)
+    return summary
