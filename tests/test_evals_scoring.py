@@ -14,7 +14,7 @@ import yaml
 from amalia_ray.core.config import EvalConfig, EvalTaskConfig, JudgeConfig
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.evals.generate import extract_choice, first_word
-from amalia_ray.evals.judge import parse_score
+from amalia_ray.core.judge import parse_score
 from amalia_ray.evals.lmeval_export import export_lm_eval
 from amalia_ray.evals.evaluate import run_task
 

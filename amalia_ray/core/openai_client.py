@@ -1,5 +1,6 @@
-"""A small OpenAI-API client: bounded concurrency and retries on transient errors. Evaluation and synthetic-data
-generation reach served models only through this, over HTTP."""
+"""A small OpenAI-API client: bounded concurrency and retries on transient errors, and completions through it
+(chat or plain). Evaluation, synthetic-data generation and LLM-judge rewards reach served models only through this,
+over HTTP."""
 
 from __future__ import annotations
 
@@ -93,3 +94,29 @@ class OpenAIClient:
                 if attempt < self.retries:
                     await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (1 + random.random()))
         raise AmaliaError(f"{url} failed for model '{self.model}': {error}")
+
+
+async def generate(client: OpenAIClient, prompt: str, *, max_tokens: int, chat: bool, seed: int = 0,
+                   temperature: float = 0.0, top_p: float = 1.0, system_prompt: str | None = None) -> str:
+    """One completion: /v1/chat/completions for instruction-tuned models (the prompt as the user's turn, after the
+    system turn when there is one), or /v1/completions for base models."""
+    (text,) = await generate_n(client, prompt, n=1, max_tokens=max_tokens, chat=chat, seed=seed,
+                               temperature=temperature, top_p=top_p, system_prompt=system_prompt)
+    return text
+
+
+def chat_messages(prompt: str, system_prompt: str | None = None) -> list[dict]:
+    return [*([{"role": "system", "content": system_prompt}] if system_prompt else []),
+            {"role": "user", "content": prompt}]
+
+
+async def generate_n(client: OpenAIClient, prompt: str, *, n: int, max_tokens: int, chat: bool, seed: int = 0,
+                     temperature: float = 0.0, top_p: float = 1.0, system_prompt: str | None = None) -> list[str]:
+    """n completions of one prompt in one request (the API's `n`: the server samples them together), in order."""
+    params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+              **({"n": n} if n > 1 else {})}
+    if chat:
+        r = await client.post("/chat/completions", {"messages": chat_messages(prompt, system_prompt), **params})
+        return [c["message"].get("content") or "" for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]
+    r = await client.post("/completions", {"prompt": prompt, **params})
+    return [c["text"] for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]

@@ -14,7 +14,7 @@ import httpx
 
 from amalia_ray.core.config import EvalConfig, EvalTaskConfig
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
+from amalia_ray.core.openai_client import OpenAIClient, RequestRejected, chat_messages
 from amalia_ray.core.storage import write_json
 from amalia_ray.evals import generate, judge, loglik, sampled
 from amalia_ray.evals.contamination import seen_items, with_contamination
@@ -90,7 +90,7 @@ def requests_of(task: EvalTaskConfig, item) -> dict:
         prompt = item.prompt
     if task.chat:
         return {"id": item.id, "endpoint": "/v1/chat/completions",
-                "messages": generate.chat_messages(prompt, task.system_prompt)}
+                "messages": chat_messages(prompt, task.system_prompt)}
     return {"id": item.id, "endpoint": "/v1/completions", "prompt": prompt}
 
 

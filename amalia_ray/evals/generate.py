@@ -7,53 +7,13 @@ from __future__ import annotations
 
 import re
 
-from amalia_ray.core.openai_client import OpenAIClient
+from amalia_ray.core.judge import final_answer
+from amalia_ray.core.openai_client import OpenAIClient, generate
 from amalia_ray.core.variety import score_variety
 from amalia_ray.core.variety_model import label_texts
 from amalia_ray.evals.tasks import LETTERS, PUNCTUATION, ClozeItem, MCItem, PromptItem, lettered_options
 
 MC_TEMPLATE = "Pergunta: {question}\n{options}\nResponda apenas com a letra da opção correta.\nResposta:"
-
-
-async def generate(client: OpenAIClient, prompt: str, *, max_tokens: int, chat: bool, seed: int = 0,
-                   temperature: float = 0.0, top_p: float = 1.0, system_prompt: str | None = None) -> str:
-    """One completion: /v1/chat/completions for instruction-tuned models (the prompt as the user's turn, after the
-    system turn when there is one), or /v1/completions for base models."""
-    (text,) = await generate_n(client, prompt, n=1, max_tokens=max_tokens, chat=chat, seed=seed,
-                               temperature=temperature, top_p=top_p, system_prompt=system_prompt)
-    return text
-
-
-def chat_messages(prompt: str, system_prompt: str | None = None) -> list[dict]:
-    return [*([{"role": "system", "content": system_prompt}] if system_prompt else []),
-            {"role": "user", "content": prompt}]
-
-
-async def generate_n(client: OpenAIClient, prompt: str, *, n: int, max_tokens: int, chat: bool, seed: int = 0,
-                     temperature: float = 0.0, top_p: float = 1.0, system_prompt: str | None = None) -> list[str]:
-    """n completions of one prompt in one request (the API's `n`: the server samples them together), in order."""
-    params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-              **({"n": n} if n > 1 else {})}
-    if chat:
-        r = await client.post("/chat/completions", {"messages": chat_messages(prompt, system_prompt), **params})
-        return [c["message"].get("content") or "" for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]
-    r = await client.post("/completions", {"prompt": prompt, **params})
-    return [c["text"] for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]
-
-
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
-
-
-def final_answer(text: str) -> str:
-    """The part of a generation that gives the answer, for reasoning models (DeepSeek-R1's format, which our GRPO
-    stage rewards): inside the last `<answer>…</answer>`, else what follows `</think>`; a reasoning block that never
-    closed (the generation ran out of tokens mid-thought) gives no answer. Other text is the answer as it is."""
-    tagged = _ANSWER_TAG.findall(text)
-    if tagged:
-        return tagged[-1]
-    if "</think>" in text:
-        return text.rsplit("</think>", 1)[1]
-    return "" if "<think>" in text else text
 
 
 def mc_prompt(item: MCItem, fmt: str = "mcq") -> str:

@@ -11,9 +11,9 @@ import re
 from collections import Counter
 from math import comb
 
-from amalia_ray.core.openai_client import OpenAIClient
+from amalia_ray.core.judge import final_answer
+from amalia_ray.core.openai_client import OpenAIClient, generate_n
 from amalia_ray.core.rewards import canonical_answer
-from amalia_ray.evals.generate import final_answer, generate_n
 from amalia_ray.evals.tasks import AnswerItem
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
