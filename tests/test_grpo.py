@@ -177,3 +177,69 @@ def test_the_sharded_reference_gives_the_kl_of_an_unsharded_one(tmp_path):
         got = json.loads((out / f"rank{rank}.json").read_text())
         assert got["max_diff"] < 1e-5 and got["kl"] > 0, got
         assert got["shard_rows"] == vocab // 2, "each rank holds half of the reference"
+
+
+def test_a_missing_reward_is_left_out_of_its_group_and_teaches_nothing():
+    nan = float("nan")
+    rewards = torch.tensor([1.0, 0.0, nan, 0.5, 2.0, 2.0, 1.0, 0.0])
+    advantages = group_advantages(rewards, 4)
+    present = torch.tensor([1.0, 0.0, 0.5])
+    assert advantages[2] == 0.0
+    assert torch.allclose(advantages[[0, 1, 3]], (present - present.mean()) / (present.std() + 1e-4))
+    assert torch.allclose(advantages[4:], group_advantages(rewards[4:], 4)), "a group without a missing reward as TRL"
+
+
+def test_judge_rewards_grade_over_http_and_a_judge_that_fails_leaves_the_reward_missing(monkeypatch):
+    """An LLM judge reward (the evaluation judge's prompt and 1–5 scale, (g - 1) / 4) beside a rule reward: the judge
+    is shown the question and the reference answer and sent its key; a judge that keeps failing or replies without
+    a grade leaves that completion's reward missing (NaN), and scoring goes on."""
+    import json
+
+    import httpx
+
+    from amalia_ray.core.config import train_stage
+    from amalia_ray.train.reward_scoring import RewardScorer
+
+    asked = []
+
+    def judge(request: httpx.Request) -> httpx.Response:
+        text = json.loads(request.content)["messages"][-1]["content"]
+        asked.append((text, request.headers.get("authorization")))
+        if "falha" in text:
+            return httpx.Response(503, text="overloaded")
+        reply = "Não sei avaliar." if "confuso" in text else "Nota: 4"
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": reply}}]})
+
+    stage = train_stage({"name": "rl", "objective": "grpo", "dataset": "t.jsonl", "steps": 20, "rewards": [
+        "has_number", {"judge": {"base_url": "http://judge.test/v1", "model": "juiz", "retries": 1,
+                                 "api_key_env": "JUDGE_KEY"}, "weight": 2.0}]})
+    monkeypatch.setenv("JUDGE_KEY", "judge-key-0123")
+    scorer = RewardScorer(stage.reward_sources, transport=httpx.MockTransport(judge))
+    scores = scorer.score(["Quanto é 2 + 2?", [{"role": "user", "content": "Diz olá"}], "Outra"],
+                          ["<think>2 e 2</think> <answer>4</answer>", "falha", "confuso"],
+                          [{"answer": "4"}, {}, {}])
+    assert scorer.labels == ["has_number", "judge:juiz"]
+    assert scores[:, 0].tolist() == [1.0, 0.0, 0.0]
+    assert scores[0, 1] == 0.75 and scores[1:, 1].isnan().all()
+    totals = scorer.totals(scores)
+    assert totals[0] == 1.0 + 2 * 0.75 and totals[1:].isnan().all()
+    first = next(text for text, _ in asked if "Quanto é 2 + 2?" in text)
+    assert "Resposta de referência: 4" in first and "Resposta a avaliar: 4" in first, "the final answer is graded"
+    assert all(auth == "Bearer judge-key-0123" for _, auth in asked)
+    assert sum("falha" in text for text, _ in asked) == 2, "retried once, then missing"
+
+
+def test_rewards_are_names_or_objects_and_reward_models_are_refused():
+    from pydantic import ValidationError
+
+    from amalia_ray.core.config import train_stage
+
+    fields = {"name": "rl", "objective": "grpo", "dataset": "t.jsonl", "steps": 20}
+    stage = train_stage({**fields, "rewards": ["format", "exact_answer"], "reward_weights": [0.5, 1.0]})
+    assert [(r.label, r.weight) for r in stage.reward_sources] == [("format", 0.5), ("exact_answer", 1.0)]
+    with pytest.raises(ValidationError, match="reward models are not available"):
+        train_stage({**fields, "rewards": [{"model": "rm-stage"}]})
+    with pytest.raises(ValidationError, match="exactly one of them"):
+        train_stage({**fields, "rewards": [{"name": "format", "judge": {"base_url": "http://j/v1", "model": "j"}}]})
+    with pytest.raises(ValidationError, match="carries its own weight"):
+        train_stage({**fields, "rewards": ["format", {"name": "has_number"}], "reward_weights": [1, 2]})

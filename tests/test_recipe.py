@@ -115,6 +115,9 @@ def test_rewards_and_curriculum_hooks_are_checked_when_the_recipe_loads():
                                               r"'.*', which run.trusted_modules does not list"):
             parse_recipe(_post_training(objective="grpo", rewards=[spec]))
     parse_recipe(_post_training(objective="grpo", rewards=["amalia_ray.core.rewards:has_number_reward"]))
+    with pytest.raises(RecipeError, match=r"train\[1\]\.rewards\[1\]\.name: unknown reward 'exact'"):
+        parse_recipe(_post_training(objective="grpo", rewards=[
+            "format", {"name": "exact", "weight": 0.5}, {"judge": {"base_url": "http://j/v1", "model": "j"}}]))
     data = yaml.safe_load(demo_text())
     data["train"][0]["curriculum"] = {"hook": "amalia_ray.core.formats.shards:no_such_schedule"}
     with pytest.raises(RecipeError, match=r"train\[0\]\.curriculum\.hook: curriculum hook "

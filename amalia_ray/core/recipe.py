@@ -143,15 +143,18 @@ def check_named_code(recipe: Recipe, source: str, lines: dict[tuple, int]) -> No
     trusted = recipe.run.trusted_modules
     for i, stage in enumerate(recipe.train):
         sampled = isinstance(stage, GRPOStage) or (isinstance(stage, DPOStage) and stage.on_policy)
-        for j, name in enumerate(stage.rewards if sampled else ()):
+        for j, reward in enumerate(stage.reward_sources if sampled else ()):
+            if (name := reward.name) is None:  # an LLM judge: reached over HTTP when the stage samples
+                continue
+            where = ("train", i, "rewards", j) + (() if isinstance(stage.rewards[j], str) else ("name",))
             if ":" in name and (why := untrusted(name, trusted)):
-                problems.append((("train", i, "rewards", j), why))
+                problems.append((where, why))
                 continue
             try:
                 if not callable(get_reward(name)):
                     raise ValueError(f"reward '{name}' is not a function")
             except ValueError as e:
-                problems.append((("train", i, "rewards", j), str(e)))
+                problems.append((where, str(e)))
         hook = stage.curriculum.hook if isinstance(stage, PretrainStage) and stage.curriculum else None
         if hook and (why := untrusted(hook, trusted)):
             problems.append((("train", i, "curriculum", "hook"), why))

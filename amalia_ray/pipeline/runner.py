@@ -53,6 +53,8 @@ class Pipeline:
         for options in [run.storage_options, *(s.storage_options for s in self.recipe.data.sources)]:
             secrets.remember_in(options)  # so no log line or recorded error shows them
         secrets.remember(os.environ.get(self.recipe.serve.api_key_env))
+        for env in self.recipe.key_variables():  # the eval judge's and the judge rewards' keys
+            secrets.remember(os.environ.get(env))
         self.store = RunStore(run.storage, run.storage_options, self.run_name) if run.storage else None
         self.own: set[str] = set()  # the stages this process runs: their manifest records are its to write
         self.corpus = None  # listed once, when first needed

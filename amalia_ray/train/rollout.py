@@ -13,13 +13,14 @@ import os
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import ray
 import torch
 import torch.distributed as dist
 
 from amalia_ray.core.config import RolloutConfig
+from amalia_ray.train.reward_scoring import RewardScorer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -264,16 +265,16 @@ def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutC
     return start_engine(str(init_dir), engine, seed, use_gpu, sizing)
 
 
-def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], rewards: list[Callable],
+def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], scorer: RewardScorer,
                      n: int, max_tokens: int, temperature: float) -> tuple[list, torch.Tensor]:
     """`n` completions per prompt from the engine, each scored by every reward -> ([(prompt, completion)], scores
-    (completions, rewards)); completions of one prompt are consecutive."""
+    (completions, rewards), NaN where a judge gave no grade); completions of one prompt are consecutive."""
     sampled = ray.get(engine.generate.remote(prompts, n, max_tokens, temperature))
     ray.get(engine.sleep.remote())  # colocated on GPU: the memory is the trainer's again before it steps
-    items, scores = [], []
+    items, texts, scored_tasks = [], [], []
     for prompt, task, completions in zip(prompts, tasks, sampled):
         for completion in completions:
-            text = tok.decode(completion, skip_special_tokens=True)
-            scores.append([float(fn(text, task)) for fn in rewards])
+            texts.append(tok.decode(completion, skip_special_tokens=True))
+            scored_tasks.append(task)
             items.append((prompt, completion))
-    return items, torch.tensor(scores, dtype=torch.float32).reshape(len(items), len(rewards))
+    return items, scorer.score([t["prompt"] for t in scored_tasks], texts, scored_tasks)

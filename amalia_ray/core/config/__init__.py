@@ -27,19 +27,20 @@ from amalia_ray.core.config.eval_config import (
 from amalia_ray.core.config.model_config import DIMENSIONS, ModelConfig
 from amalia_ray.core.config.serve_config import EngineConfig, ServeConfig
 from amalia_ray.core.config.train_config import (
-    checkpoint_interval, CurriculumConfig, DPOStage, GRPOStage, LoraConfig, LOSS_CHUNK_POSITIONS, MixPhase,
-    PretrainStage, ProxyConfig, RolloutConfig, SAMPLING_FIELDS, SFTStage, STAGE_TYPES, train_stage, TrainStage,
-    TrainStageConfig)
+    checkpoint_interval, CurriculumConfig, DPOStage, GRPOStage, JudgeRewardConfig, LoraConfig, LOSS_CHUNK_POSITIONS,
+    MixPhase, PretrainStage, ProxyConfig, RewardConfig, RolloutConfig, SAMPLING_FIELDS, SFTStage, STAGE_TYPES,
+    train_stage, TrainStage, TrainStageConfig)
 
 __all__ = [
     "AccountingConfig", "checkpoint_interval", "CHOICE_TASKS", "CleaningConfig", "CurriculumConfig", "DataConfig",
     "DecontaminationConfig", "DEFAULT_CHAT_TEMPLATE", "DIMENSIONS", "DPOStage", "EngineConfig", "EvalConfig",
     "EvalTaskConfig", "FineWebConfig", "GopherQualityConfig", "GopherRepetitionConfig", "GRPOStage", "JudgeConfig",
-    "KEEP_RULES", "KeepRule", "LanguageConfig", "LoraConfig", "LOSS_CHUNK_POSITIONS", "MixPhase", "ModelConfig",
-    "NAME_PATTERN", "NearDedupConfig", "PackConfig", "PlanConfig", "PretrainStage", "ProxyConfig", "QualityConfig",
-    "Recipe", "ResourcesConfig", "RolloutConfig", "RunConfig", "SAMPLING_FIELDS", "ServeConfig", "SFTStage",
-    "SiteBoilerplateConfig", "SourceConfig", "STAGE_TYPES", "Strict", "TASK_REFERENCE", "TaskFormat", "TokenizerConfig",
-    "TrackingConfig", "train_stage", "TrainStage", "TrainStageConfig", "VarietyConfig", "VarietyScoring", "WandbConfig",
+    "JudgeRewardConfig", "KEEP_RULES", "KeepRule", "LanguageConfig", "LoraConfig", "LOSS_CHUNK_POSITIONS", "MixPhase",
+    "ModelConfig", "NAME_PATTERN", "NearDedupConfig", "PackConfig", "PlanConfig", "PretrainStage", "ProxyConfig",
+    "QualityConfig", "Recipe", "ResourcesConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SAMPLING_FIELDS",
+    "ServeConfig", "SFTStage", "SiteBoilerplateConfig", "SourceConfig", "STAGE_TYPES", "Strict", "TASK_REFERENCE",
+    "TaskFormat", "TokenizerConfig", "TrackingConfig", "train_stage", "TrainStage", "TrainStageConfig", "VarietyConfig",
+    "VarietyScoring", "WandbConfig",
 ]
 
 
@@ -80,6 +81,12 @@ class Recipe(Strict):
     @property
     def data_stages(self) -> list[str]:
         return ["data", *(["tokenizer"] if self.tokenizer else []), *(["pack"] if self.pack else [])]
+
+    def key_variables(self) -> list[str]:
+        """The environment variables the recipe's LLM judges read their API keys from (eval.judge, judge rewards)."""
+        judges = [*([self.eval.judge] if self.eval.judge else []),
+                  *(r.judge for s in self.train for r in getattr(s, "reward_sources", []) if r.judge)]
+        return [j.api_key_env for j in judges if j.api_key_env]
 
     def starts_from_checkpoint(self, i: int) -> bool:
         """Whether train stage i starts from weights that exist before it: the previous stage's, or the base model's

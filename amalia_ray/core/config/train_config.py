@@ -228,12 +228,55 @@ class SFTStage(_DatasetStage):
     lr: float = Field(2e-5, gt=0, description="peak learning rate (TRL's SFT default)")
 
 
+class JudgeRewardConfig(Strict):
+    """An LLM judge as a reward, with the evaluation judge's prompt and 1–5 scale: an OpenAI-compatible model grades
+    each completion's answer to its prompt against the rubric, and grade g gives the reward (g - 1) / 4. A call
+    that still fails after its retries, or a reply without a readable grade, leaves that completion's reward missing:
+    it is counted (`rewards/missing`) and left out of its group's advantages, and the step goes on."""
+    base_url: str = Field(..., description="the judge's OpenAI API base URL: a model `amalia serve` serves "
+                          "(http://127.0.0.1:8000/v1) or an external provider's")
+    model: str = Field(..., description="the judge's model id at base_url")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="environment variable holding the judge's API key")
+    chat: bool = Field(True, description="ask through /v1/chat/completions")
+    rubric: str | None = Field(None, description="what the grade is for; default: correct, fluent European "
+                               "Portuguese that answers the question (the evaluation judge's rubric)")
+    concurrency: int = Field(8, ge=1, description="requests in flight at once")
+    timeout_s: float = Field(60, gt=0, description="per request")
+    retries: int = Field(2, ge=0, description="retries of a request that fails for a transient reason")
+
+
+class RewardConfig(Strict):
+    """One reward of a sampled stage and its weight: a rule by name, or an LLM judge."""
+    name: str | None = Field(None, description="a rule reward: format, exact_answer, has_number, pt_variety, or "
+                             "module:function(completion, task) -> float")
+    judge: JudgeRewardConfig | None = Field(None, description="an LLM judge")
+    model: str | None = Field(None, description="a trained reward model: not available; refused")
+    weight: float = Field(1.0, description="the reward's weight in the sum a completion is scored by")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        if self.model is not None:
+            raise ValueError("reward models are not available as rewards: score with a rule (name) or an LLM judge "
+                             "(judge)")
+        if (self.name is None) == (self.judge is None):
+            raise ValueError("a reward is either a rule (name) or an LLM judge (judge), exactly one of them")
+        return self
+
+    @property
+    def label(self) -> str:
+        """How the reward's own metric is named (`rewards/<label>`)."""
+        return self.name if self.name is not None else f"judge:{self.judge.model}"
+
+
 class _SampledStage(_DatasetStage):
     """Stages that sample completions from the model through a vLLM rollout engine and score them."""
-    rewards: list[str] = Field(["format", "exact_answer"], min_length=1, description="rule-based rewards by name "
-                               "(format, exact_answer, has_number, pt_variety) or module:function(completion, task) "
-                               "-> float")
-    reward_weights: list[float] | None = Field(None, description="weight of each reward (default all 1)")
+    rewards: list[str | RewardConfig] = Field(
+        ["format", "exact_answer"], min_length=1, description="what completions are scored by, summed with their "
+        "weights: rule rewards by name (format, exact_answer, has_number, pt_variety, or module:function(completion, "
+        "task) -> float), or objects {name | judge: {...}, weight}")
+    reward_weights: list[float] | None = Field(None, description="weight of each reward named by a string "
+                                               "(default all 1); rewards given as objects carry their own")
     variety_model: str | None = Field(None, description="the variety classifier the pt_variety reward scores "
                                       "completions with (relative to the recipe); null = the cue scorer")
     num_generations: int = Field(4, ge=2, description="completions sampled per prompt (the group)")
@@ -247,7 +290,17 @@ class _SampledStage(_DatasetStage):
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"train stage '{self.name}': {len(self.reward_weights)} reward_weights for "
                              f"{len(self.rewards)} rewards")
+        if self.reward_weights is not None and any(isinstance(r, RewardConfig) for r in self.rewards):
+            raise ValueError(f"train stage '{self.name}': reward_weights weigh rewards given by name; a reward "
+                             "given as an object carries its own weight")
         return self
+
+    @property
+    def reward_sources(self) -> list[RewardConfig]:
+        """Every reward as an object with its weight."""
+        weights = self.reward_weights or [None] * len(self.rewards)
+        return [r if isinstance(r, RewardConfig) else RewardConfig(name=r, weight=1.0 if w is None else w)
+                for r, w in zip(self.rewards, weights)]
 
 
 SAMPLING_FIELDS = frozenset(_SampledStage.model_fields) - frozenset(_DatasetStage.model_fields)
@@ -274,7 +327,7 @@ class DPOStage(_SampledStage):
 
 
 class GRPOStage(_SampledStage):
-    """Group relative policy optimization (DeepSeek-R1) on task prompts with rule-based rewards."""
+    """Group relative policy optimization (DeepSeek-R1) on task prompts, scored by rule rewards or LLM judges."""
     objective: Literal["grpo"]
     lr: float = Field(1e-6, gt=0, description="peak learning rate (TRL's GRPO default)")
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL penalty to the initial model (0: none, no "

@@ -132,8 +132,8 @@ class DPO(Objective):
         """AMALIA-style on-policy DPO: the pairs are made in `prepare` by the stage's initial model (the previous
         stage's checkpoint) — `num_generations` completions per task prompt sampled through the vLLM rollout engine,
         scored by the stage's rewards; the best becomes chosen and the worst rejected (ties give no pair)."""
-        from amalia_ray.core.rewards import get_reward
         from amalia_ray.core.formats.rl_tasks import read_tasks
+        from amalia_ray.train.reward_scoring import RewardScorer
         from amalia_ray.train.rollout import encode_prompt
 
         self = cls.__new__(cls)
@@ -145,10 +145,8 @@ class DPO(Objective):
         if self.dropped:
             log.warning(f"{tasks_path}: {self.dropped} prompt(s) leave no room for {stage.max_completion_length} "
                         f"completion tokens in seq_len {seq_len}: skipped")
-        weights = stage.reward_weights or [1.0] * len(stage.rewards)
         self.on_policy = {"tasks": [tasks[i] for i in keep], "prompts": [prompts[i] for i in keep],
-                          "rewards": [get_reward(n, stage.variety_model) for n in stage.rewards],
-                          "weights": torch.tensor(weights),
+                          "scorer": RewardScorer(stage.reward_sources, stage.variety_model),
                           # validated again: the engine needs a longer max_model_len than a stage's shortest seq_len
                           "engine": RolloutConfig.model_validate({**stage.rollout.model_dump(),
                                                                   "max_model_len": seq_len}),
@@ -169,34 +167,38 @@ class DPO(Objective):
         cfg, stage = self.on_policy, self.on_policy["stage"]
         n = stage.num_generations
         engine = engine_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
-                                 cfg["use_gpu"], len(cfg["prompts"]) * n, max(map(len, cfg["prompts"])) + stage.max_completion_length)
+                                 cfg["use_gpu"], len(cfg["prompts"]) * n,
+                                 max(map(len, cfg["prompts"])) + stage.max_completion_length)
         payload = [None]
         if dist.get_rank() == 0:
-            items, scores = sample_and_score(engine, self.tok, cfg["prompts"], cfg["tasks"], cfg["rewards"], n,
+            items, scores = sample_and_score(engine, self.tok, cfg["prompts"], cfg["tasks"], cfg["scorer"], n,
                                              stage.max_completion_length, stage.temperature)
             ray.kill(engine)
-            totals = (scores @ cfg["weights"]).view(-1, n)
-            pairs, ties = [], 0
+            totals = cfg["scorer"].totals(scores).view(-1, n)
+            pairs, ties, missing = [], 0, int(totals.isnan().sum())
             for i, group in enumerate(totals):
-                best, worst = int(group.argmax()), int(group.argmin())
-                if group[best] == group[worst]:
+                # a candidate a judge gave no grade is neither chosen nor rejected
+                best = int(torch.where(group.isnan(), -torch.inf, group).argmax())
+                worst = int(torch.where(group.isnan(), torch.inf, group).argmin())
+                if int((~group.isnan()).sum()) < 2 or group[best] == group[worst]:
                     ties += 1
                     continue
                 prompt = items[i * n][0]
                 pairs.append(Pair(prompt, items[i * n + best][1], items[i * n + worst][1]))
-            payload = [(pairs, ties)]
+            payload = [(pairs, ties, missing)]
             with (cfg["work_dir"] / "on-policy-pairs.jsonl").open("w", encoding="utf-8") as f:
                 for p in pairs:
                     f.write(json.dumps({"prompt": self.tok.decode(p.prompt), "chosen": self.tok.decode(p.chosen),
                                         "rejected": self.tok.decode(p.rejected)}, ensure_ascii=False) + "\n")
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
-        pairs, ties = payload[0]
+        pairs, ties, missing = payload[0]
         if not pairs:
             raise ValueError(f"on-policy DPO on {cfg['source']}: every prompt's {stage.num_generations} "
                              "candidates scored the same, so there is no preference to learn; use rewards that "
                              "separate them, more generations or a higher temperature")
-        log.info(f"on-policy DPO: {len(pairs)} pairs from {len(cfg['prompts'])} prompts ({ties} ties skipped)")
+        log.info(f"on-policy DPO: {len(pairs)} pairs from {len(cfg['prompts'])} prompts ({ties} ties or prompts "
+                 f"with fewer than two graded candidates skipped; {missing} candidates without a judge's grade)")
         for i, pair in enumerate(pairs):
             key = json.dumps([pair.prompt, i]).encode()
             split = "validation" if zlib.crc32(key) / 2**32 < cfg["validation_fraction"] else "train"

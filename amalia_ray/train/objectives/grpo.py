@@ -1,9 +1,9 @@
 """GRPO (DeepSeek-R1): for each prompt, G completions sampled by the rollout engine (vLLM) with the current weights,
-scored by rule-based rewards, advantages normalized within each prompt's group, policy-gradient loss with an optional
-k3 KL penalty to the initial model. Losses are averaged over every completion token of the step (TRL's default `dapo`
-normalization). One optimizer step per rollout (TRL's `num_iterations=1`): the sampling policy is the one being
-updated, so the policy ratio is 1 and PPO's clip never acts; it is left out rather than offered as a setting that
-changes nothing."""
+scored by the stage's rewards (rules, LLM judges: train/reward_scoring.py), advantages normalized within each
+prompt's group, policy-gradient loss with an optional k3 KL penalty to the initial model. Losses are averaged over
+every completion token of the step (TRL's default `dapo` normalization). One optimizer step per rollout (TRL's
+`num_iterations=1`): the sampling policy is the one being updated, so the policy ratio is 1 and PPO's clip never
+acts; it is left out rather than offered as a setting that changes nothing."""
 
 from __future__ import annotations
 
@@ -17,23 +17,46 @@ import torch.distributed as dist
 
 from amalia_ray.core.formats.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
-from amalia_ray.core.rewards import get_reward
 from amalia_ray.core.config import GRPOStage, RolloutConfig
 from amalia_ray.train.lora import adapters_off
 from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.core.formats.rl_tasks import read_tasks
+from amalia_ray.train.reward_scoring import RewardScorer
 from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, sample_and_score
 
 log = logging.getLogger("amalia_ray.train")
 
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: bool = True) -> torch.Tensor:
-    """(reward - mean of its group) / (std of its group + 1e-4), std with Bessel's correction, as TRL."""
+    """(reward - mean of its group) / (std of its group + 1e-4), std with Bessel's correction, as TRL. A missing
+    reward (NaN: a judge gave no grade) is left out of its group's mean and std and gets advantage 0: the completion
+    teaches nothing either way."""
     grouped = rewards.view(-1, group)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    present = ~torch.isnan(grouped)
+    if present.all():
+        advantages = grouped - grouped.mean(dim=1, keepdim=True)
+        if scale:
+            advantages = advantages / (grouped.std(dim=1, keepdim=True) + 1e-4)
+        return advantages.reshape(-1)
+    n = present.sum(dim=1, keepdim=True)
+    centered = torch.where(present, grouped - torch.where(present, grouped, 0.0).sum(dim=1, keepdim=True)
+                           / n.clamp(min=1), 0.0)
     if scale:
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + 1e-4)
-    return advantages.reshape(-1)
+        std = ((centered ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+        centered = centered / (std + 1e-4)
+    return centered.reshape(-1)
+
+
+def _present_sum(values: torch.Tensor) -> tuple[float, int]:
+    """(sum, count) of the values that are not missing (NaN)."""
+    present = ~values.isnan()
+    return values[present].sum().item(), int(present.sum())
+
+
+def _group_std_sum(rewards: torch.Tensor, group: int) -> tuple[float, int]:
+    """(sum, count) of the groups' reward std (Bessel), over the groups with two rewards or more present."""
+    stds = [g[~g.isnan()].std().item() for g in rewards.view(-1, group) if int((~g.isnan()).sum()) >= 2]
+    return float(sum(stds)), len(stds)
 
 
 def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None = None,
@@ -63,7 +86,7 @@ class GRPO(Objective):
 
     @classmethod
     def reported(cls, stage: GRPOStage, sources=()) -> set[str]:
-        return super().reported(stage) | {f"rewards/{name}" for name in stage.rewards}
+        return super().reported(stage) | {f"rewards/{r.label}" for r in stage.reward_sources} | {"rewards/missing"}
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: GRPOStage, work_dir: Path,
                  seed: int, use_gpu: bool = False, step_transient=None):
@@ -82,9 +105,7 @@ class GRPO(Objective):
         self.lora = bool(stage.lora) and stage.lora.adapters_only
         self.engine_dtype = getattr(torch, self.engine_config.resolved_dtype(use_gpu))
         self.sequences = stage.global_batch_size
-        self.reward_names = list(stage.rewards)
-        self.rewards = [get_reward(n, stage.variety_model) for n in self.reward_names]
-        self.reward_weights = torch.tensor(stage.reward_weights or [1.0] * len(self.rewards))
+        self.scorer = RewardScorer(stage.reward_sources, stage.variety_model)
         self.tasks, self.prompts, dropped = [], [], 0
         for row in read_tasks(data_path):
             ids = encode_prompt(self.tok, row["prompt"])
@@ -133,14 +154,14 @@ class GRPO(Objective):
         if dist.get_rank() == 0:
             prompts = [self.prompts[i] for i in prompt_rows]
             items, per_fn = sample_and_score(self.engine, self.tok, prompts, [self.tasks[i] for i in prompt_rows],
-                                             self.rewards, self.G, self.max_new, self.temperature)
-            rewards = per_fn @ self.reward_weights
+                                             self.scorer, self.G, self.max_new, self.temperature)
+            rewards = self.scorer.totals(per_fn)
             advantages = group_advantages(rewards, self.G)
-            n = len(items)
-            stats = {"reward": (rewards.sum().item(), n),
-                     "reward_std": (rewards.view(-1, self.G).std(dim=1).sum().item(), n // self.G),
-                     "completion_length": (float(sum(len(c) for _, c in items)), n),
-                     **{f"rewards/{name}": (per_fn[:, k].sum().item(), n) for k, name in enumerate(self.reward_names)}}
+            stats = {"reward": _present_sum(rewards), "reward_std": _group_std_sum(rewards, self.G),
+                     "completion_length": (float(sum(len(c) for _, c in items)), len(items)),
+                     # completions left out of the advantages because a judge gave no grade (a count per step)
+                     "rewards/missing": (float(rewards.isnan().sum()), 1),
+                     **{f"rewards/{label}": _present_sum(per_fn[:, k]) for k, label in enumerate(self.scorer.labels)}}
             payload = [([(p, c, a) for (p, c), a in zip(items, advantages.tolist())], stats)]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
