@@ -8,8 +8,10 @@ import re
 
 from amalia_ray.core.openai_client import OpenAIClient, generate
 
-DEFAULT_RUBRIC = ("correção linguística em português europeu (ortografia, gramática, vocabulário), adequação e "
-                  "coerência da resposta à pergunta")
+# the project's pt-PT rubric: fluency, correctness, and the European variety (what AMALIA's post-training aims at)
+DEFAULT_RUBRIC = ("fluência e correção linguística em português europeu (ortografia, gramática, vocabulário e "
+                  "construções da variedade europeia, não do português do Brasil); correção, adequação e coerência "
+                  "da resposta à pergunta")
 JUDGE_TEMPLATE = (
     "És um avaliador rigoroso de respostas em português europeu.\n"
     "Critérios: {rubric}\n\n"

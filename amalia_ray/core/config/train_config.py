@@ -239,8 +239,9 @@ class JudgeRewardConfig(Strict):
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                     description="environment variable holding the judge's API key")
     chat: bool = Field(True, description="ask through /v1/chat/completions")
-    rubric: str | None = Field(None, description="what the grade is for; default: correct, fluent European "
-                               "Portuguese that answers the question (the evaluation judge's rubric)")
+    rubric: str | None = Field(None, description="what the grade is for; default: the project's pt-PT rubric, "
+                               "as the evaluation judge's (fluency and correctness in European Portuguese, its "
+                               "variety, a fitting answer: core/judge.py)")
     concurrency: int = Field(8, ge=1, description="requests in flight at once")
     timeout_s: float = Field(60, gt=0, description="per request")
     retries: int = Field(2, ge=0, description="retries of a request that fails for a transient reason")
