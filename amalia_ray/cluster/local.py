@@ -40,8 +40,9 @@ def ray_session(address: str | None = None, num_cpus: int | None = None, needed_
     else:
         embedded_auth()
         # the dashboard (and its job API) answers on loopback only: it runs whatever is submitted to it
-        ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=dashboard,
-                 dashboard_host="127.0.0.1", log_to_driver=True, _system_config=embedded_system_config())
+        with embedded_metrics_servers():
+            ray.init(address="local", num_cpus=embedded_num_cpus(num_cpus, needed_cpus), include_dashboard=dashboard,
+                     dashboard_host="127.0.0.1", log_to_driver=True, _system_config=embedded_system_config())
         mode = "embedded local Ray"
         if logs_link:
             _link(logs_link, Path(ray._private.worker._global_node.get_logs_dir_path()))
@@ -63,6 +64,33 @@ def embedded_system_config() -> dict:
     if os.environ.get("RAY_enable_metrics_collection", "").lower() in ("1", "true"):
         return {}
     return {"enable_metrics_collection": False}
+
+
+@contextmanager
+def embedded_metrics_servers():
+    """While an embedded Ray starts: its dashboard and autoscaler monitor processes open no Prometheus server of
+    their own. Ray 2.60 binds those to every interface of a machine with a routable address, taking no token, and
+    no setting turns them off; a port of -1 (their environment variables, which the processes inherit) makes the
+    server fail to start, which Ray logs once and carries on from. Nothing else reads those two ports.
+    RAY_enable_metrics_collection=1 leaves them as Ray starts them."""
+    if os.environ.get("RAY_enable_metrics_collection", "").lower() in ("1", "true"):
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in METRICS_PORT_VARIABLES}
+    os.environ.update({k: os.environ.get(k) or "-1" for k in METRICS_PORT_VARIABLES})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# the dashboard head's and the autoscaler monitor's own Prometheus ports (Ray's dashboard/consts.py and
+# autoscaler/_private/constants.py read them when those processes start)
+METRICS_PORT_VARIABLES = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
 
 
 def embedded_auth() -> None:
