@@ -31,3 +31,20 @@ def test_each_format_writes_and_reads_only_rows_its_rule_allows(name, tmp_path):
     path.write_text(json.dumps(good) + "\n\n" + json.dumps(bad) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"rows.jsonl:3: "):
         read(path)
+
+
+def test_a_refused_row_leaves_the_file_that_was_there_and_rows_of_a_folder_get_distinct_ids(tmp_path):
+    from amalia_ray.core.formats.jsonl import checked_rows, line_id
+    from amalia_ray.core.formats.rl_tasks import validate_task
+
+    path = tmp_path / "tasks.jsonl"
+    write_tasks([{"prompt": "a"}, {"prompt": "b"}], path)
+    with pytest.raises(ValueError, match="row 2"):
+        write_tasks([{"prompt": "c"}, {"prompt": ""}], path)
+    assert read_tasks(path) == [{"prompt": "a"}, {"prompt": "b"}] and not list(tmp_path.glob("*.tmp"))
+    write_tasks([{"prompt": "d"}], tmp_path / "more" / "x.jsonl")
+    write_tasks([{"prompt": "e"}], tmp_path / "more" / "y.jsonl")
+    folder = tmp_path / "more"
+    assert [line_id(folder, f, n) for f, n, _ in checked_rows(folder, "tasks", validate_task)] == ["x.jsonl:1",
+                                                                                                "y.jsonl:1"]
+    assert [line_id(path, f, n) for f, n, _ in checked_rows(path, "tasks", validate_task)] == ["1", "2"]

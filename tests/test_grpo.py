@@ -243,3 +243,22 @@ def test_rewards_are_names_or_objects_and_reward_models_are_refused():
         train_stage({**fields, "rewards": [{"name": "format", "judge": {"base_url": "http://j/v1", "model": "j"}}]})
     with pytest.raises(ValidationError, match="carries its own weight"):
         train_stage({**fields, "rewards": ["format", {"name": "has_number"}], "reward_weights": [1, 2]})
+
+
+def test_a_judge_that_fails_every_completion_stops_the_stage_and_one_only_logged_drops_none():
+    import httpx
+
+    from amalia_ray.core.config import train_stage
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.train.reward_scoring import RewardScorer
+
+    judge = {"base_url": "http://judge.test/v1", "model": "juiz", "retries": 0}
+    stage = train_stage({"name": "rl", "objective": "grpo", "dataset": "t.jsonl", "steps": 20, "rewards": [
+        "has_number", {"judge": judge, "weight": 0.0}, {"judge": {**judge, "rubric": "outra"}}]})
+    refused = RewardScorer(stage.reward_sources, transport=httpx.MockTransport(
+        lambda request: httpx.Response(401, text="bad key")))
+    assert refused.labels == ["has_number", "judge:juiz#1", "judge:juiz#2"], "two judges of one model, two metrics"
+    with pytest.raises(AmaliaError, match=r"failed for all 2 completions of the rollout; the first: .*401"):
+        refused.score(["q", "q"], ["1", "2"], [{}, {}])
+    scores = torch.tensor([[1.0, float("nan"), 0.5], [0.0, float("nan"), float("nan")]])
+    assert refused.totals(scores)[0] == 1.5 and refused.totals(scores)[1].isnan(), "a weight-0 reward only logs"

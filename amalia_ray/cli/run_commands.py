@@ -177,13 +177,13 @@ def data_preference_pairs(
     question's answer (pairs sampled from the model itself: a dpo stage with on_policy: true)."""
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.core.formats.conversations import validate_conversation
-    from amalia_ray.core.formats.jsonl import checked_rows
+    from amalia_ray.core.formats.jsonl import checked_rows, line_id
     from amalia_ray.core.formats.preference_pairs import write_preferences
     from amalia_ray.data.posttrain.faq_chats import mismatched_answer_pairs
 
     try:  # a row's own id, if it has one, wins over its line number
-        rows = [{"id": str(n), **row} for _, n, row in checked_rows(conversations, "conversations",
-                                                                    validate_conversation)]
+        rows = [{"id": line_id(conversations, f, n), **row}
+                for f, n, row in checked_rows(conversations, "conversations", validate_conversation)]
     except ValueError as e:
         raise AmaliaError(str(e)) from None
     try:

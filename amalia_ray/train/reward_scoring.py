@@ -6,6 +6,7 @@ leaves such a completion out of what it learns from and counts it, and the step 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 
@@ -19,12 +20,14 @@ from amalia_ray.core.openai_client import OpenAIClient
 from amalia_ray.core.rewards import get_reward
 from amalia_ray.core.secrets import remember
 
+log = logging.getLogger("amalia_ray.train")
+
 
 class RewardScorer:
     def __init__(self, sources: list[RewardConfig], variety_model: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None):
         self.sources, self.transport = sources, transport  # transport: the judges' HTTP, replaced in tests
-        self.labels = [r.label for r in sources]
+        self.labels = reward_labels(sources)
         self.weights = torch.tensor([r.weight for r in sources], dtype=torch.float32)
         self.rules = {i: get_reward(r.name, variety_model) for i, r in enumerate(sources) if r.name is not None}
         self.judges = {i: r.judge for i, r in enumerate(sources) if r.judge is not None}
@@ -42,15 +45,18 @@ class RewardScorer:
         return out
 
     def totals(self, scores: torch.Tensor) -> torch.Tensor:
-        """Each completion's weighted sum of its rewards; NaN where one of them is missing."""
-        return scores @ self.weights
+        """Each completion's weighted sum of its rewards; NaN where one with a weight is missing (a reward of
+        weight 0 is only logged)."""
+        counted = self.weights != 0
+        return torch.where(counted | ~scores.isnan(), scores, 0.0) @ self.weights
 
 
 async def judge_grades(cfg: JudgeRewardConfig, questions: list[str], answers: list[str],
                        references: list[str | None], transport: httpx.AsyncBaseTransport | None = None
                        ) -> list[int | None]:
-    """The judge's grade (1–5) of every answer, None where the request failed after its retries or the reply held
-    no readable grade."""
+    """The judge's grade (1–5) of every answer; None where the request failed after its retries, the reply held no
+    readable grade, or the rollout's judging ran past `cfg.deadline_s`. A judge that fails for every answer is
+    misconfigured (a wrong URL, model or key), not unlucky: that is an error naming its first failure."""
     key = None
     if cfg.api_key_env:
         key = os.environ.get(cfg.api_key_env)
@@ -58,6 +64,7 @@ async def judge_grades(cfg: JudgeRewardConfig, questions: list[str], answers: li
             raise AmaliaError(f"the judge reward's key variable {cfg.api_key_env} is not set where the stage trains "
                               "(its first worker's node)")
         remember(key)
+    failures: list[str] = []
 
     async with OpenAIClient(cfg.base_url, cfg.model, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
                             retries=cfg.retries, api_key=key, transport=transport) as judge:
@@ -65,11 +72,24 @@ async def judge_grades(cfg: JudgeRewardConfig, questions: list[str], answers: li
             try:
                 score, _ = await grade(judge, question, answer, rubric=cfg.rubric, reference=reference,
                                        chat=cfg.chat)
-            except AmaliaError:  # failed after its retries, or refused: this completion's reward is missing
+            # failed after its retries, refused, or answered with something that is not a completion
+            except (AmaliaError, httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
+                failures.append(f"{type(e).__name__}: {e}")
                 return None
             return score
 
-        return list(await asyncio.gather(*(one(q, a, r) for q, a, r in zip(questions, answers, references))))
+        tasks = [asyncio.ensure_future(one(q, a, r)) for q, a, r in zip(questions, answers, references)]
+        done, late = await asyncio.wait(tasks, timeout=cfg.deadline_s) if tasks else (set(), set())
+        for task in late:
+            task.cancel()
+        grades = [t.result() if t in done else None for t in tasks]
+    if tasks and len(failures) == len(tasks):
+        raise AmaliaError(f"the judge reward ({cfg.model} at {cfg.base_url}) failed for all {len(tasks)} "
+                          f"completions of the rollout; the first: {failures[0]}")
+    if failures or late:
+        log.warning(f"judge reward {cfg.model}: {len(failures)} of {len(tasks)} completions not graded (the first: "
+                    f"{failures[0] if failures else '-'}), {len(late)} past the {cfg.deadline_s:.0f} s deadline")
+    return grades
 
 
 def question_of(prompt) -> str:
@@ -83,3 +103,10 @@ def reference_of(task: dict) -> str | None:
     """The reference answer the judge is shown: the task's `reference`, else its `answer`, when it has one."""
     value = task.get("reference", task.get("answer"))
     return None if value is None else str(value)
+
+
+def reward_labels(sources: list[RewardConfig]) -> list[str]:
+    """Each reward's metric name (`rewards/<label>`): its name, or `judge:<model>`, numbered when two share one."""
+    labels = [r.label for r in sources]
+    return [label if labels.count(label) == 1 else f"{label}#{labels[:i + 1].count(label)}"
+            for i, label in enumerate(labels)]

@@ -232,7 +232,8 @@ class JudgeRewardConfig(Strict):
     """An LLM judge as a reward, with the evaluation judge's prompt and 1–5 scale: an OpenAI-compatible model grades
     each completion's answer to its prompt against the rubric, and grade g gives the reward (g - 1) / 4. A call
     that still fails after its retries, or a reply without a readable grade, leaves that completion's reward missing:
-    it is counted (`rewards/missing`) and left out of its group's advantages, and the step goes on."""
+    it is counted (`rewards/missing`) and gets advantage 0, and the step goes on. A judge that fails for every
+    completion of a rollout (a wrong URL, model or key) stops the stage with its first error."""
     base_url: str = Field(..., description="the judge's OpenAI API base URL: a model `amalia serve` serves "
                           "(http://127.0.0.1:8000/v1) or an external provider's")
     model: str = Field(..., description="the judge's model id at base_url")
@@ -245,6 +246,8 @@ class JudgeRewardConfig(Strict):
     concurrency: int = Field(8, ge=1, description="requests in flight at once")
     timeout_s: float = Field(60, gt=0, description="per request")
     retries: int = Field(2, ge=0, description="retries of a request that fails for a transient reason")
+    deadline_s: float = Field(600, gt=0, description="most time the judging of one rollout may take; a completion "
+                              "not graded by then has its reward missing")
 
 
 class RewardConfig(Strict):

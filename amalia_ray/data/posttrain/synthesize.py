@@ -14,7 +14,7 @@ import pyarrow as pa
 import ray
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.formats.jsonl import checked_rows
+from amalia_ray.core.formats.jsonl import checked_rows, line_id
 from amalia_ray.core.formats.rl_tasks import validate_task
 from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
 from amalia_ray.core.rewards import get_reward
@@ -84,10 +84,10 @@ def synthesize(seeds: Path, output: Path, *, base_url: str, model: str, per_seed
         raise AmaliaError(f"seed file not found: {seeds}")
     rows = []
     try:
-        for _, n, row in checked_rows(seeds, "seed prompts", validate_task):
+        for f, n, row in checked_rows(seeds, "seed prompts", validate_task):
             # nested fields travel as JSON text so every row has one Arrow schema
             rows.append({**{k: json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v
-                            for k, v in row.items()}, "id": str(row.get("id", n)),
+                            for k, v in row.items()}, "id": str(row.get("id", line_id(seeds, f, n))),
                          "prompt": json.dumps(row["prompt"], ensure_ascii=False)})
     except ValueError as e:
         raise AmaliaError(str(e)) from None

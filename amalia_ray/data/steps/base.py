@@ -18,6 +18,7 @@ class DocumentStep(ABC):
     model once per process sets `in_actors` and is run in an actor pool instead (its class is constructed there)."""
 
     in_actors: ClassVar[bool] = False
+    init_args: tuple = ()  # what an actor of the pool constructs the step's class with (in_actors)
 
     @abstractmethod
     def __call__(self, batch: pa.Table) -> pa.Table:

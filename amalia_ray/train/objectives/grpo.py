@@ -21,7 +21,7 @@ from amalia_ray.core.config import GRPOStage, RolloutConfig
 from amalia_ray.train.lora import adapters_off
 from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.core.formats.rl_tasks import read_tasks
-from amalia_ray.train.reward_scoring import RewardScorer
+from amalia_ray.train.reward_scoring import RewardScorer, reward_labels
 from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, sample_and_score
 
 log = logging.getLogger("amalia_ray.train")
@@ -29,8 +29,8 @@ log = logging.getLogger("amalia_ray.train")
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: bool = True) -> torch.Tensor:
     """(reward - mean of its group) / (std of its group + 1e-4), std with Bessel's correction, as TRL. A missing
-    reward (NaN: a judge gave no grade) is left out of its group's mean and std and gets advantage 0: the completion
-    teaches nothing either way."""
+    reward (NaN: a judge gave no grade) is left out of its group's mean and std and gets advantage 0: no policy
+    gradient from it (it still counts in the step's token average and, with a KL penalty, in the KL term)."""
     grouped = rewards.view(-1, group)
     present = ~torch.isnan(grouped)
     if present.all():
@@ -86,7 +86,8 @@ class GRPO(Objective):
 
     @classmethod
     def reported(cls, stage: GRPOStage, sources=()) -> set[str]:
-        return super().reported(stage) | {f"rewards/{r.label}" for r in stage.reward_sources} | {"rewards/missing"}
+        return super().reported(stage) | {f"rewards/{label}" for label in reward_labels(stage.reward_sources)} | {
+            "rewards/missing"}
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: GRPOStage, work_dir: Path,
                  seed: int, use_gpu: bool = False, step_transient=None):
