@@ -100,30 +100,37 @@ def test_sft_from_a_base_model_matches_transformers_and_exports_its_architecture
 def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained, tmp_path, lora):
     """The R1-Zero recipe: GRPO straight from a base model — a Qwen 3 (its own chat template renders the prompts)
     — on generated Portuguese arithmetic, completions sampled every step by vLLM's Qwen 3 with the weights pushed
-    into it in place (with LoRA: the merged weights), weighted rule-based rewards, group advantages, k3 KL to the
-    base (with LoRA: the policy with its adapters off); the first step's policy is its reference, and the export
-    keeps the base's architecture."""
+    into it in place (with LoRA: the merged weights), weighted rule rewards and an LLM judge reached over HTTP from
+    the training worker (a scripted OpenAI-compatible judge here, grading every completion), group advantages, k3
+    KL to the base (with LoRA: the policy with its adapters off); the first step's policy is its reference, and the
+    export keeps the base's architecture."""
     from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
+    from tests.scripted_judge import scripted_judge
 
     _, chats, _ = trained
     base = make_base_model(chats.parent / "bases" / "qwen3", "qwen3")
     tasks = tmp_path / "arithmetic.jsonl"
     write_tasks(arithmetic_tasks(32, seed=0), tasks)
-    stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
-                      global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
-                      checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,
-                      kl_coef=0.05, rewards=["format", "exact_answer", "has_number"], reward_weights=[1.0, 1.0, 0.2],
-                      lora=lora)
-    run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=tasks, tokenizer_dir=base,
-                    init_hf_dir=base, base_dir=base, stage_dir=tmp_path / "grpo", ray_run_name="grpo-qwen3",
-                    seed=SEED, use_gpu=False, progress=False)
+    with scripted_judge("Nota: 3") as judge:
+        stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
+                          global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
+                          checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,
+                          kl_coef=0.05, lora=lora, rewards=[
+                              "format", "exact_answer", {"name": "has_number", "weight": 0.2},
+                              {"judge": {"base_url": judge.url, "model": "juiz", "retries": 0}, "weight": 0.5}])
+        run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=tasks, tokenizer_dir=base,
+                        init_hf_dir=base, base_dir=base, stage_dir=tmp_path / "grpo", ray_run_name="grpo-qwen3",
+                        seed=SEED, use_gpu=False, progress=False)
+    assert len(judge.asked) == 2 * 4 and all("Resposta de referência" in text for text in judge.asked), \
+        "every completion of both steps graded, with the task's answer as the reference"
     history = read_jsonl(tmp_path / "grpo" / "metrics.jsonl")
     assert [h["step"] for h in history] == [1, 2] and all(h["world_size"] == 2 for h in history)
     for h in history:
         assert math.isfinite(h["loss"]) and h["kl"] >= 0 and 0 < h["completion_length"] <= 12
-        assert all(0 <= h[f"rewards/{r}"] <= 1 for r in stage.rewards) and "reward_std" in h
+        assert all(0 <= h[f"rewards/{r}"] <= 1 for r in ("format", "exact_answer", "has_number")) and "reward_std" in h
+        assert h["rewards/judge:juiz"] == 0.5 and h["rewards/missing"] == 0, "grade 3 of 5 -> (3 - 1) / 4"
     assert history[0]["kl"] < 1e-6, "the first rollout's policy is the reference"
     assert json.loads((tmp_path / "grpo" / "hf" / "config.json").read_text())["model_type"] == "qwen3"
     if lora:
