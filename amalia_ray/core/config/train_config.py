@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
+from amalia_ray.core.config.eval_config import JudgeConfig
 from amalia_ray.core.config.serve_config import EngineConfig
 from amalia_ray.core.config.strict import NAME_PATTERN, Strict
 
@@ -63,6 +64,11 @@ class RolloutConfig(EngineConfig):
         None, gt=0, le=1, description="share of the device's memory the engine may take; default: sized to the "
         "model (its weights in the engine's dtype, the KV cache of one step's sequences, a workspace) within what the "
         "device has free beside the training worker")
+
+    def for_length(self, max_model_len: int) -> RolloutConfig:
+        """This engine for sequences of `max_model_len` tokens (the stage's seq_len), validated again: a stage's
+        shortest seq_len is below the shortest max_model_len an engine takes."""
+        return RolloutConfig.model_validate({**self.model_dump(), "max_model_len": max_model_len})
 
 
 class ProxyConfig(Strict):
@@ -228,18 +234,16 @@ class SFTStage(_DatasetStage):
     lr: float = Field(2e-5, gt=0, description="peak learning rate (TRL's SFT default)")
 
 
-class JudgeRewardConfig(Strict):
+class JudgeRewardConfig(JudgeConfig):
     """An LLM judge as a reward, with the evaluation judge's prompt and 1–5 scale: an OpenAI-compatible model grades
     each completion's answer to its prompt against the rubric, and grade g gives the reward (g - 1) / 4. A call
     that still fails after its retries, or a reply without a readable grade, leaves that completion's reward missing:
     it is counted (`rewards/missing`) and gets advantage 0, and the step goes on. A judge that fails for every
     completion of a rollout (a wrong URL, model or key) stops the stage with its first error."""
+    # the evaluation judge's fields (api_key_env, chat), reached by base_url only: no run server is up in training
+    model: str = Field(..., description="the judge's model id at base_url")
     base_url: str = Field(..., description="the judge's OpenAI API base URL: a model `amalia serve` serves "
                           "(http://127.0.0.1:8000/v1) or an external provider's")
-    model: str = Field(..., description="the judge's model id at base_url")
-    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-                                    description="environment variable holding the judge's API key")
-    chat: bool = Field(True, description="ask through /v1/chat/completions")
     rubric: str | None = Field(None, description="what the grade is for; default: the project's pt-PT rubric, "
                                "as the evaluation judge's (fluency and correctness in European Portuguese, its "
                                "variety, a fitting answer: core/judge.py)")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from amalia_ray.core.config import DPOStage, RolloutConfig
+from amalia_ray.core.config import DPOStage
 from amalia_ray.core.formats.shards import MixtureSampler, one_block
 from amalia_ray.core.formats.jsonl import is_messages
 from amalia_ray.core.formats.preference_pairs import read_preferences
@@ -147,9 +147,7 @@ class DPO(Objective):
                         f"completion tokens in seq_len {seq_len}: skipped")
         self.on_policy = {"tasks": [tasks[i] for i in keep], "prompts": [prompts[i] for i in keep],
                           "scorer": RewardScorer(stage.reward_sources, stage.variety_model),
-                          # validated again: the engine needs a longer max_model_len than a stage's shortest seq_len
-                          "engine": RolloutConfig.model_validate({**stage.rollout.model_dump(),
-                                                                  "max_model_len": seq_len}),
+                          "engine": stage.rollout.for_length(seq_len),
                           "stage": stage, "tokenizer_dir": tokenizer_dir, "work_dir": work_dir, "seed": seed,
                           "use_gpu": use_gpu, "validation_fraction": validation_fraction, "source": tasks_path}
         if not keep:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from amalia_ray.core.formats.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
-from amalia_ray.core.config import GRPOStage, RolloutConfig
+from amalia_ray.core.config import GRPOStage
 from amalia_ray.train.lora import adapters_off
 from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.core.formats.rl_tasks import read_tasks
@@ -100,8 +100,7 @@ class GRPO(Objective):
         self.seq_len = seq_len
         self.G, self.max_new = stage.num_generations, stage.max_completion_length
         self.temperature, self.kl_coef = stage.temperature, stage.kl_coef
-        # validated again: the engine needs a longer max_model_len than the shortest seq_len a stage may have
-        self.engine_config = RolloutConfig.model_validate({**stage.rollout.model_dump(), "max_model_len": seq_len})
+        self.engine_config = stage.rollout.for_length(seq_len)
         # the base is the policy with its adapters off, unless modules_to_save train in place beside them
         self.lora = bool(stage.lora) and stage.lora.adapters_only
         self.engine_dtype = getattr(torch, self.engine_config.resolved_dtype(use_gpu))
