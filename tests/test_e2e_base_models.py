@@ -94,7 +94,8 @@ def test_sft_from_a_base_model_matches_transformers_and_exports_its_architecture
 
 
 # full weights: slow (make test-all), as the LoRA run covers the same rollout path and more — its engine is streamed
-# every weight too (merged), and the frozen KL reference of full-weight GRPO is tests/test_grpo.py's
+# every weight too (merged), and the frozen KL reference of full-weight GRPO is tests/test_grpo.py's. The LoRA run
+# is also one step off-policy with two steps a rollout; the full-weight run is on-policy.
 @pytest.mark.parametrize("lora", [pytest.param(None, marks=pytest.mark.slow),
                                   {"r": 8, "alpha": 16, "merge": True}], ids=["full", "lora"])
 def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(trained, tmp_path, lora):
@@ -103,7 +104,8 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     into it in place (with LoRA: the merged weights), weighted rule rewards and an LLM judge reached over HTTP from
     the training worker (a scripted OpenAI-compatible judge here, grading every completion), group advantages, k3
     KL to the base (with LoRA: the policy with its adapters off); the first step's policy is its reference, and the
-    export keeps the base's architecture."""
+    export keeps the base's architecture. With LoRA, async: the second rollout is sampled while the second step
+    trains on the first one again, and is the third step's."""
     from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
@@ -114,19 +116,25 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     tasks = tmp_path / "arithmetic.jsonl"
     write_tasks(arithmetic_tasks(32, seed=0), tasks)
     with scripted_judge("Nota: 3") as judge:
-        stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=2, seq_len=128,
+        off_policy = {"async_rollout": True, "num_iterations": 2} if lora else {}
+        steps = 3 if lora else 2
+        stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=steps, seq_len=128,
                           global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,
                           checkpoint_every=2, log_every=1, num_generations=4, max_completion_length=12,
                           kl_coef=0.05, lora=lora, rewards=[
                               "format", "exact_answer", {"name": "has_number", "weight": 0.2},
-                              {"judge": {"base_url": judge.url, "model": "juiz", "retries": 0}, "weight": 0.5}])
+                              {"judge": {"base_url": judge.url, "model": "juiz", "retries": 0}, "weight": 0.5}],
+                          **off_policy)
         run_train_stage(stage, ModelConfig.model_validate({"from": str(base)}), data_dir=tasks, tokenizer_dir=base,
                         init_hf_dir=base, base_dir=base, stage_dir=tmp_path / "grpo", ray_run_name="grpo-qwen3",
                         seed=SEED, use_gpu=False, progress=False)
     assert len(judge.asked) == 2 * 4 and all("Resposta de referência" in text for text in judge.asked), \
-        "every completion of both steps graded, with the task's answer as the reference"
+        "every completion of both rollouts graded, with the task's answer as the reference"
     history = read_jsonl(tmp_path / "grpo" / "metrics.jsonl")
-    assert [h["step"] for h in history] == [1, 2] and all(h["world_size"] == 2 for h in history)
+    assert [h["step"] for h in history] == list(range(1, steps + 1)) and all(h["world_size"] == 2 for h in history)
+    if off_policy:  # the clip watches every step: the engine's log-probabilities are the old policy
+        assert all(0 <= h["clip_ratio"] <= 1 for h in history)
+        assert history[0]["reward"] == history[1]["reward"], "the second step trains on the first rollout again"
     for h in history:
         assert math.isfinite(h["loss"]) and h["kl"] >= 0 and 0 < h["completion_length"] <= 12
         assert all(0 <= h[f"rewards/{r}"] <= 1 for r in ("format", "exact_answer", "has_number")) and "reward_std" in h

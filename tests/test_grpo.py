@@ -115,14 +115,14 @@ def _tiny_tokenizer(tmp_path):
 def test_policy_loss_and_k3_kl():
     logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     advantages = torch.tensor([2.0])
-    loss, kl = policy_loss(logps, advantages)
+    loss, kl, _ = policy_loss(logps, advantages)
     assert kl is None and torch.allclose(loss, torch.tensor([[-2.0, -2.0]]))
     loss.sum().backward()
     assert torch.allclose(logps.grad, torch.tensor([[-2.0, -2.0]]))  # on-policy: gradient of -A·log p
 
     # k3 = exp(ref - logp) - (ref - logp) - 1: zero at the reference, positive elsewhere
     logps = torch.tensor([[-1.0, -1.0]])
-    _, kl = policy_loss(logps, torch.tensor([0.0]), torch.tensor([[-1.0, -2.0]]), kl_coef=0.1)
+    _, kl, _ = policy_loss(logps, torch.tensor([0.0]), torch.tensor([[-1.0, -2.0]]), kl_coef=0.1)
     assert kl[0, 0] == 0 and torch.isclose(kl[0, 1], torch.tensor(math.exp(-1.0) + 1.0 - 1.0))
 
 

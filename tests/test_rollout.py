@@ -169,8 +169,21 @@ def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
         for n, p in model.named_parameters():
             p.to_local().copy_(original[n])
     whole = measured_push(4 * copy)  # the check that the measurement sees a whole copy when one is held
+    restored = sample()
+    # what an async GRPO step weighs its policy against: the engine's log-probability of each token it sampled at
+    # temperature 0.7, against the trainer's own of the same tokens at the same temperature
+    from amalia_ray.train.completions import pad_completions, token_logps
+
+    drawn = ray.get(engine.generate.remote(prompts, 2, 12, 0.7, logprobs=True))
+    pairs = [(p, ids, lp) for p, per_prompt in zip(prompts, drawn) for ids, lp in per_prompt]
+    batch = pad_completions([(p, ids) for p, ids, _ in pairs], 0, 128)
+    with torch.no_grad():
+        trainer_logps = token_logps(model, batch, temperature=0.7)
+    gap = max(abs(trainer_logps[i, len(p) - 1 + j].item() - value)
+              for i, (p, _, lp) in enumerate(pairs) for j, value in enumerate(lp))
     Path(out).write_text(json.dumps({"copy": copy, "streamed": streamed, "whole": whole, "before": before,
-                                     "changed": changed, "restored": sample()}))
+                                     "changed": changed, "restored": restored, "logprob_gap": gap,
+                                     "sampled_tokens": sum(len(lp) for _, _, lp in pairs)}))
     ray.kill(engine)
     dist.destroy_process_group()
     ray.shutdown()
@@ -190,7 +203,8 @@ def test_weights_stream_into_the_engine_within_a_fraction_of_one_copy(ray_cluste
     original weights back gives the original samples (greedy). Pushed as one bucket, the trainer grows by about a
     whole copy: the measurement sees a copy when one is held. The engine's own growth (0.3–0.8 of a copy from run to
     run here) is the same whether the weights come in one bucket or eight: it is vLLM's reload work, not the
-    stream's."""
+    stream's. The log-probabilities the engine returns for what it sampled (async GRPO's old policy) are the
+    trainer's at the sampling temperature."""
     import torch.multiprocessing as mp
 
     from tests.base_models import make_base_model
@@ -207,6 +221,8 @@ def test_weights_stream_into_the_engine_within_a_fraction_of_one_copy(ray_cluste
     assert got["changed"] != got["before"] and got["restored"] == got["before"], got
     assert streamed["trainer"] < 0.5 * copy and streamed["engine"] < copy, got
     assert whole["trainer"] > 0.8 * copy, f"the measurement cannot see a whole copy held: {got}"
+    assert got["sampled_tokens"] >= 4 and got["logprob_gap"] < 1e-4, \
+        "the engine's log-probabilities of what it sampled are the trainer's, at the sampling temperature"
 
 
 def test_a_colocated_engine_leaves_the_trainer_its_planned_step(tmp_path):

@@ -25,9 +25,10 @@ def pad_completions(items: list[tuple[list[int], list[int]]], pad_id: int, max_l
             "completion_mask": torch.from_numpy(completion)}
 
 
-def token_logps(model, batch: dict) -> torch.Tensor:
-    """(rows, length - 1): log-probability of each next token; weigh by batch["completion_mask"][:, 1:]."""
+def token_logps(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """(rows, length - 1): log-probability of each next token, under the model's distribution at `temperature` (the
+    one a rollout sampled from, as TRL's GRPOTrainer and veRL score it); weigh by batch["completion_mask"][:, 1:]."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     # the targets shifted, not the logits (a slice of the logits would be copied), the last position dropped after
     targets = F.pad(batch["input_ids"][:, 1:], (0, 1))
-    return target_logps(logits, targets)[:, :-1]
+    return target_logps(logits, targets, temperature=temperature)[:, :-1]

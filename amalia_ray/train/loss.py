@@ -15,20 +15,23 @@ from torch.utils.checkpoint import checkpoint
 from amalia_ray.core.config import LOSS_CHUNK_POSITIONS as CHUNK_POSITIONS  # 2048 × 128 k × 4 B = 1 GB at once
 
 
-def _chunk_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    x = logits.float()
+def _chunk_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    x = logits.float() if temperature == 1.0 else logits.float() / temperature
     return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)
 
 
-def target_logps(logits: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK_POSITIONS) -> torch.Tensor:
-    """(..., vocab) logits and (...) target ids in [0, vocab) -> (...) fp32 log-probabilities of the targets.
-    Under autograd only the logits are kept for the backward pass: each chunk's fp32 work is recomputed there."""
+def target_logps(logits: torch.Tensor, targets: torch.Tensor, chunk: int = CHUNK_POSITIONS,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """(..., vocab) logits and (...) target ids in [0, vocab) -> (...) fp32 log-probabilities of the targets, under
+    softmax(logits / temperature) (the distribution a rollout sampled from; divided a chunk at a time, so no scaled
+    copy of the whole logits is made). Under autograd only the logits are kept for the backward pass: each chunk's
+    fp32 work is recomputed there."""
     flat, wanted = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
     parts = []
     for i in range(0, flat.size(0), chunk):
         piece, ids = flat[i:i + chunk], wanted[i:i + chunk]
-        parts.append(checkpoint(_chunk_logps, piece, ids, use_reentrant=False) if torch.is_grad_enabled()
-                     and piece.requires_grad else _chunk_logps(piece, ids))
+        parts.append(checkpoint(_chunk_logps, piece, ids, temperature, use_reentrant=False)
+                     if torch.is_grad_enabled() and piece.requires_grad else _chunk_logps(piece, ids, temperature))
     return torch.cat(parts).reshape(targets.shape)
 
 

@@ -38,8 +38,11 @@ class RolloutEngine:
         from vllm import LLM
 
         kv = {"kv_cache_memory_bytes": kv_cache_memory_bytes} if kv_cache_memory_bytes else {}
+        # log-probabilities, when asked for, of the distribution sampled from (after the temperature): what an
+        # off-policy step weighs its policy against
         self.llm = LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=sleep, **kv)
+                       gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=sleep,
+                       logprobs_mode="processed_logprobs", **kv)
         self.sleeps, self.asleep = sleep, False
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="weight-reload")
         self._updating: tuple[queue.Queue, Future] | None = None
@@ -91,19 +94,24 @@ class RolloutEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
 
-    def generate(self, prompts: list[list[int]], n: int, max_tokens: int,
-                 temperature: float) -> list[list[list[int]]]:
-        """For each prompt (token ids), `n` sampled completions (token ids, the stop token included). Sampling draws
-        from the engine's seeded generator, so a fresh engine given the same calls samples the same; no per-request
-        seed: vLLM on CPU cannot rewind a request's own generator when the scheduler splits its prefill."""
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+                 logprobs: bool = False) -> list[list[list[int]]] | list[list[tuple[list[int], list[float]]]]:
+        """For each prompt (token ids), `n` sampled completions (token ids, the stop token included), with
+        `logprobs` each as (ids, the log-probability of each id under the distribution it was drawn from). Sampling
+        draws from the engine's seeded generator, so a fresh engine given the same calls samples the same; no
+        per-request seed: vLLM on CPU cannot rewind a request's own generator when the scheduler splits its
+        prefill."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self.asleep:
             raise RuntimeError("the rollout engine released its weights when it went to sleep: push weights first")
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature)
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0 if logprobs else None)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [[list(c.token_ids) for c in out.outputs] for out in outputs]
+        if not logprobs:
+            return [[list(c.token_ids) for c in out.outputs] for out in outputs]
+        return [[(list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+                 for c in out.outputs] for out in outputs]
 
 
 def to_wire(tensor: torch.Tensor) -> tuple[str, "np.ndarray"]:
@@ -271,6 +279,12 @@ def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], s
     (completions, rewards), NaN where a judge gave no grade); completions of one prompt are consecutive."""
     sampled = ray.get(engine.generate.remote(prompts, n, max_tokens, temperature))
     ray.get(engine.sleep.remote())  # colocated on GPU: the memory is the trainer's again before it steps
+    return score_completions(tok, prompts, tasks, sampled, scorer)
+
+
+def score_completions(tok, prompts: list[list[int]], tasks: list[dict], sampled: list[list[list[int]]],
+                      scorer: RewardScorer) -> tuple[list, torch.Tensor]:
+    """The engine's completions of each prompt, each scored by every reward (see `sample_and_score`)."""
     items, texts, scored_tasks = [], [], []
     for prompt, task, completions in zip(prompts, tasks, sampled):
         for completion in completions:

@@ -1,9 +1,17 @@
 """GRPO (DeepSeek-R1): for each prompt, G completions sampled by the rollout engine (vLLM) with the current weights,
 scored by the stage's rewards (rules, LLM judges: train/reward_scoring.py), advantages normalized within each
-prompt's group, policy-gradient loss with an optional k3 KL penalty to the initial model. Losses are averaged over
-every completion token of the step (TRL's default `dapo` normalization). One optimizer step per rollout (TRL's
-`num_iterations=1`): the sampling policy is the one being updated, so the policy ratio is 1 and PPO's clip never
-acts; it is left out rather than offered as a setting that changes nothing."""
+prompt's group, and TRL's GRPOTrainer loss: the PPO-clipped policy ratio times the advantage, with an optional k3 KL
+penalty to the initial model weighted by the same ratio (TRL's `use_bias_correction_kl`), log-probabilities taken at
+the sampling temperature, averaged over every completion token of the step (TRL's default `dapo` normalization).
+
+Each rollout is trained on for `num_iterations` optimizer steps. On its first the policy is the one that sampled, so
+the ratio is 1 and the clip never acts; the log-probabilities of that first pass are kept per completion and are the
+"old" policy of the later passes, whose ratio the clip holds to [1 - epsilon, 1 + epsilon_high].
+
+With `async_rollout` the next rollout is sampled while the last step on the current one trains, by the weights that
+step starts from (one step off-policy, as veRL's and TRL's async trainers): the engine never waits for the trainer.
+The engine returns the log-probabilities of what it sampled, and they are the "old" policy of every step on that
+rollout, so the ratio is clipped from its first step on."""
 
 from __future__ import annotations
 
@@ -12,8 +20,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from amalia_ray.core.formats.shards import MixtureSampler, one_block
 from amalia_ray.train.completions import pad_completions, token_logps
@@ -22,7 +32,7 @@ from amalia_ray.train.lora import adapters_off
 from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.core.formats.rl_tasks import read_tasks
 from amalia_ray.train.reward_scoring import RewardScorer, reward_labels
-from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, sample_and_score
+from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, score_completions
 
 log = logging.getLogger("amalia_ray.train")
 
@@ -60,17 +70,24 @@ def _group_std_sum(rewards: torch.Tensor, group: int) -> tuple[float, int]:
 
 
 def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.Tensor | None = None,
-                kl_coef: float = 0.0) -> tuple[torch.Tensor, ...]:
-    """Per-token loss -r·A with r = exp(logp - logp.detach()) (1 in value, ∇log p in gradient, as TRL writes it)
-    (+ kl_coef · k3 KL to the reference), and the per-token KL."""
-    ratio = torch.exp(logps - logps.detach())
-    loss = -ratio * advantages.unsqueeze(1)
+                kl_coef: float = 0.0, *, old_logps: torch.Tensor | None = None, epsilon: float = 0.2,
+                epsilon_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per-token loss -min(r·A, clip(r, 1 - epsilon, 1 + epsilon_high)·A) with r = exp(logp - old_logp) (old_logp
+    None: the policy sampled, r = 1 in value and ∇log p in gradient), + kl_coef · r · k3 KL to the reference, as
+    TRL's GRPOTrainer writes it. Returns the loss, the per-token k3 KL (None without a reference) and where the clip
+    acted (the ratio past its bound on the side the advantage pushes it)."""
+    high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(logps - (logps.detach() if old_logps is None else old_logps))
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + high)
+    a = advantages.unsqueeze(1)
+    loss = -torch.min(ratio * a, clipped_ratio * a)
     kl = None
     if ref_logps is not None:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
-        loss = loss + kl_coef * kl
-    return loss, kl
+        loss = loss + kl_coef * kl * ratio
+    clipped = ((ratio < 1 - epsilon) & (a < 0)) | ((ratio > 1 + high) & (a > 0))
+    return loss, kl, clipped
 
 
 class GRPO(Objective):
@@ -86,8 +103,8 @@ class GRPO(Objective):
 
     @classmethod
     def reported(cls, stage: GRPOStage, sources=()) -> set[str]:
-        return super().reported(stage) | {f"rewards/{label}" for label in reward_labels(stage.reward_sources)} | {
-            "rewards/missing"}
+        return (super().reported(stage) | {f"rewards/{label}" for label in reward_labels(stage.reward_sources)}
+                | {"rewards/missing"} | ({"clip_ratio"} if stage.num_iterations > 1 or stage.async_rollout else set()))
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: GRPOStage, work_dir: Path,
                  seed: int, use_gpu: bool = False, step_transient=None):
@@ -100,6 +117,9 @@ class GRPO(Objective):
         self.seq_len = seq_len
         self.G, self.max_new = stage.num_generations, stage.max_completion_length
         self.temperature, self.kl_coef = stage.temperature, stage.kl_coef
+        self.num_iterations, self.epsilon, self.epsilon_high = stage.num_iterations, stage.epsilon, stage.epsilon_high
+        self.async_rollout = stage.async_rollout
+        self._next: tuple[np.ndarray, object] | None = None  # async: the rollout being sampled (prompt rows, ref)
         self.engine_config = stage.rollout.for_length(seq_len)
         # the base is the policy with its adapters off, unless modules_to_save train in place beside them
         self.lora = bool(stage.lora) and stage.lora.adapters_only
@@ -120,9 +140,14 @@ class GRPO(Objective):
         if dropped:
             log.warning(f"{data_path}: {dropped} task(s) dropped: prompt + max_completion_length > seq_len {seq_len}")
         self.engine = self.reference = None
-        self.buffer: list[tuple[list[int], list[int], float]] = []
+        # (prompt ids, completion ids, advantage, the engine's log-probabilities of the completion or None)
+        self.buffer: list[tuple[list[int], list[int], float, list[float] | None]] = []
         self._stats: dict[str, tuple[float, float]] = {}
-        self._kl = [0.0, 0]
+        self._rollout_stats: dict[str, tuple[float, float]] = {}
+        self._kl, self._clipped = [0.0, 0], [0.0, 0]
+        self._steps_on_rollout = 0  # optimizer steps taken on the current rollout so far
+        # a completion's log-probabilities under the policy that sampled it, from its rollout's first step
+        self._old_logps: dict[int, torch.Tensor] = {}
 
     def sampler(self, seed: int) -> MixtureSampler:
         return MixtureSampler({"grpo": one_block(len(self.tasks))}, self.seq_len, seed)
@@ -143,18 +168,45 @@ class GRPO(Objective):
             self.reference = frozen_copy(self.work_dir / "rollout-init")
 
     def step_rows(self, model, sampler: MixtureSampler, global_batch_size: int) -> np.ndarray:
-        """The step's rows are completions: global_batch_size / G prompts drawn, G completions sampled for each."""
-        return self.rollout(model, sampler.next_rows(global_batch_size // self.G))
+        """The step's rows are completions: every `num_iterations` steps a rollout, global_batch_size / G prompts
+        drawn and G completions sampled for each with the current weights (pushed to the engine first); the steps
+        between train on the same completions again. Every rank gets the same completions. Async, the rollout is the
+        one sampled while the previous step trained, and the last step on a rollout starts the next one (with the
+        weights it starts from) before it trains. A resumed stage starts with a fresh rollout: completions are not
+        part of the checkpoint."""
+        prompts, at = global_batch_size // self.G, self._steps_on_rollout % self.num_iterations
+        pushed = sampled = prompt_rows = None
+        if at == 0:
+            if self._next is None:  # sync, or the first step of an async stage: sample now
+                push_weights(model, self.engine, self.engine_dtype)
+                pushed = True
+                self._next = self._start_sampling(sampler.next_rows(prompts))
+            (prompt_rows, sampling), self._next = self._next, None
+            sampled = ray.get(sampling) if sampling is not None else None
+            if sampled is not None and not self.async_rollout:
+                ray.get(self.engine.sleep.remote())  # colocated on GPU: the memory is the trainer's while it steps
+        if self.async_rollout and at == self.num_iterations - 1:
+            if not pushed:
+                push_weights(model, self.engine, self.engine_dtype)
+            self._next = self._start_sampling(sampler.next_rows(prompts))
+        if at == 0:  # scored while the next rollout samples
+            self._share(prompt_rows, sampled)
+            self._old_logps = {}
+        self._steps_on_rollout += 1
+        # every step on a rollout reports the rollout's rewards: they are those of the completions it trains on
+        self._stats = dict(self._rollout_stats)
+        return np.arange(len(self.buffer))
 
-    def rollout(self, model, prompt_rows: np.ndarray) -> np.ndarray:
-        """Push the current weights to the engine, sample G completions per prompt, score and normalize within each
-        group; every rank gets the same completions. Returns the rows (completions) of this step."""
-        push_weights(model, self.engine, self.engine_dtype)
+    def _share(self, prompt_rows: np.ndarray, sampled: list | None) -> None:
+        """Rank 0 scores the completions and normalizes the rewards within each group; every rank gets the
+        completions with their advantages (and, async, the engine's log-probabilities) into its buffer."""
         payload = [None]
         if dist.get_rank() == 0:
-            prompts = [self.prompts[i] for i in prompt_rows]
-            items, per_fn = sample_and_score(self.engine, self.tok, prompts, [self.tasks[i] for i in prompt_rows],
-                                             self.scorer, self.G, self.max_new, self.temperature)
+            logps = [lp for per_prompt in sampled for _, lp in per_prompt] if self.async_rollout else None
+            if self.async_rollout:
+                sampled = [[ids for ids, _ in per_prompt] for per_prompt in sampled]
+            items, per_fn = score_completions(self.tok, [self.prompts[i] for i in prompt_rows],
+                                              [self.tasks[i] for i in prompt_rows], sampled, self.scorer)
             rewards = self.scorer.totals(per_fn)
             advantages = group_advantages(rewards, self.G)
             stats = {"reward": _present_sum(rewards), "reward_std": _group_std_sum(rewards, self.G),
@@ -162,36 +214,74 @@ class GRPO(Objective):
                      # completions left out of the advantages because a judge gave no grade (a count per step)
                      "rewards/missing": (float(rewards.isnan().sum()), 1),
                      **{f"rewards/{label}": _present_sum(per_fn[:, k]) for k, label in enumerate(self.scorer.labels)}}
-            payload = [([(p, c, a) for (p, c), a in zip(items, advantages.tolist())], stats)]
+            payload = [([(p, c, a, lp) for (p, c), a, lp in zip(items, advantages.tolist(),
+                                                                logps or [None] * len(items))], stats)]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
         self.buffer, stats = payload[0]
-        self._stats = stats if dist.get_rank() == 0 else {k: (0.0, 0) for k in stats}
-        return np.arange(len(self.buffer))
+        self._rollout_stats = stats if dist.get_rank() == 0 else {k: (0.0, 0) for k in stats}
+
+    def _start_sampling(self, prompt_rows: np.ndarray) -> tuple[np.ndarray, object]:
+        """Rank 0 asks the engine for G completions of each prompt (the ref of its answer; None on other ranks)."""
+        if dist.get_rank() != 0:
+            return prompt_rows, None
+        return prompt_rows, self.engine.generate.remote([self.prompts[i] for i in prompt_rows], self.G, self.max_new,
+                                                        self.temperature, logprobs=self.async_rollout)
 
     def batch(self, rows: np.ndarray, split: str = "train") -> dict:
         chosen = [self.buffer[i] for i in rows]
-        batch = pad_completions([(p, c) for p, c, _ in chosen], self.pad_id, self.seq_len)
-        batch["advantages"] = torch.tensor([a for _, _, a in chosen], dtype=torch.float32)
+        batch = pad_completions([(p, c) for p, c, _, _ in chosen], self.pad_id, self.seq_len)
+        batch["advantages"] = torch.tensor([a for _, _, a, _ in chosen], dtype=torch.float32)
+        batch["rows"] = torch.as_tensor(np.asarray(rows, dtype=np.int64))  # which completions: their old logps
+        if self.async_rollout:  # the engine's log-probability of each completion token, where token_logps has it
+            width = batch["input_ids"].size(1) - 1
+            sampling = torch.zeros(len(chosen), width)
+            for i, (p, _, _, lp) in enumerate(chosen):
+                at = lp[:max(0, width - (len(p) - 1))]
+                sampling[i, len(p) - 1:len(p) - 1 + len(at)] = torch.tensor(at, dtype=torch.float32)
+            batch["sampling_logps"] = sampling
         return batch
 
+    def _sampling_logps(self, rows: torch.Tensor, logps: torch.Tensor) -> torch.Tensor | None:
+        """The log-probabilities these completions had under the policy that sampled them: kept from their rollout's
+        first step (where that policy is the one being trained, so None: the ratio is 1) for its later steps."""
+        if self.num_iterations == 1:
+            return None
+        keys = rows.tolist()
+        if not all(k in self._old_logps for k in keys):
+            for k, row in zip(keys, logps.detach()):
+                self._old_logps.setdefault(k, row)
+            return None
+        width = logps.size(1)
+        return torch.stack([F.pad(self._old_logps[k][:width], (0, max(0, width - len(self._old_logps[k]))))
+                            for k in keys])
+
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, int]:
-        logps = token_logps(model, batch)
+        logps = token_logps(model, batch, self.temperature)
         mask = batch["completion_mask"][:, 1:].to(logps.dtype)
         ref = None
         if self.kl_coef > 0:
             with torch.no_grad(), adapters_off(model) if self.lora else nullcontext():
-                ref = token_logps(model if self.lora else self.reference, batch)
+                ref = token_logps(model if self.lora else self.reference, batch, self.temperature)
             if not self.lora:
                 self.reference.reshard()  # FSDP2 keeps the root module gathered after a forward without backward
-        per_token, kl = policy_loss(logps, batch["advantages"], ref, self.kl_coef)
+        if self.async_rollout:  # the engine's, where there is a completion token; elsewhere the ratio is 1
+            old = torch.where(mask.bool(), batch["sampling_logps"], logps.detach())
+        else:
+            old = self._sampling_logps(batch["rows"], logps)
+        per_token, kl, clipped = policy_loss(logps, batch["advantages"], ref, self.kl_coef, old_logps=old,
+                                             epsilon=self.epsilon, epsilon_high=self.epsilon_high)
         if kl is not None:
             self._kl = [self._kl[0] + (kl * mask).sum().item(), self._kl[1] + int(mask.sum())]
+        if self.num_iterations > 1 or self.async_rollout:
+            self._clipped = [self._clipped[0] + (clipped * mask).sum().item(), self._clipped[1] + int(mask.sum())]
         return (per_token * mask).sum(), int(mask.sum())
 
     def take_metrics(self) -> dict[str, tuple[float, float]]:
         out = dict(self._stats)
         if self.kl_coef > 0:
             out["kl"] = tuple(self._kl)
-        self._stats, self._kl = {k: (0.0, 0) for k in self._stats}, [0.0, 0]
+        if self.num_iterations > 1 or self.async_rollout:
+            out["clip_ratio"] = tuple(self._clipped)  # share of completion tokens whose ratio the clip held
+        self._stats, self._kl, self._clipped = {k: (0.0, 0) for k in self._stats}, [0.0, 0], [0.0, 0]
         return out
