@@ -29,11 +29,13 @@ def test_the_clip_holds_the_ratio_on_the_side_the_advantage_pushes():
     loss, _, clipped = policy_loss(logps.detach(), -advantages, old_logps=old, epsilon=0.2)
     assert torch.allclose(loss, torch.tensor([[1.5, 0.8, 1.1, 1.5]])) and clipped.tolist() == [[False, True, False,
                                                                                                   False]]
-    # the KL term is weighted by the ratio (TRL's use_bias_correction_kl): its value at ratio 1 is plain k3
+    # the KL term is weighted by the ratio (TRL's use_bias_correction_kl): plain k3 at ratio 1, twice it at 2
     ref = torch.tensor([[-1.0, -1.0]])
     at = torch.tensor([[-1.0, -2.0]])
     loss, kl, _ = policy_loss(at, torch.tensor([0.0]), ref, 0.1)
-    assert torch.allclose(loss, 0.1 * kl) and kl[0, 0] == 0
+    assert torch.allclose(loss, 0.1 * kl) and kl[0, 0] == 0 and kl[0, 1] > 0
+    loss, kl, _ = policy_loss(at, torch.tensor([0.0]), ref, 0.1, old_logps=at - torch.log(torch.tensor(2.0)))
+    assert torch.allclose(loss, 0.2 * kl)
 
 
 def _equal_length_prompts(tok, count: int) -> list[str]:
@@ -216,6 +218,7 @@ def test_an_async_rollout_is_sampled_by_the_weights_of_the_step_before_the_one_t
     else:  # two steps a rollout: the next one starts at the second, with that step's weights
         assert trained_on == [0, 0, 1, 1, 3, 3]
     assert objective.engine.slept == 0, "an async engine stays awake: it samples while the trainer steps"
+    assert len(objective.engine.asked) == 6 // iterations, "no rollout sampled after the stage's last step"
     # the engine's log-probabilities sit where token_logps scores each completion token
     mask = batch["completion_mask"][:, 1:].bool()
     assert torch.equal(batch["sampling_logps"][mask], torch.tensor([-0.5, -0.25] * 4))
@@ -239,6 +242,19 @@ def test_a_sync_rollout_samples_with_the_weights_it_trains(tmp_path, monkeypatch
         dist.destroy_process_group()
     assert trained_on == [0, 0, 2, 2] and objective.engine.asked == [0, 2]
     assert objective.engine.slept == 2, "a sync engine gives its memory back while the trainer steps"
+
+
+def test_an_async_engine_sharing_a_gpu_with_the_trainer_is_refused(tmp_path, monkeypatch):
+    """Awake while the trainer steps, a colocated engine would need memory it was not sized for: refused before it
+    starts (and before anything is exported for it)."""
+    import torch.distributed as dist
+
+    objective = _objective(tmp_path, monkeypatch, async_rollout=True)
+    dist.destroy_process_group()
+    objective.use_gpu = True
+    with pytest.raises(ValueError, match="rollout.placement: separate"):
+        objective.prepare(None, 2, 0, 1, torch.device("cuda"))
+    assert not (tmp_path / "stage" / "rollout-init").exists()
 
 
 def test_off_policy_settings_are_checked_when_the_recipe_loads():

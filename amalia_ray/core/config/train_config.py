@@ -344,13 +344,14 @@ class GRPOStage(_SampledStage):
                                 "μ): from the second on the policy has moved away from the one that sampled, and the "
                                 "ratio of the two is clipped")
     epsilon: float = Field(0.2, gt=0, lt=1, description="PPO clip: the policy ratio is held to [1 - epsilon, "
-                           "1 + epsilon_high] (acts once the policy is not the one that sampled: num_iterations > 1)")
+                           "1 + epsilon_high] (acts once the policy is not the one that sampled: num_iterations > 1 "
+                           "or async_rollout)")
     epsilon_high: float | None = Field(None, gt=0, description="upper clip (DAPO's clip-higher, e.g. 0.28); "
                                        "null = epsilon")
     async_rollout: bool = Field(False, description="one step off-policy: the next rollout is sampled while the "
-                                "last step on the current one trains, with the weights that step starts from (the "
-                                "engine never waits for the trainer); the policy ratio is then taken against the "
-                                "engine's own log-probabilities of what it sampled, and clipped")
+                                "last step on the current one trains, with the weights that step starts from; the "
+                                "policy ratio is then taken against the engine's own log-probabilities of what it "
+                                "sampled, and clipped. On GPU it needs rollout.placement: separate")
 
     @model_validator(mode="after")
     def _groups_divide(self) -> GRPOStage:

@@ -9,9 +9,9 @@ the ratio is 1 and the clip never acts; the log-probabilities of that first pass
 "old" policy of the later passes, whose ratio the clip holds to [1 - epsilon, 1 + epsilon_high].
 
 With `async_rollout` the next rollout is sampled while the last step on the current one trains, by the weights that
-step starts from (one step off-policy, as veRL's and TRL's async trainers): the engine never waits for the trainer.
-The engine returns the log-probabilities of what it sampled, and they are the "old" policy of every step on that
-rollout, so the ratio is clipped from its first step on."""
+step starts from (one step off-policy: the schedule of veRL's one-step-off-policy recipe), so sampling overlaps the
+trainer's step. The engine returns the log-probabilities of what it sampled, and they are the "old" policy of every step on that
+rollout (as TRL's async GRPO), so the ratio is clipped from its first step on."""
 
 from __future__ import annotations
 
@@ -144,8 +144,11 @@ class GRPO(Objective):
         self.buffer: list[tuple[list[int], list[int], float, list[float] | None]] = []
         self._stats: dict[str, tuple[float, float]] = {}
         self._rollout_stats: dict[str, tuple[float, float]] = {}
+        # (sum, tokens) of the step's k3 KL and clipped tokens, kept on the device: no host sync per micro-batch
         self._kl, self._clipped = [0.0, 0], [0.0, 0]
         self._steps_on_rollout = 0  # optimizer steps taken on the current rollout so far
+        # steps left in this process (a resumed stage has fewer: then a last rollout may be sampled for nothing)
+        self._steps_left = stage.steps
         # a completion's log-probabilities under the policy that sampled it, from its rollout's first step
         self._old_logps: dict[int, torch.Tensor] = {}
 
@@ -160,6 +163,11 @@ class GRPO(Objective):
         the frozen reference from that export when a KL penalty is asked for: `frozen_copy(folder)` shards it over
         the workers like the policy, so no GPU holds a whole copy. With LoRA adapters only, the reference is the
         policy with its adapters switched off: no second model."""
+        if self.async_rollout and self.use_gpu and self.engine_config.placement == "colocated":
+            # a colocated engine is sized for the trainer's step beside it only while it sleeps through that step;
+            # awake all the time it would also need the KL reference and any unsharded gradients
+            raise ValueError("async_rollout samples while the trainer steps, so on GPU its engine needs a GPU of its "
+                             "own: set rollout.placement: separate (or async_rollout: false)")
         longest = max(map(len, self.prompts)) + self.max_new  # what a step's sequences are padded to
         step = self.step_transient(longest) if self.step_transient else 0
         self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, self.engine_config, self.seed, self.use_gpu,
@@ -185,7 +193,8 @@ class GRPO(Objective):
             sampled = ray.get(sampling) if sampling is not None else None
             if sampled is not None and not self.async_rollout:
                 ray.get(self.engine.sleep.remote())  # colocated on GPU: the memory is the trainer's while it steps
-        if self.async_rollout and at == self.num_iterations - 1:
+        self._steps_left -= 1
+        if self.async_rollout and at == self.num_iterations - 1 and self._steps_left > 0:
             if not pushed:
                 push_weights(model, self.engine, self.engine_dtype)
             self._next = self._start_sampling(sampler.next_rows(prompts))
@@ -265,23 +274,22 @@ class GRPO(Objective):
                 ref = token_logps(model if self.lora else self.reference, batch, self.temperature)
             if not self.lora:
                 self.reference.reshard()  # FSDP2 keeps the root module gathered after a forward without backward
-        if self.async_rollout:  # the engine's, where there is a completion token; elsewhere the ratio is 1
-            old = torch.where(mask.bool(), batch["sampling_logps"], logps.detach())
-        else:
-            old = self._sampling_logps(batch["rows"], logps)
+        old = batch["sampling_logps"] if self.async_rollout else self._sampling_logps(batch["rows"], logps)
+        if old is not None:  # the old policy where there is a completion token; elsewhere the ratio is 1
+            old = torch.where(mask.bool(), old, logps.detach())
         per_token, kl, clipped = policy_loss(logps, batch["advantages"], ref, self.kl_coef, old_logps=old,
                                              epsilon=self.epsilon, epsilon_high=self.epsilon_high)
         if kl is not None:
-            self._kl = [self._kl[0] + (kl * mask).sum().item(), self._kl[1] + int(mask.sum())]
+            self._kl = [self._kl[0] + (kl.detach() * mask).sum(), self._kl[1] + mask.sum()]
         if self.num_iterations > 1 or self.async_rollout:
-            self._clipped = [self._clipped[0] + (clipped * mask).sum().item(), self._clipped[1] + int(mask.sum())]
+            self._clipped = [self._clipped[0] + (clipped * mask).sum(), self._clipped[1] + mask.sum()]
         return (per_token * mask).sum(), int(mask.sum())
 
     def take_metrics(self) -> dict[str, tuple[float, float]]:
         out = dict(self._stats)
         if self.kl_coef > 0:
-            out["kl"] = tuple(self._kl)
+            out["kl"] = tuple(float(x) for x in self._kl)  # the mean k3, not weighted by the ratio
         if self.num_iterations > 1 or self.async_rollout:
-            out["clip_ratio"] = tuple(self._clipped)  # share of completion tokens whose ratio the clip held
+            out["clip_ratio"] = tuple(float(x) for x in self._clipped)  # share of tokens whose ratio it held
         self._stats, self._kl, self._clipped = {k: (0.0, 0) for k in self._stats}, [0.0, 0], [0.0, 0]
         return out
