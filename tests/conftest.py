@@ -80,6 +80,40 @@ def keys_only_shuffles(monkeypatch):
     yield moved
 
 
+@pytest.fixture
+def documents_stay_staged(monkeypatch):
+    """The data stage never holds the corpus in Ray's object store: between its passes the documents are staged as
+    Parquet files on the run's storage (data/exchange/staged.py), and no dataset carrying their text is
+    materialized or has its blocks listed by the driver (either keeps every block in the store at once). Yields the
+    calls refused (none, or the test fails)."""
+    import threading
+
+    import ray.data
+
+    held: list[str] = []
+    busy = threading.local()
+
+    def watch(name):
+        original = getattr(ray.data.Dataset, name)
+
+        def watched(self, *args, **kwargs):
+            if not getattr(busy, "on", False):
+                busy.on = True
+                try:
+                    schema = self.schema()
+                    if schema is not None and "text" in schema.names:
+                        held.append(name)
+                finally:
+                    busy.on = False
+            return original(self, *args, **kwargs)
+        return watched
+
+    for name in ("materialize", "iter_internal_ref_bundles", "to_arrow_refs"):
+        monkeypatch.setattr(ray.data.Dataset, name, watch(name))
+    yield held
+    assert not held, f"the documents' text was held in the object store by Dataset.{held[0]}"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
