@@ -55,7 +55,20 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     configure_data_context()
     moved = LEDGER.mark()
     tmp = fresh_dir(out_dir)
-    scratch = tmp / PASSES  # each pass's documents, read back by the next ones; removed before the commit
+    scratch = tmp / PASSES  # each pass's documents, read back by the next ones; removed once superseded
+    try:
+        return _curate(cfg, resolve, tmp, scratch, out_dir, benchmark_items, listing, moved)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _curate(cfg: DataConfig, resolve, tmp: Path, scratch: Path, out_dir: Path,
+            benchmark_items: dict[str, list[tuple[str, str]]] | None, listing: list[list[Listed]] | None,
+            moved: int) -> dict:
+    def done_with(*passes: str) -> None:  # a pass's files once every later step reads a newer one
+        for name in passes:
+            shutil.rmtree(scratch / name, ignore_errors=True)
+
     ledger = ReadLedger()
     docs = stage(run_steps(read_sources(cfg.sources, listing or list_corpus(cfg, resolve), ledger),
                            before_pages(cfg)), scratch / "read")
@@ -68,6 +81,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         index = ItemIndex.build(benchmark_items or {}, d.ngram, d.min_item_words)
     docs = stage(run_steps(pages if pages is not None else docs.dataset(), after_pages(cfg, resolve, index)),
                  scratch / "scored")
+    done_with("read", "captures")
     read = ledger.write(tmp / "inputs.parquet")
     per_filter = count_by(docs, ["source", "drop_reason"])
     n_in = sum(r["count"] for r in per_filter)
@@ -98,9 +112,11 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
         )
     kept = stage(docs.dataset().filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"]),
                  scratch / "kept")
+    done_with("scored")
     if cfg.dedup == "exact":  # decided on content hashes; each block drops its copies
         kept = decide(kept, ExactKeys(cfg.dedup_keep), "content_hash", exact_copies(cfg.dedup_keep), _drop_copies,
                       out=scratch / "exact")
+        done_with("kept")
     # ids are <source>/<file>#<location>: a repeat is a bug, and near-dedup would lose documents to it
     check_unique_ids(kept, "data stage documents")
     n_exact = kept.rows
@@ -109,7 +125,7 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     by_variety = count_by(kept, ["pt_variety"]) if cfg.variety else None
     n_kept = kept.rows
     write_ordered_shards(kept, tmp / "kept")
-    shutil.rmtree(scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
     commit_dir(tmp, out_dir)
     rows = [
         {"source": r["source"], "reason": r["drop_reason"] if isinstance(r["drop_reason"], str) else "kept",
@@ -194,6 +210,8 @@ def _near_dedup(kept: Staged, cfg: NearDedupConfig, removed_dir: Path, scratch: 
     if stays.rows < joined.rows:
         removed = joined.dataset().filter(expr=col("id") != col("cluster_id"))
         write_shards(removed.select_columns(["id", "source", "cluster_id", "cluster_size", "text"]), removed_dir)
+    for name in ("kept", "exact", "clusters", "keep"):  # what the documents that stay were made from
+        shutil.rmtree(scratch / name, ignore_errors=True)
     return stays
 
 

@@ -32,9 +32,8 @@ from amalia_ray.data.exchange.partitions import (
     consecutive_runs,
     exchange,
     split_by,
-    write_staged,
 )
-from amalia_ray.data.exchange.staged import Staged
+from amalia_ray.data.exchange.staged import Staged, write_staged
 
 ROW = "_row"
 _LOW = np.int64(0xFFFFFFFF)
