@@ -120,6 +120,25 @@ def test_site_boilerplate_lines_are_removed_from_that_site_only():
     assert out == ["Texto da página.\nMais texto.", f"Outro sítio.\n{notice}", notice]
 
 
+def test_boilerplate_lines_are_searched_not_rescanned_for_every_page(monkeypatch):
+    """The boilerplate keys grow with the number of sites; each page looks its lines up in them by binary search.
+    np.isin would sort every key again for every page: the stage would grow as pages × sites."""
+    from amalia_ray.data.web.boilerplate import StripBoilerplate, _line_hashes
+
+    notice = "Todos os direitos reservados."
+    rng = np.random.default_rng(0)
+    keys = np.concatenate([rng.integers(0, 2**63, 50_000, dtype=np.uint64), _line_hashes("a.pt", [notice])])
+    strip = StripBoilerplate(keys)  # given unsorted: sorted once here
+
+    def refused(*args, **kwargs):
+        raise AssertionError("np.isin sorts every boilerplate key again for each page")
+
+    monkeypatch.setattr(np, "isin", refused)
+    batch = _docs([{"id": "1", "text": f"Primeira linha.\n{notice}"}, {"id": "2", "text": f"{notice}\nFim."}])
+    batch = batch.append_column("url_key", pa.array(["a.pt/x", "b.pt/y"]))
+    assert strip(batch)["text"].to_pylist() == ["Primeira linha.", f"{notice}\nFim."]
+
+
 def _near_duplicates(a: str, b: str) -> bool:
     """The two texts share an LSH band and their Jaccard, as the stage measures it by default (estimated from the
     signatures), is over 0.8: a planted cluster the stage will find (LSH finds a pair at Jaccard 0.86 with

@@ -77,14 +77,17 @@ class StripBoilerplate(DocumentStep):
     """Removes a site's boilerplate lines from each of its live pages."""
 
     def __init__(self, lines: np.ndarray):
-        self.lines = lines
+        self.lines = np.sort(np.asarray(lines, dtype=np.uint64))  # sorted: searched, not scanned
 
     def strip(self, text: str, url_key: str | None) -> str:
         if url_key is None or not len(self.lines):
             return text
         lines = text.split("\n")
         hashed = _line_hashes(site_of(url_key), lines)
-        drop = np.isin(hashed, self.lines) & np.array([bool(line.strip()) for line in lines])
+        # a binary search of the sorted keys per line: O(lines × log keys) a page, where np.isin sorts the keys
+        # again for every page (the keys grow with the number of sites, so the stage would grow as pages × sites)
+        at = np.minimum(np.searchsorted(self.lines, hashed), len(self.lines) - 1)
+        drop = (self.lines[at] == hashed) & np.array([bool(line.strip()) for line in lines])
         return "\n".join(line for line, d in zip(lines, drop) if not d).strip() if drop.any() else text
 
     def __call__(self, batch: pa.Table) -> pa.Table:
