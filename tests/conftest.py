@@ -80,6 +80,51 @@ def keys_only_shuffles(monkeypatch):
     yield moved
 
 
+@pytest.fixture
+def documents_stay_staged(monkeypatch):
+    """The data stage never holds the corpus in Ray's object store: between its passes the documents are staged as
+    Parquet files on the run's storage (data/exchange/staged.py), and no dataset carrying their text is
+    materialized or has all its blocks listed by the driver (either keeps every block in the store at once; a
+    stream of blocks written as they come is fine). Yields the calls that held it (none, or the test fails)."""
+    import ray.data
+
+    from amalia_ray.data.exchange import partitions
+    from amalia_ray.data.exchange.staged import Staged
+
+    held: list[str] = []
+
+    def has_text(ds) -> bool:
+        schema = ds.schema(fetch_if_missing=False)
+        return schema is not None and "text" in schema.names
+
+    materialize, to_arrow_refs, row_blocks = (ray.data.Dataset.materialize, ray.data.Dataset.to_arrow_refs,
+                                              partitions._row_blocks)
+
+    def watched_materialize(self, *args, **kwargs):
+        result = materialize(self, *args, **kwargs)
+        if type(self._logical_plan.dag).__name__ != "Write" and has_text(result):  # Ray's own write: its stats
+            held.append("Dataset.materialize")
+        return result
+
+    def watched_to_arrow_refs(self, *args, **kwargs):
+        refs = to_arrow_refs(self, *args, **kwargs)
+        if has_text(self):
+            held.append("Dataset.to_arrow_refs")
+        return refs
+
+    def watched_row_blocks(ds):
+        listed = row_blocks(ds)
+        if not isinstance(ds, Staged) and has_text(ds):
+            held.append("the block list of a dataset with text")
+        return listed
+
+    monkeypatch.setattr(ray.data.Dataset, "materialize", watched_materialize)
+    monkeypatch.setattr(ray.data.Dataset, "to_arrow_refs", watched_to_arrow_refs)
+    monkeypatch.setattr(partitions, "_row_blocks", watched_row_blocks)
+    yield held
+    assert not held, f"the documents' text was held in the object store by {held[0]}"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -251,6 +251,7 @@ def test_dedup_cli_rejects_bad_input(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.reliability
 def test_two_sources_with_the_same_file_names_and_record_ids_lose_nothing(ray_cluster, tmp_path,
+                                                                          documents_stay_staged,
                                                                           keys_only_shuffles):
     """Two exports numbered the way most are (`part-0.jsonl` each, records "0", "1", …), one record of the second a
     near copy of one of the first: every document gets an id of its own (source, file, line), the records' own ids

@@ -269,7 +269,8 @@ def test_curation_recipe_is_valid_and_quality_keep_needs_a_score():
 
 
 @pytest.mark.e2e
-def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path, keys_only_shuffles):
+def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path, keys_only_shuffles,
+                                               documents_stay_staged):
     """Three WARC files of dated captures of real pages (debian-reference-pt's HTML in a site's boilerplate), a
     mirror that copies some pages with their punctuation stripped, and exam items quoting some pages: a recipe
     with only a data section curates them (the pipeline `amalia run` drives). The latest capture of each page is
@@ -352,7 +353,8 @@ def test_web_archive_through_a_curation_recipe(ray_cluster, tmp_path, keys_only_
 
 @pytest.mark.e2e
 def test_the_data_stage_scores_with_a_trained_model_and_flags_contamination(ray_cluster, tmp_path,
-                                                                           keys_only_shuffles):
+                                                                           keys_only_shuffles,
+                                                                           documents_stay_staged):
     """The other settings on the data stage itself: a jsonl export with its own URL and date fields, the earliest
     capture kept, the trained classifier scoring every document on Ray actors (threshold drops the licence text),
     exact copies resolved by `latest`, and contamination flagged instead of dropped."""

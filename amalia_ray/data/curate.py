@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,8 +19,9 @@ from amalia_ray.data.dedup.keep import ExactKeys, best_of_cluster, exact_copies,
 from amalia_ray.data.dedup.minhash import MinHashParams
 from amalia_ray.data.dedup.ray_executor import check_unique_ids, near_duplicate_clusters, with_clusters
 from amalia_ray.data.exchange.decide import ROW, decide, set_columns
-from amalia_ray.data.exchange.partitions import (LEDGER, configure_data_context, count_by, write_ordered_shards,
-                                                 write_shards)
+from amalia_ray.data.exchange.partitions import (LEDGER, configure_data_context, count_by, stage,
+                                                 write_ordered_shards, write_shards)
+from amalia_ray.data.exchange.staged import Staged
 from amalia_ray.data.read.inputs import Listed, ReadLedger, fingerprint_lines, list_sources, read_sources
 from amalia_ray.data.steps.decontaminate import contamination_report
 from amalia_ray.data.steps.quality import MinLength
@@ -53,36 +55,52 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     configure_data_context()
     moved = LEDGER.mark()
     tmp = fresh_dir(out_dir)
+    scratch = tmp / PASSES  # each pass's documents, read back by the next ones; removed once superseded
+    try:
+        return _curate(cfg, resolve, tmp, scratch, out_dir, benchmark_items, listing, moved)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _curate(cfg: DataConfig, resolve, tmp: Path, scratch: Path, out_dir: Path,
+            benchmark_items: dict[str, list[tuple[str, str]]] | None, listing: list[list[Listed]] | None,
+            moved: int) -> dict:
+    def done_with(*passes: str) -> None:  # a pass's files once every later step reads a newer one
+        for name in passes:
+            shutil.rmtree(scratch / name, ignore_errors=True)
+
     ledger = ReadLedger()
-    docs = run_steps(read_sources(cfg.sources, listing or list_corpus(cfg, resolve), ledger), before_pages(cfg))
-    boilerplate = 0
+    docs = stage(run_steps(read_sources(cfg.sources, listing or list_corpus(cfg, resolve), ledger),
+                           before_pages(cfg)), scratch / "read")
+    boilerplate, pages = 0, None
     if any(s.format in URL_FORMATS for s in cfg.sources):  # plain text and HTML files carry no URL
-        docs, boilerplate = _web_pages(docs.materialize(), cfg)
+        pages, boilerplate = _web_pages(docs, cfg, scratch)
     index = None
     if cfg.decontaminate:
         d = cfg.decontaminate
         index = ItemIndex.build(benchmark_items or {}, d.ngram, d.min_item_words)
-    docs = run_steps(docs, after_pages(cfg, resolve, index))
-    docs = docs.materialize()
+    docs = stage(run_steps(pages if pages is not None else docs.dataset(), after_pages(cfg, resolve, index)),
+                 scratch / "scored")
+    done_with("read", "captures")
     read = ledger.write(tmp / "inputs.parquet")
     per_filter = count_by(docs, ["source", "drop_reason"])
     n_in = sum(r["count"] for r in per_filter)
     contamination = None
     if index is not None:
-        flagged = docs.filter(expr=col("contamination").is_not_null()).select_columns(["contamination"])
+        flagged = docs.select(["contamination"]).dataset().filter(expr=col("contamination").is_not_null())
         contamination = contamination_report(
             index, [c for b in flagged.iter_batches(batch_format="pyarrow") for c in b["contamination"].to_pylist()],
             {t: len(items) for t, items in (benchmark_items or {}).items()})
-    dropped = docs.filter(expr=col("drop_reason").is_not_null())
+    dropped = docs.dataset().filter(expr=col("drop_reason").is_not_null())
     write_shards(dropped, tmp / "dropped")
-    quarantined = dropped.map_batches(
-        lambda b: b.filter(pc.starts_with(b["drop_reason"], "quarantine:")), batch_format="pyarrow")
-    if n_quarantined := quarantined.count():
+    n_quarantined = sum(r["count"] for r in per_filter if str(r["drop_reason"]).startswith("quarantine:"))
+    if n_quarantined:
+        quarantined = dropped.map_batches(
+            lambda b: b.filter(pc.starts_with(b["drop_reason"], "quarantine:")), batch_format="pyarrow")
         write_shards(quarantined.select_columns(["source", "path", "location", "drop_reason", "metadata", "text"]),
                      tmp / "quarantine")
     check_quarantine(per_filter, n_in, cfg.max_quarantine_fraction, tmp / "quarantine")
-    kept = docs.filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"])
-    n_filtered = kept.count()
+    n_filtered = sum(r["count"] for r in per_filter if r["drop_reason"] is None)
     if n_filtered == 0:
         reasons: dict[str, int] = {}
         for r in per_filter:
@@ -92,18 +110,22 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
             + ", ".join(f"{r} ({n})" for r, n in sorted(reasons.items(), key=lambda x: -x[1])[:3])
             + f"; relax those filters (data.min_chars={cfg.min_chars}) or check data.sources"
         )
-    kept = kept.materialize()
+    kept = stage(docs.dataset().filter(expr=col("drop_reason").is_null()).drop_columns(["drop_reason"]),
+                 scratch / "kept")
+    done_with("scored")
     if cfg.dedup == "exact":  # decided on content hashes; each block drops its copies
-        kept = decide(kept, ExactKeys(cfg.dedup_keep), "content_hash", exact_copies(cfg.dedup_keep),
-                      _drop_copies).materialize()
+        kept = decide(kept, ExactKeys(cfg.dedup_keep), "content_hash", exact_copies(cfg.dedup_keep), _drop_copies,
+                      out=scratch / "exact")
+        done_with("kept")
     # ids are <source>/<file>#<location>: a repeat is a bug, and near-dedup would lose documents to it
     check_unique_ids(kept, "data stage documents")
-    n_exact = kept.count()
+    n_exact = kept.rows
     if cfg.near_dedup:
-        kept = _near_dedup(kept, cfg.near_dedup, tmp / "near_duplicates")
+        kept = _near_dedup(kept, cfg.near_dedup, tmp / "near_duplicates", scratch)
     by_variety = count_by(kept, ["pt_variety"]) if cfg.variety else None
-    n_kept = kept.count()  # materialized above: no re-execution
+    n_kept = kept.rows
     write_ordered_shards(kept, tmp / "kept")
+    shutil.rmtree(scratch, ignore_errors=True)
     commit_dir(tmp, out_dir)
     rows = [
         {"source": r["source"], "reason": r["drop_reason"] if isinstance(r["drop_reason"], str) else "kept",
@@ -127,26 +149,31 @@ def curate(cfg: DataConfig, resolve, out_dir: Path,
     }
 
 
+# the scratch folder, inside the stage's temporary output, where each pass stages its documents for the next
+PASSES = "passes.tmp"
+
 # the source formats whose documents can carry a URL and capture date (WARC headers, jsonl/Parquet fields)
 URL_FORMATS = ("warc", "jsonl", "parquet")
 
 
-def _web_pages(docs: ray.data.Dataset, cfg: DataConfig) -> tuple[ray.data.Dataset, int]:
-    """The documents that have a URL: one capture per page (after the cheap filters, so an empty or error page
-    captured last does not hide the page's content), then each site's boilerplate lines removed. Only these
-    documents take part in the shuffles. Returns the documents and the number of boilerplate lines found."""
-    pages = docs.filter(expr=col("url_key").is_not_null()).materialize()
-    if not pages.count() or (cfg.captures == "all" and not cfg.site_boilerplate):
-        return docs, 0
+def _web_pages(docs: Staged, cfg: DataConfig, scratch: Path) -> tuple[ray.data.Dataset | None, int]:
+    """The documents with one capture per page (after the cheap filters, so an empty or error page captured last
+    does not hide the page's content), then each site's boilerplate lines removed from its pages; documents without
+    a URL take no part. Returns the documents (None: nothing to do, read `docs` as they are) and the number of
+    boilerplate lines found."""
+    with_url = docs.select(["url_key"]).dataset().filter(expr=col("url_key").is_not_null())
+    if (cfg.captures == "all" and not cfg.site_boilerplate) or not with_url.count():
+        return None, 0
     if cfg.captures != "all":
-        pages = decide(pages, capture_keys, "url_key", capture_decisions(cfg.captures), set_columns).materialize()
-    found = 0
+        docs = decide(docs, capture_keys, "url_key", capture_decisions(cfg.captures), set_columns,
+                      out=scratch / "captures")
+    pages, found = docs.dataset(), 0
     if cfg.site_boilerplate:
-        lines = boilerplate_lines(pages, cfg.site_boilerplate.min_pages, cfg.site_boilerplate.min_share)
+        lines = boilerplate_lines(docs, cfg.site_boilerplate.min_pages, cfg.site_boilerplate.min_share)
         found = len(lines)
         pages = (pages.map_batches(StripBoilerplate(lines), batch_format="pyarrow")
                  .map_batches(MinLength(cfg.min_chars), batch_format="pyarrow"))
-    return docs.filter(expr=col("url_key").is_null()).union(pages), found
+    return pages, found
 
 
 def check_quarantine(per_filter: list[dict], n_in: int, limit: float, where: Path) -> None:
@@ -163,13 +190,13 @@ def check_quarantine(per_filter: list[dict], n_in: int, limit: float, where: Pat
             + f"; the records are in {where}")
 
 
-def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, removed_dir: Path) -> ray.data.Dataset:
+def _near_dedup(kept: Staged, cfg: NearDedupConfig, removed_dir: Path, scratch: Path) -> Staged:
     """MinHash-LSH near-dedup of the kept documents: the member of each cluster that `cfg.keep` picks stays, with
     `cluster_size` for rehydration; the others are written to `removed_dir` with the id of the document kept for
     them (`cluster_id`)."""
     params = MinHashParams(ngram=cfg.ngram, num_perm=cfg.num_perm, bands=cfg.bands, seed=cfg.seed)
     clusters, _ = near_duplicate_clusters(kept, params, cfg.threshold or None, similarity=cfg.similarity)
-    joined = with_clusters(kept, clusters.materialize()).materialize()
+    joined = with_clusters(kept, clusters.materialize(), out=scratch / "clusters")
     if cfg.keep != "smallest_id":  # clusters are labelled by their smallest id; another member may be the best
         def cluster_keys(batch: pa.Table) -> pa.Table:
             return keep_keys(batch.filter(pc.greater(batch["cluster_size"], 1)), ["cluster_id", "id", ROW], cfg.keep)
@@ -177,12 +204,15 @@ def _near_dedup(kept: ray.data.Dataset, cfg: NearDedupConfig, removed_dir: Path)
         def best(group: pa.Table) -> pa.Table:
             return best_of_cluster(cfg.keep)(group).select([ROW, "cluster_id"])
 
-        joined = decide(joined, cluster_keys, "cluster_id", best, set_columns)
-    joined = joined.materialize()
-    removed = joined.filter(expr=col("id") != col("cluster_id"))
-    if removed.count():
+        joined = decide(joined, cluster_keys, "cluster_id", best, set_columns, out=scratch / "keep")
+    stays = stage(joined.dataset().filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"]),
+                  scratch / "near")
+    if stays.rows < joined.rows:
+        removed = joined.dataset().filter(expr=col("id") != col("cluster_id"))
         write_shards(removed.select_columns(["id", "source", "cluster_id", "cluster_size", "text"]), removed_dir)
-    return joined.filter(expr=col("id") == col("cluster_id")).drop_columns(["cluster_id"]).materialize()
+    for name in ("kept", "exact", "clusters", "keep"):  # what the documents that stay were made from
+        shutil.rmtree(scratch / name, ignore_errors=True)
+    return stays
 
 
 def _drop_copies(block: pa.Table, decisions: pa.Table | None) -> pa.Table:

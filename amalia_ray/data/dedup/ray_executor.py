@@ -28,6 +28,7 @@ from amalia_ray.data.dedup.dedup_steps import (
     smallest_repeated_id, summary, unique_edges, value_rows)
 from amalia_ray.data.dedup.minhash import BandKeys, MinHashParams
 from amalia_ray.data.exchange.partitions import configure_data_context, exchange, map_blocks, write_shards
+from amalia_ray.data.exchange.staged import Staged
 
 # lookup tables up to this many rows are sent to every task instead of being joined by a shuffle
 BROADCAST_ROWS = 5_000_000
@@ -54,14 +55,15 @@ def _column_names(table: pa.Table) -> list[str]:
     return table.column_names
 
 
-def near_duplicate_clusters(docs: ray.data.Dataset, params: MinHashParams, threshold: float | None,
+def near_duplicate_clusters(docs: ray.data.Dataset | Staged, params: MinHashParams, threshold: float | None,
                             broadcast_rows: int = BROADCAST_ROWS, local_edges: int = LOCAL_EDGES,
                             similarity: str = "estimated") -> tuple[ray.data.Dataset, dict]:
     """`docs` (id, text, …) -> dataset of (id, cluster_id, cluster_size) for every document that has a near
     duplicate, and stats. Candidate pairs are kept when their Jaccard is >= threshold (None: all), estimated from
     their signatures or exact over their shingle sets (`similarity`). Duplicate graphs of more than `local_edges`
-    edges are split into components on many tasks."""
-
+    edges are split into components on many tasks. Staged documents are read for their ids and text only."""
+    if isinstance(docs, Staged):
+        docs = docs.select(["id", "text"])
     star_edges = exchange(map_blocks(docs, partial(band_rows, band_keys=BandKeys(params)), HASH_BATCH_ROWS), "key",
                           bucket_edges)
     if threshold is not None:
@@ -100,13 +102,16 @@ def _verified(candidates: ray.data.Dataset, docs: ray.data.Dataset, params: MinH
     return exchange(attached, "src", partial(keep_similar, threshold=threshold, similarity=similarity))
 
 
-def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, broadcast_rows: int = BROADCAST_ROWS
-                  ) -> ray.data.Dataset:
+def with_clusters(docs: ray.data.Dataset | Staged, clusters: ray.data.Dataset, broadcast_rows: int = BROADCAST_ROWS,
+                  out: Path | None = None) -> ray.data.Dataset | Staged:
     """Every document with `cluster_id` and `cluster_size` (itself and 1 when it has no near duplicate), whatever
     its other columns. A small cluster table is sent to every task; a large one meets the documents' ids (not the
-    documents) in one keyed exchange, and each block sets its rows' clusters (`decide`)."""
+    documents) in one keyed exchange, and each block sets its rows' clusters (`decide`). Staged documents are
+    staged again in `out`."""
     if clusters.count() <= broadcast_rows:
         table = _collect(clusters)
+        if isinstance(docs, Staged):
+            return map_blocks(docs, lambda b: attach_clusters(b, table), out=out)
         return docs.map_batches(lambda b: attach_clusters(b, table), batch_format="pyarrow")
     schema = pa.schema([*CLUSTER_SCHEMA, pa.field(ROW, pa.int64())])
 
@@ -136,14 +141,15 @@ def with_clusters(docs: ray.data.Dataset, clusters: ray.data.Dataset, broadcast_
                                 pc.coalesce(block["cluster_size"].cast(pa.int64()), pa.scalar(1, pa.int64())))
 
     links = clusters.map_batches(link_rows, batch_format="pyarrow")
-    return decide(docs.materialize(), id_rows, "id", join, attach, others=[links])
+    return decide(docs if isinstance(docs, Staged) else docs.materialize(), id_rows, "id", join, attach,
+                  others=[links], out=out)
 
 
-def check_unique_ids(docs: ray.data.Dataset, what: str) -> None:
+def check_unique_ids(docs: ray.data.Dataset | Staged, what: str) -> None:
     """Stop at an id that appears more than once (the smallest such id is named): near-dedup joins documents to
     their clusters by id, so a repeated id would silently merge or drop documents. Only the ids move (one keyed
     exchange); the documents stay where they are."""
-    ids = map_blocks(docs, lambda b: b.select(["id"]))
+    ids = map_blocks(docs.select(["id"]) if isinstance(docs, Staged) else docs, lambda b: b.select(["id"]))
     repeated = [t for t in ray.get(exchange(ids, "id", smallest_repeated_id).to_arrow_refs()) if len(t)]
     if repeated:
         dup = pc.min(pa.concat_tables(repeated)["id"]).as_py()

@@ -7,10 +7,14 @@ keep rule compares, and `_row`, where the document is); each document's text sta
 2. one keyed exchange brings every row of a key together and `decide_fn` returns the decisions (`_row` and the
    columns to set), usually only for the rows it changes;
 3. the decisions go back to their blocks (a routing exchange with one part per block) and each block sets them.
+
+The documents may be staged (staged.py): each block is then a file, read by the task that takes its keys and again
+by the one that applies its decisions, and with `out` the decided documents are written as files there.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -29,25 +33,26 @@ from amalia_ray.data.exchange.partitions import (
     exchange,
     split_by,
 )
+from amalia_ray.data.exchange.staged import Staged, write_staged
 
 ROW = "_row"
 _LOW = np.int64(0xFFFFFFFF)
 
 
-def decide(docs: ray.data.Dataset, keys: Callable[[pa.Table], pa.Table], key: str,
+def decide(docs: ray.data.Dataset | Staged, keys: Callable[[pa.Table], pa.Table], key: str,
            decide_fn: Callable[[pa.Table], pa.Table], apply_fn: Callable[[pa.Table, pa.Table], pa.Table],
-           others: list[ray.data.Dataset] | None = None) -> ray.data.Dataset:
+           others: list[ray.data.Dataset] | None = None, out: Path | None = None) -> ray.data.Dataset | Staged:
     """`keys(block with a _row column)` -> key rows (keeping `_row`); `decide_fn(every key row of some keys)` ->
     decision rows (`_row` and the columns to set); `apply_fn(block, its decisions with _row = the row's index)` ->
     the new block. `others`: more key rows (same schema, `_row` null) for the exchange, e.g. a lookup table to join.
-    Returns the documents in their block order."""
+    Returns the documents in their block order; with `out`, staged there."""
     blocks = [ref for ref, _ in block_refs(docs)]
     if not blocks:
         return docs
     keys_ref = ray.put(keys)
     key_rows = ray.data.from_arrow_refs([_key_rows.remote(keys_ref, i, ref) for i, ref in enumerate(blocks)])
     decisions = exchange([key_rows, *(others or [])], key, decide_fn)
-    return apply_to_blocks(blocks, decisions, apply_fn)
+    return apply_to_blocks(blocks, decisions, apply_fn, out)
 
 
 @ray.remote
@@ -64,9 +69,10 @@ def _key_rows(keys: Callable[[pa.Table], pa.Table], index: int, block) -> pa.Tab
 ROUTE_PIECE_BYTES = 256 << 10
 
 
-def apply_to_blocks(blocks: list, decisions: ray.data.Dataset, apply_fn: Callable[[pa.Table, pa.Table], pa.Table]
-                    ) -> ray.data.Dataset:
-    """Each block with its decisions applied (`apply_fn(block, decisions)`, `_row` there the row's index).
+def apply_to_blocks(blocks: list, decisions: ray.data.Dataset, apply_fn: Callable[[pa.Table, pa.Table], pa.Table],
+                    out: Path | None = None) -> ray.data.Dataset | Staged:
+    """Each block with its decisions applied (`apply_fn(block, decisions)`, `_row` there the row's index); with
+    `out`, each written there as a file by its task (staged).
 
     The decisions are cut by runs of consecutive blocks, as many blocks to a run as keep a piece over
     ROUTE_PIECE_BYTES; each block's task reads its run's pieces and keeps its own rows."""
@@ -81,6 +87,11 @@ def apply_to_blocks(blocks: list, decisions: ray.data.Dataset, apply_fn: Callabl
     LEDGER.add(plan)
     cuts = [_route.options(num_returns=plan.parts + 1).remote(plan.parts, per_run, *[refs[i] for i in g])
             for g in plan.map_groups]
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        return Staged(tuple(ray.get([
+            _apply_to_file.remote(apply_ref, i, block, str(Path(out) / f"part-{i:06}.parquet"),
+                                  *[cut[i // per_run] for cut in cuts]) for i, block in enumerate(blocks)])))
     return ray.data.from_arrow_refs([_apply_block.remote(apply_ref, i, block, *[cut[i // per_run] for cut in cuts])
                                      for i, block in enumerate(blocks)])
 
@@ -96,7 +107,16 @@ def _route(runs: int, per_run: int, *tables) -> tuple:
 
 
 @ray.remote
+def _apply_to_file(apply_fn: Callable[[pa.Table, pa.Table], pa.Table], index: int, block, path: str, *pieces):
+    return write_staged(_applied(apply_fn, index, block, pieces), path)
+
+
+@ray.remote
 def _apply_block(apply_fn: Callable[[pa.Table, pa.Table], pa.Table], index: int, block, *pieces) -> pa.Table:
+    return _applied(apply_fn, index, block, pieces)
+
+
+def _applied(apply_fn: Callable[[pa.Table, pa.Table], pa.Table], index: int, block, pieces) -> pa.Table:
     table = concat_filled(list(pieces))
     decisions = None
     if len(table):

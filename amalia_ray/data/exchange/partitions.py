@@ -21,6 +21,8 @@ from ray.data.block import BlockAccessor
 from ray.data.context import ShuffleStrategy
 from ray.data.datasource import FilenameProvider
 
+from amalia_ray.data.exchange.staged import Staged, StagedFile, write_staged
+
 
 class ShardNames(FilenameProvider):
     """`part-000000.parquet`, … by write task: with order preserved, the same input writes the same files under the
@@ -42,15 +44,49 @@ def write_shards(ds: ray.data.Dataset, path: Path | str) -> None:
     ds.write_parquet(str(path), filename_provider=ShardNames(), mode=ray.data.SaveMode.OVERWRITE)
 
 
-def write_ordered_shards(ds: ray.data.Dataset, path: Path | str, rows_per_file: int = ROWS_PER_SHARD,
+# blocks being written by `stage` at once: the executor streams on while they are written, and no more than these
+# wait in the object store
+STAGE_WRITES_IN_FLIGHT = 16
+
+
+def stage(ds: ray.data.Dataset, folder: Path | str) -> Staged:
+    """The dataset written to `folder` (a scratch folder of the stage's) as one Parquet file per block, in order: the
+    documents of one pass, which later passes read back a file at a time (staged.py: why). Streamed: each block is
+    written by a task as Ray Data produces it, with at most STAGE_WRITES_IN_FLIGHT waiting."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written, pending = [], []
+    for bundle in ds.iter_internal_ref_bundles():
+        for ref, meta in zip(bundle.block_refs, bundle.metadata):
+            if meta.num_rows == 0:
+                continue
+            pending.append(_write_block.remote(ref, str(folder / f"part-{len(written) + len(pending):06}.parquet")))
+            if len(pending) > STAGE_WRITES_IN_FLIGHT:
+                ray.wait(pending[:1])
+                written.append(pending.pop(0))
+    files = tuple(ray.get(written + pending))
+    return Staged(files, None if files else ds.schema())
+
+
+@ray.remote
+def _write_block(block, path: str) -> StagedFile:
+    return write_staged(as_table(block), path)
+
+
+def write_ordered_shards(ds: ray.data.Dataset | Staged, path: Path | str, rows_per_file: int = ROWS_PER_SHARD,
                          rows_per_group: int | None = None) -> int:
     """The dataset's rows, in order, as `part-000000.parquet`, … of `rows_per_file` rows each (row groups of
     `rows_per_group` rows, default one per file; the last file fewer): the same rows give the same files whatever
     blocks Ray Data cut them into (the writer groups blocks into files as they come). Outputs that a later stage
     reads in file order (the curated corpus, the packed sequences) go through here, so their content
     hashes, and what training reads, repeat run after run. One Ray task per file. Returns the row count."""
-    refs = ds.to_arrow_refs()
-    shapes = ray.get([_shape.remote(r) for r in refs])
+    if isinstance(ds, Staged):  # the files' footers give their rows: nothing is read until a file is written
+        refs = [f for f in ds.files]
+        schema = ds.schema()
+        shapes = [(f.rows, schema) for f in refs]
+    else:
+        refs = ds.to_arrow_refs()
+        shapes = ray.get([_shape.remote(r) for r in refs])
     schema = pa.unify_schemas([s for _, s in shapes], promote_options="permissive") if shapes else ds.schema()
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
@@ -81,7 +117,7 @@ def _write_file(path: str, schema, cuts: list[tuple[int, int]], rows_per_group: 
                 *tables: pa.Table) -> None:
     import pyarrow.parquet as pq
 
-    parts = [t.slice(a, b - a).select(schema.names).cast(schema) for t, (a, b) in zip(tables, cuts)]
+    parts = [as_table(t).slice(a, b - a).select(schema.names).cast(schema) for t, (a, b) in zip(tables, cuts)]
     table = pa.concat_tables(parts) if parts else schema.empty_table()
     pq.write_table(table, path, row_group_size=rows_per_group or max(1, table.num_rows))
 
@@ -105,10 +141,11 @@ def part_of(values: pa.Array | pa.ChunkedArray, partitions: int) -> pa.Array:
     return pa.array((hashed % np.uint64(partitions)).astype(np.int32))
 
 
-def map_blocks(ds: ray.data.Dataset, fn: Callable[[pa.Table], pa.Table], batch_rows: int | None = None
-               ) -> ray.data.Dataset:
+def map_blocks(ds: ray.data.Dataset | Staged, fn: Callable[[pa.Table], pa.Table], batch_rows: int | None = None,
+               out: Path | None = None) -> ray.data.Dataset | Staged:
     """fn(batch) over every block of a dataset, one Ray task per slice of `batch_rows` rows (or per block), as a
-    dataset in block order (executes `ds`).
+    dataset in block order (executes `ds`). Staged documents are mapped a file per task, each task reading its own
+    file; with `out`, each task writes its result there as a file of its own, and the result is staged too.
 
     For the CPU-heavy steps of deduplication over a dataset that is materialized anyway. Ray Data's executor learns
     the CPUs it may use from an autoscaling-coordinator actor, asynchronously and at most once a second, so every
@@ -116,20 +153,33 @@ def map_blocks(ds: ray.data.Dataset, fn: Callable[[pa.Table], pa.Table], batch_r
     one-second map tasks take 3.2 s instead of 2 (bench/dedup_vs_datatrove.py runs about twenty executions)."""
     fn_ref = ray.put(fn)  # serialized once, not once per task (fn may carry a large lookup table)
     tasks = []
-    for ref, meta in _row_blocks(ds):
-        if not batch_rows or meta.num_rows is None:  # one task for the block
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    for index, (ref, meta) in enumerate(_row_blocks(ds)):
+        if out is not None:
+            tasks.append(_map_to_file.remote(fn_ref, ref, str(Path(out) / f"part-{index:06}.parquet")))
+        elif not batch_rows or meta.num_rows is None:  # one task for the block
             tasks.append(_map_slice.remote(fn_ref, ref))
         else:  # a task a slice, not a block: a few large blocks on two workers leave one idle at the end
             tasks.extend(_map_slice.remote(fn_ref, ref, lo, batch_rows)
                          for lo in range(0, max(meta.num_rows, 1), batch_rows))
+    if out is not None:
+        return Staged(tuple(ray.get(tasks)))
     return ray.data.from_arrow_refs(tasks)
 
 
 @ray.remote
 def _map_slice(fn: Callable[[pa.Table], pa.Table], block: pa.Table, start: int = 0, rows: int | None = None
                ) -> pa.Table:
+    if isinstance(block, StagedFile):  # only the row groups of the slice are read
+        return fn(block.read(start, rows))
     block = as_table(block)
     return fn(block.slice(start, rows) if rows is not None else block)
+
+
+@ray.remote
+def _map_to_file(fn: Callable[[pa.Table], pa.Table], block, path: str) -> StagedFile:
+    return write_staged(fn(as_table(block)), path)
 
 
 # An exchange's sizes. A part (the rows one reduce task holds) carries at least MIN_PART_BYTES while the cluster has
@@ -213,18 +263,30 @@ def _row_blocks(ds: ray.data.Dataset) -> list:
     """(block reference, metadata) of each block of a dataset that has rows, in order (executes it), or of its
     first block when none has. Ray Data's map_batches turns a block with no rows into one with no columns either
     (a read task over a byte range that holds no record's start makes one): such blocks are left out."""
-    listed = [(ref, meta) for bundle in ds.iter_internal_ref_bundles()
-              for ref, meta in zip(bundle.block_refs, bundle.metadata)]
+    if isinstance(ds, Staged):
+        listed = [(f, _FileMeta(f.rows, f.nbytes)) for f in ds.files]
+    else:
+        listed = [(ref, meta) for bundle in ds.iter_internal_ref_bundles()
+                  for ref, meta in zip(bundle.block_refs, bundle.metadata)]
     return [(ref, meta) for ref, meta in listed if meta.num_rows != 0] or listed[:1]
 
 
-def block_refs(ds: ray.data.Dataset) -> list[tuple[ray.ObjectRef, int]]:
-    """(block reference, bytes) of each block of a dataset that has rows, in order (executes it)."""
+@dataclass(frozen=True)
+class _FileMeta:
+    num_rows: int
+    size_bytes: int
+
+
+def block_refs(ds: ray.data.Dataset | Staged) -> list[tuple[ray.ObjectRef | StagedFile, int]]:
+    """(block reference, bytes) of each block of a dataset that has rows, in order (executes it); of staged
+    documents, each file that has rows (read by the task it is given to)."""
     return [(ref, meta.size_bytes or 0) for ref, meta in _row_blocks(ds)]
 
 
 def as_table(block) -> pa.Table:
-    """A block as an Arrow table (Ray Data may hand a pandas block)."""
+    """A block as an Arrow table (Ray Data may hand a pandas block; a staged file is read here, in the task)."""
+    if isinstance(block, StagedFile):
+        return block.read()
     return block if isinstance(block, pa.Table) else BlockAccessor.for_block(block).to_arrow()
 
 
@@ -296,10 +358,12 @@ def _apply(fn: Callable[[pa.Table], pa.Table], *pieces) -> pa.Table:
     return fn(table) if table.num_columns else table  # no columns: empty blocks only, nothing for fn to see
 
 
-def count_by(ds: ray.data.Dataset, columns: list[str]) -> list[dict]:
+def count_by(ds: ray.data.Dataset | Staged, columns: list[str]) -> list[dict]:
     """Rows per distinct value of `columns` (nulls counted as a value), as dicts of those columns and `count`:
     one pyarrow group-by per block, summed here. A report's counts have few distinct values: no shuffle (Ray Data's
     groupby().count() sorts the whole dataset, every block's map output to every reducer)."""
+    if isinstance(ds, Staged):
+        ds = ds.select(columns)
     tables = [t for t in ray.get([_count.remote(columns, ref) for ref, _ in block_refs(ds)]) if len(t)]
     if not tables:
         return []

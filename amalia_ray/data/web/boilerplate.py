@@ -15,6 +15,7 @@ from ray.data.expressions import col
 
 from amalia_ray.data.exchange.frames import to_arrow
 from amalia_ray.data.exchange.partitions import count_by, exchange, map_blocks
+from amalia_ray.data.exchange.staged import Staged
 from amalia_ray.data.steps.base import DocumentStep, already_dropped, map_text
 
 LINE_KEYS = pa.schema([("site", pa.string()), ("key", pa.uint64())])
@@ -35,8 +36,10 @@ def _page_lines(text: str) -> list[str]:
     return [line for line in text.split("\n") if line.strip()]
 
 
-def boilerplate_lines(pages: ray.data.Dataset, min_pages: int, min_share: float) -> np.ndarray:
-    """The sorted hashes of every (site, line) that is boilerplate, from the live documents with a URL."""
+def boilerplate_lines(docs: Staged, min_pages: int, min_share: float) -> np.ndarray:
+    """The sorted hashes of every (site, line) that is boilerplate, from the live documents with a URL (staged
+    documents: each task reads the URL, text and drop reason of its file)."""
+    pages = docs.select(["url_key", "text", "drop_reason"])
     def emit(batch: pa.Table) -> pa.Table:
         sites, keys = [], []
         for url_key, text, dropped in zip(batch["url_key"].to_pylist(), batch["text"].to_pylist(),
@@ -50,7 +53,9 @@ def boilerplate_lines(pages: ray.data.Dataset, min_pages: int, min_share: float)
         keys_arr = pa.array(np.concatenate(keys) if keys else np.empty(0, np.uint64), pa.uint64())
         return pa.table({"site": pa.array(sites, pa.string()), "key": keys_arr})
 
-    site_pages = count_by(pages.filter(expr=col("drop_reason").is_null()).map_batches(
+    live = docs.select(["url_key", "drop_reason"]).dataset().filter(
+        expr=col("drop_reason").is_null() & col("url_key").is_not_null())
+    site_pages = count_by(live.map_batches(
         lambda b: pa.table({"site": pa.array([site_of(u) for u in b["url_key"].to_pylist()], pa.string())}),
         batch_format="pyarrow"), ["site"])
     if not site_pages:
