@@ -65,7 +65,10 @@ def stage(ds: ray.data.Dataset, folder: Path | str) -> Staged:
                 ray.wait(pending[:1])
                 written.append(pending.pop(0))
     files = tuple(ray.get(written + pending))
-    return Staged(files, None if files else ds.schema())
+    if files:
+        return Staged(files)
+    schema = ds.schema()  # Ray Data's schema: the pyarrow one is its base
+    return Staged(files, schema.base_schema if schema is not None else None)
 
 
 @ray.remote
@@ -81,13 +84,12 @@ def write_ordered_shards(ds: ray.data.Dataset | Staged, path: Path | str, rows_p
     reads in file order (the curated corpus, the packed sequences) go through here, so their content
     hashes, and what training reads, repeat run after run. One Ray task per file. Returns the row count."""
     if isinstance(ds, Staged):  # the files' footers give their rows: nothing is read until a file is written
-        refs = [f for f in ds.files]
-        schema = ds.schema()
+        refs, schema = list(ds.files), ds.unified_schema
         shapes = [(f.rows, schema) for f in refs]
     else:
         refs = ds.to_arrow_refs()
         shapes = ray.get([_shape.remote(r) for r in refs])
-    schema = pa.unify_schemas([s for _, s in shapes], promote_options="permissive") if shapes else ds.schema()
+        schema = pa.unify_schemas([s for _, s in shapes], promote_options="permissive") if shapes else ds.schema()
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     total, starts = 0, []
@@ -117,7 +119,9 @@ def _write_file(path: str, schema, cuts: list[tuple[int, int]], rows_per_group: 
                 *tables: pa.Table) -> None:
     import pyarrow.parquet as pq
 
-    parts = [as_table(t).slice(a, b - a).select(schema.names).cast(schema) for t, (a, b) in zip(tables, cuts)]
+    # a staged file is read for its cut's row groups only (a file spanning two shards is not read whole twice)
+    parts = [(t.read(a, b - a) if isinstance(t, StagedFile) else as_table(t).slice(a, b - a))
+             .select(schema.names).cast(schema) for t, (a, b) in zip(tables, cuts)]
     table = pa.concat_tables(parts) if parts else schema.empty_table()
     pq.write_table(table, path, row_group_size=rows_per_group or max(1, table.num_rows))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -89,11 +90,13 @@ class Staged:
         return Staged(tuple(replace(f, columns=tuple(columns)) for f in self.files),
                       pa.schema([empty.field(c) for c in columns]) if empty is not None else None)
 
-    def schema(self) -> pa.Schema:
-        """Every file's schema unified (a column null in one block and typed in another takes the type)."""
+    @cached_property
+    def unified_schema(self) -> pa.Schema:
+        """Every file's schema unified (a column null in one block and typed in another takes the type); each
+        footer is read once per Staged, on the driver."""
         schemas = [pq.read_schema(f.path) for f in self.files]
         if self.files and self.files[0].columns is not None:
-            schemas = [pa.schema([s.field(c) for c in self.files[0].columns]) for s in schemas]
+            schemas = [pa.schema([s.field(c) for c in self.files[0].columns if c in s.names]) for s in schemas]
         if not schemas:
             return self.empty_schema or pa.schema([])
         return pa.unify_schemas(schemas, promote_options="permissive")
@@ -103,7 +106,7 @@ class Staged:
         one at a time cast to the files' unified schema (streamed: no pass holds them all)."""
         import ray
 
-        schema = self.schema()
+        schema = self.unified_schema
         if not self.files:
             return ray.data.from_arrow(schema.empty_table())
         files = list(self.files)
