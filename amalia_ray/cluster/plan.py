@@ -108,7 +108,8 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     params, block = parameter_count(m)
     gpus = stage.worker_range[1]
     seq = stage.sequence_length or (recipe.pack.seq_len if stage.objective == "pretrain" else m.max_positions)
-    per_pair = 2 if stage.objective == "dpo" else 1
+    per_pair = 2 if stage.objective in ("dpo", "reward") else 1  # both sides of a preference pair
+    vocab_out = 0 if stage.objective == "reward" else vocab  # a reward model's head has one output
     tokens_micro = stage.micro_batch_size * seq * per_pair
     kv_dim = m.kv_heads * m.head_dim
     per_token_layer = 2 * (8 * m.hidden + 2 * kv_dim + 4 * m.ffn)
@@ -122,9 +123,10 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
            if stage.gradient_sync == "last_micro_batch" else {}),
         "gathered layers": 4 * block / GB,
         "activations": activations / GB,
-        "root module (unsharded)": 4 * (vocab * m.hidden * (1 if m.tied else 2) + m.hidden) / GB,
-        "logits": 4 * tokens_micro * vocab / GB,
-        "loss chunk (fp32)": 12 * min(tokens_micro, LOSS_CHUNK_POSITIONS) * vocab / GB,
+        "root module (unsharded)": 4 * (vocab * m.hidden + vocab_out * m.hidden * (0 if m.tied else 1) + m.hidden)
+        / GB,
+        "logits": 4 * tokens_micro * vocab_out / GB,
+        "loss chunk (fp32)": 12 * min(tokens_micro, LOSS_CHUNK_POSITIONS) * vocab_out / GB,
         **attention_memory(stage, recipe, m, seq),
         "headroom": hw.headroom_gb,
     }
@@ -157,7 +159,7 @@ def attention_memory(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int)
     block-sparse one of (seq/128)², nothing to count); eager also keeps each layer's bf16 attention probabilities,
     heads × seq² per sequence, for the backward pass."""
     kernel = recipe.model.attn_implementation
-    sequences = stage.micro_batch_size * (2 if stage.objective == "dpo" else 1)
+    sequences = stage.micro_batch_size * (2 if stage.objective in ("dpo", "reward") else 1)
     packed = stage.objective == "sft" or (stage.objective == "pretrain" and stage.document_masking)
     out = {}
     if kernel in ("sdpa", "eager") and packed:

@@ -29,13 +29,15 @@ def model_flops_per_token(hidden: int, ffn: int, layers: int, heads: int, kv_hea
     return 6 * weights + 12 * layers * q * seq_len
 
 
-def flops_per_token_of(hf_config, seq_len: int) -> float:
-    """Model FLOPs per token of a transformers config (a decoder-only LM)."""
+def flops_per_token_of(hf_config, seq_len: int, outputs: int | None = None) -> float:
+    """Model FLOPs per token of a transformers config (a decoder-only LM); `outputs`: the head's outputs when it is
+    not the LM head (a reward model's score head has one)."""
     c = getattr(hf_config, "text_config", None) or hf_config
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     return model_flops_per_token(c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
-                                 getattr(c, "num_key_value_heads", None) or heads, head_dim, c.vocab_size, seq_len)
+                                 getattr(c, "num_key_value_heads", None) or heads, head_dim,
+                                 c.vocab_size if outputs is None else outputs, seq_len)
 
 
 def datasheet_peak(device_name: str, dtype: str) -> float | None:

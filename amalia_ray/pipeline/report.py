@@ -32,6 +32,8 @@ LOSS_PANELS = {
     "cross-entropy": ("pretrain / SFT", "loss", "cross-entropy (nats/token)", None, None),
     "dpo": ("DPO", "loss", "DPO loss (−log σ(β·margin), per pair)", "rewards/margins", "reward margin (β·log-ratio)"),
     "grpo": ("GRPO", "reward", "mean reward", "kl", "KL to the reference (nats/token)"),
+    "reward": ("reward model", "loss", "Bradley–Terry loss (−log σ(r_chosen − r_rejected), per pair)", "accuracy",
+               "pairs ranked right"),
 }
 
 
@@ -43,7 +45,9 @@ def loss_panel_of(objective: str | None, history: list[dict]) -> str:
 
         return objective_of(objective).loss_panel
     if history:
-        return "dpo" if "rewards/margins" in history[0] else "grpo" if "reward" in history[0] else "cross-entropy"
+        first = history[0]
+        return ("dpo" if "rewards/margins" in first else "grpo" if "reward" in first
+                else "reward" if "mean_reward" in first else "cross-entropy")
     return "cross-entropy"
 
 

@@ -113,12 +113,13 @@ def base_model_dir(p: RunContext) -> Path | None:
 
 
 def starting_checkpoint(p: RunContext, index: int) -> Path | None:
-    """What train stage `index` starts from: the previous stage's export, the base model for the first stage, or
-    nothing (random weights: init_from scratch, or the first stage of a new model)."""
+    """What train stage `index` starts from: the previous policy stage's export (reward stages branch off), the base
+    model before the first, or nothing (random weights: init_from scratch, or the first stage of a new model)."""
     stage = p.recipe.train[index]
     if stage.init_from != "previous":
         return None
-    return p.checkpoint_of(p.recipe.train[index - 1].name) if index else base_model_dir(p)
+    previous = p.recipe.previous_policy(index)
+    return p.checkpoint_of(p.recipe.train[previous].name) if previous is not None else base_model_dir(p)
 
 
 def by_content(inputs: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
@@ -132,7 +133,7 @@ def logical_cpus_needed(r) -> int:
     """Logical CPUs the recipe's widest step holds at once: serving every trained model side by side (a vLLM
     replica holds its actor's CPU and its engine bundle's) plus the ingress and slack, or the widest training stage
     plus its rollout engine and controller."""
-    served = len(r.train) + (1 if r.model.base else 0)  # a base model is served beside its stages (at most)
+    served = len(r.policy_stages) + (1 if r.model.base else 0)  # a base model is served beside its stages (at most)
     serve = 2 * served * r.serve.cpus_per_replica * r.serve.max_replicas + 4
     train = max((s.worker_range[1] * s.cpus_per_worker + 3 for s in r.train), default=0)
     return max(serve if r.eval.tasks else 0, train)
@@ -227,7 +228,7 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
 
 def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | None], dict[str, dict[str, Path]]]:
     """What the eval stage serves: the checkpoints that get an engine each (model id -> folder: the base model, so
-    the report shows what each stage changed, and every stage trained in full), and per engine the LoRA stages'
+    the report shows what each stage changed, and every policy stage trained in full; not the reward models), and per engine the LoRA stages'
     adapters that run on it (engine id -> {stage name -> adapter folder}), each stage's on the checkpoint it was
     trained from. A LoRA stage is served in full (its merged export) instead when a later LoRA stage was trained on
     its merged weights (that one's adapter needs them as its engine) or when vLLM cannot serve its adapter
@@ -235,15 +236,18 @@ def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | N
     model's folder None (finding it may mean downloading it)."""
     r = p.recipe
     base_id = p.model_id("base") if r.model.base else None
-    starts = [(p.model_id(r.train[i - 1].name) if i else base_id) if s.init_from == "previous" else None
-              for i, s in enumerate(r.train)]
+    previous = [r.previous_policy(i) for i in range(len(r.train))]
+    starts = [(p.model_id(r.train[previous[i]].name) if previous[i] is not None else base_id)
+              if s.init_from == "previous" else None for i, s in enumerate(r.train)]
     as_adapter = [s.adapter_servable(r.starts_from_checkpoint(i)) for i, s in enumerate(r.train)]
-    for i in range(len(r.train) - 1):
-        if as_adapter[i + 1] and starts[i + 1] == p.model_id(r.train[i].name):
-            as_adapter[i] = False
+    for j in range(len(r.train)):
+        if as_adapter[j] and r.train[j].init_from == "previous" and previous[j] is not None:
+            as_adapter[previous[j]] = False
     models = {base_id: base_model_dir(p) if paths else None} if base_id else {}
     adapters: dict[str, dict[str, Path]] = {}
     for i, s in enumerate(r.train):
+        if s.objective == "reward":  # a reward model scores text; it does not generate
+            continue
         if as_adapter[i]:
             adapters.setdefault(starts[i], {})[s.name] = p.stage_dir(s.name) / "adapter"
         else:

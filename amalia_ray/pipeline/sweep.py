@@ -83,7 +83,8 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
             except ValueError as e:
                 raise AmaliaError(f"parameters.{name}: value {value!r} does not fit the proxy of train stage "
                                   f"'{stage_name}': {e}") from None
-    previous = names[index - 1] if index and stage.init_from == "previous" else None
+    before = r.previous_policy(index) if stage.init_from == "previous" else None
+    previous = names[before] if before is not None else None
     if previous and stage.proxy.model:
         raise AmaliaError(f"train stage '{stage_name}' starts from '{previous}''s checkpoint, which a proxy with "
                           "another model shape (proxy.model) cannot load: sweep it with proxy.model empty")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.train.heads import auto_class
 from amalia_ray.train.lora_merge import merged, scalings
 from amalia_ray.train.weight_names import base_name, is_adapter, plain_name
 
@@ -45,15 +46,18 @@ def weight_files(folder: Path) -> dict[str, Path]:
     return out
 
 
-def check_names(model, available: set[str], folder: Path) -> dict[str, str]:
+def check_names(model, available: set[str], folder: Path, fresh: frozenset[str] = frozenset()) -> dict[str, str]:
     """Model state name -> the checkpoint name it loads from. Tied weights (one tensor under two names, e.g. an LM
-    head tied to the embeddings) need one of their names only. Any missing or unexpected name fails with the names."""
+    head tied to the embeddings) need one of their names only. Any missing or unexpected name fails with the names,
+    but the `fresh` ones, which start new (left out of the plan)."""
     by_tensor: dict[int, list[str]] = defaultdict(list)
     for name, tensor in checkpoint_tensors(model).items():
         by_tensor[id(tensor)].append(name)
     plan, missing = {}, []
     for names in by_tensor.values():
         found = [n for n in names if n in available]
+        if not found and set(names) <= fresh:
+            continue
         if not found:
             missing.append(names[0])
         for n in names:
@@ -70,18 +74,52 @@ def check_names(model, available: set[str], folder: Path) -> dict[str, str]:
     return plan
 
 
+def score_head(model) -> list[str]:
+    """A sequence classifier's (reward model's) head weights by checkpoint name: what a causal LM's checkpoint
+    lacks; none for a causal LM."""
+    if model.get_output_embeddings() is not None or not isinstance(getattr(model, "score", None), torch.nn.Module):
+        return []
+    return [n for n in checkpoint_tensors(model) if n.startswith("score.")]
+
+
 @torch.no_grad()
-def load_sharded(model, folder: Path, new_token_ids: list[int] | None = None) -> None:
+def init_score_head(model, names: list[str], seed: int) -> None:
+    """A new score head as transformers initializes one (weights ~ N(0, initializer_range), biases 0), drawn from
+    `seed` on every rank alike, each rank keeping its own shard."""
+    from torch.distributed.tensor import DTensor
+
+    generator = torch.Generator().manual_seed(seed)
+    std = getattr(model.config, "initializer_range", 0.02)
+    targets = checkpoint_tensors(model)
+    for name in sorted(names):
+        target = targets[name]
+        full = torch.zeros(target.shape) if name.endswith("bias") else \
+            torch.normal(0.0, std, tuple(target.shape), generator=generator)
+        if isinstance(target, DTensor):
+            fill_local(target, full.to(target.dtype))
+        else:
+            target.copy_(full)
+
+
+@torch.no_grad()
+def load_sharded(model, folder: Path, new_token_ids: list[int] | None = None, seed: int = 0) -> None:
     """Fill the model's (FSDP2-sharded, materialized but uninitialized) parameters from `folder`'s safetensors:
     this rank reads only the rows of its own shard of each tensor, converted to the parameter's dtype. With
     `new_token_ids` (an extended vocabulary) the embeddings and LM head may have more rows than the checkpoint:
-    those tokens' rows start at the mean of the checkpoint's rows."""
+    those tokens' rows start at the mean of the checkpoint's rows. A sequence classifier (a reward model) loads a
+    causal LM's checkpoint without its LM head, and a score head the checkpoint lacks starts from `seed`."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
     files = weight_files(folder)
-    plan = check_names(model, set(files), folder)
-    targets = checkpoint_tensors(model)
+    available, fresh = set(files), frozenset()
+    if head := score_head(model):
+        available = {n for n in available if not n.startswith("lm_head.")}
+        fresh = frozenset(n for n in head if n not in available)
+    plan = check_names(model, available, folder, fresh)
+    if fresh:
+        init_score_head(model, sorted(fresh), seed)
+    targets = {n: t for n, t in checkpoint_tensors(model).items() if n in plan}
     vocab_sized = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())
                    if m is not None} if new_token_ids else set()
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -176,24 +214,26 @@ def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path, generation_c
               dtype: str | None = None) -> None:
     """Gather the full weights (a collective: every rank calls this) and let rank 0 write a HF checkpoint that
     transformers and vLLM load (write_hf); a model with LoRA adapters is written merged."""
+    head = "score" if score_head(model) else "lm"
     state = gather_full(model)
     if state is not None:
         if layers := scalings(model):
             state = merged(state, layers)
-        write_hf(state, hf_config, out_dir, tokenizer_dir, generation_config, dtype)
+        write_hf(state, hf_config, out_dir, tokenizer_dir, generation_config, dtype, head)
 
 
 def write_hf(state: dict[str, torch.Tensor], hf_config, out_dir: Path, tokenizer_dir: Path,
-             generation_config: dict | None = None, dtype: str | None = None) -> None:
+             generation_config: dict | None = None, dtype: str | None = None, head: str = "lm") -> None:
     """Write full weights as a HF checkpoint: config.json, safetensors weights (in `dtype`: a base model's own, so
-    loading and exporting untrained weights is bit-identical), generation_config.json and the tokenizer files (chat
-    template included)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    loading and exporting untrained weights is bit-identical), generation_config.json (a causal LM's) and the
+    tokenizer files (chat template included). `head` "score": a sequence classifier (a reward model), which
+    transformers' AutoModelForSequenceClassification loads."""
+    from transformers import GenerationConfig
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        plain = auto_class(head).from_config(hf_config, dtype=torch.float32)
     cast = getattr(torch, dtype) if dtype else None
     state = {k: (v.to(cast) if cast is not None and v.is_floating_point() else v) for k, v in state.items()}
     plain.load_state_dict(state, assign=True, strict=False)
@@ -203,9 +243,10 @@ def write_hf(state: dict[str, torch.Tensor], hf_config, out_dir: Path, tokenizer
     plain.save_pretrained(str(tmp), safe_serialization=True)
     # the starting checkpoint's own generation settings, else the config's special token ids
     ids = {k: getattr(hf_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    GenerationConfig(**(generation_config or ids)).save_pretrained(str(tmp))
+    if head == "lm":
+        GenerationConfig(**(generation_config or ids)).save_pretrained(str(tmp))
     for f in Path(tokenizer_dir).iterdir():
-        if f.is_file():
+        if f.is_file() and not (tmp / f.name).exists():  # a checkpoint's own files win (a folder of both)
             shutil.copy2(f, tmp / f.name)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)

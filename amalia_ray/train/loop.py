@@ -202,6 +202,7 @@ def setup(run: LoopConfig) -> Training:
     seq_len = stage.sequence_length or hf_config.max_position_embeddings
     objective = build_objective(stage, StageInputs(run.data_dir, run.tokenizer_dir, seq_len, run.stage_dir, run.seed,
                                                    device.type == "cuda", run.step_transient))
+    hf_config = objective.model_config(hf_config)
     # the ceiling MFU is against: every worker's stated peak (datasheet, else measured) in its precision, summed
     worker_peak, peak_basis = stated_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     peak_flops = _all_reduce_sum(worker_peak)[0]
@@ -210,7 +211,7 @@ def setup(run: LoopConfig) -> Training:
                                        resolve_compile(stage.compile, device), stage.reduce_precision,
                                        sync_once=stage.gradient_sync == "last_micro_batch"),
                   init_dir=run.init_hf_dir, seed=run.seed, trust_remote_code=run.trust_remote_code,
-                  new_token_ids=list(run.new_token_ids), lora=stage.lora)
+                  new_token_ids=list(run.new_token_ids), lora=stage.lora, head=objective.head)
     # everything but what LoRA freezes: the optimizer's state (and the checkpoints) hold only what trains
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=stage.lr,
                                   betas=stage.betas, weight_decay=stage.weight_decay)
@@ -239,7 +240,7 @@ def setup(run: LoopConfig) -> Training:
     nodes: list = [None] * world  # where the workers landed, so the report can state the placement
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     return Training(run, rank, world, device, precision, hf_config, model, optimizer, objective, sampler, start_step,
-                    bool(resumed), peak_flops, peak_basis, flops_per_token_of(hf_config, seq_len), nodes,
+                    bool(resumed), peak_flops, peak_basis, flops_per_token_of(hf_config, seq_len, None if objective.head == "lm" else hf_config.num_labels), nodes,
                     TensorBoard(run.stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None)
 
 

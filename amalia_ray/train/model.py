@@ -12,6 +12,7 @@ import torch
 from amalia_ray.core.config import LoraConfig, ModelConfig
 from amalia_ray.core.hf_model import with_overrides
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.train.heads import auto_class
 
 # families whose checkpoints the tests train, export and serve; any other decoder-only causal LM whose blocks sit
 # at `model.model.layers` is sharded the same way
@@ -79,15 +80,12 @@ def parameters_on_meta():
         torch.nn.Module.register_parameter = original
 
 
-def instantiate(config, *, empty: bool, trust_remote_code: bool = False):
-    """The causal LM of `config`: random weights (seeded by the caller), or with `empty` parameters on meta, to be
-    sharded and then filled from a checkpoint."""
-    from transformers import AutoModelForCausalLM
-
+def instantiate(config, *, empty: bool, trust_remote_code: bool = False, head: str = "lm"):
+    """The causal LM (or, with head "score", the sequence classifier) of `config`: random weights (seeded by the
+    caller), or with `empty` parameters on meta, to be sharded and then filled from a checkpoint."""
     with parameters_on_meta() if empty else contextlib.nullcontext():
         try:
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                     dtype=torch.float32)
+            model = auto_class(head).from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
         except ValueError as e:
             if "Unrecognized configuration class" in str(e):
                 raise AmaliaError(unsupported(getattr(config, "model_type", "?"))) from None
@@ -145,11 +143,14 @@ def check_attention(kernel: str | None, device: torch.device) -> None:
 
 
 def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: int,
-          trust_remote_code: bool = False, new_token_ids: list[int] | None = None, lora: LoraConfig | None = None):
+          trust_remote_code: bool = False, new_token_ids: list[int] | None = None, lora: LoraConfig | None = None,
+          head: str = "lm"):
     """The training model, sharded by `shard(model)`: random weights from `seed` for a new model, or the
     checkpoint in `init_dir` (a base model or the previous stage's export) read shard by shard into each rank,
     the rows of `new_token_ids` (an extended vocabulary) starting at the mean of the checkpoint's. With `lora`,
-    PEFT's adapters are added before sharding and everything else is frozen."""
+    PEFT's adapters are added before sharding and everything else is frozen. With head "score" (a reward model)
+    a causal LM's checkpoint gives the decoder, its LM head is left out, and a score head it lacks starts from
+    `seed`."""
     from amalia_ray.train import lora as adapters
     from amalia_ray.train.hf_weights import load_sharded
 
@@ -157,18 +158,18 @@ def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: i
 
     if init_dir is None:
         torch.manual_seed(seed)
-        model = instantiate(config, empty=False, trust_remote_code=trust_remote_code).to(device)
+        model = instantiate(config, empty=False, trust_remote_code=trust_remote_code, head=head).to(device)
         if lora:
             adapters.add_adapters(model, lora)
             adapters.init_adapters(model, seed)
         shard(model)
         return model
-    model = instantiate(config, empty=True, trust_remote_code=trust_remote_code)
+    model = instantiate(config, empty=True, trust_remote_code=trust_remote_code, head=head)
     if lora:
         adapters.add_adapters(model, lora)
     shard(model)
     materialize(model, device)
-    load_sharded(model, Path(init_dir), new_token_ids)
+    load_sharded(model, Path(init_dir), new_token_ids, seed)
     if lora:
         adapters.init_adapters(model, seed)
     return model

@@ -28,7 +28,7 @@ from amalia_ray.core.config.model_config import DIMENSIONS, ModelConfig
 from amalia_ray.core.config.serve_config import EngineConfig, ServeConfig
 from amalia_ray.core.config.train_config import (
     checkpoint_interval, CurriculumConfig, DPOStage, GRPOStage, JudgeRewardConfig, LoraConfig, LOSS_CHUNK_POSITIONS,
-    MixPhase, PretrainStage, ProxyConfig, RewardConfig, RolloutConfig, SAMPLING_FIELDS, SFTStage, STAGE_TYPES,
+    MixPhase, PretrainStage, ProxyConfig, RewardConfig, RewardStage, RolloutConfig, SAMPLING_FIELDS, SFTStage, STAGE_TYPES,
     train_stage, TrainStage, TrainStageConfig)
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
     "EvalTaskConfig", "FineWebConfig", "GopherQualityConfig", "GopherRepetitionConfig", "GRPOStage", "JudgeConfig",
     "JudgeRewardConfig", "KEEP_RULES", "KeepRule", "LanguageConfig", "LoraConfig", "LOSS_CHUNK_POSITIONS", "MixPhase",
     "ModelConfig", "NAME_PATTERN", "NearDedupConfig", "PackConfig", "PlanConfig", "PretrainStage", "ProxyConfig",
-    "QualityConfig", "Recipe", "ResourcesConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SAMPLING_FIELDS",
+    "QualityConfig", "Recipe", "ResourcesConfig", "RewardConfig", "RewardStage", "RolloutConfig", "RunConfig", "SAMPLING_FIELDS",
     "ServeConfig", "SFTStage", "SiteBoilerplateConfig", "SourceConfig", "STAGE_TYPES", "Strict", "TASK_REFERENCE",
     "TaskFormat", "TokenizerConfig", "TrackingConfig", "train_stage", "TrainStage", "TrainStageConfig", "VarietyConfig",
     "VarietyScoring", "WandbConfig",
@@ -57,7 +57,8 @@ class Recipe(Strict):
     model: ModelConfig = ModelConfig()
     train: list[TrainStage] = Field(
         default_factory=list, description="the training stages, in order; each starts from the previous one's "
-        "checkpoint unless init_from: scratch; none: a curation recipe (data, and tokenizer/pack when given)")
+        "checkpoint unless init_from: scratch (a reward stage branches off: the stage after it starts from the one "
+        "before it); none: a curation recipe (data, and tokenizer/pack when given)")
     serve: ServeConfig = ServeConfig()
     eval: EvalConfig = EvalConfig()
     plan: PlanConfig = PlanConfig()
@@ -88,16 +89,26 @@ class Recipe(Strict):
                   *(r.judge for s in self.train for r in getattr(s, "reward_sources", []) if r.judge)]
         return [j.api_key_env for j in judges if j.api_key_env]
 
+    def previous_policy(self, i: int) -> int | None:
+        """The stage whose weights train stage i starts from with init_from previous: the nearest earlier stage that
+        is not a reward model (a reward stage branches off the policy); None: the base model, or random weights."""
+        return next((j for j in range(i - 1, -1, -1) if self.train[j].objective != "reward"), None)
+
     def starts_from_checkpoint(self, i: int) -> bool:
-        """Whether train stage i starts from weights that exist before it: the previous stage's, or the base model's
-        for the first stage (else it starts from random weights)."""
-        return self.train[i].init_from == "previous" and (i > 0 or bool(self.model.base))
+        """Whether train stage i starts from weights that exist before it: the previous policy stage's, or the base
+        model's (else it starts from random weights)."""
+        return self.train[i].init_from == "previous" and (self.previous_policy(i) is not None or bool(self.model.base))
+
+    @property
+    def policy_stages(self) -> list:
+        """The stages that train a generating model (every one but the reward models): what the eval stage serves."""
+        return [s for s in self.train if s.objective != "reward"]
 
     @model_validator(mode="after")
     def _stages(self) -> Recipe:
-        if self.eval.tasks and not self.train and not self.model.base:
-            raise ValueError("eval.tasks: nothing to evaluate: the recipe has no train stages and no base model "
-                             "(model.from)")
+        if self.eval.tasks and not self.policy_stages and not self.model.base:
+            raise ValueError("eval.tasks: nothing to evaluate: the recipe has no train stages (but reward models, "
+                             "which do not generate) and no base model (model.from)")
         names = [s.name for s in self.train]
         if len(set(names)) != len(names):
             raise ValueError(f"train stage names must be unique, got {names}")
@@ -130,9 +141,10 @@ class Recipe(Strict):
                 continue
             if stage.lora.merge:
                 continue
-            if i + 1 < len(self.train) and self.train[i + 1].init_from == "previous":
-                raise ValueError(f"train stage '{self.train[i + 1].name}' starts from '{stage.name}', a LoRA stage: "
-                                 f"set lora.merge: true on '{stage.name}' so it exports the merged weights")
+            for j in range(i + 1, len(self.train)):
+                if self.train[j].init_from == "previous" and self.previous_policy(j) == i:
+                    raise ValueError(f"train stage '{self.train[j].name}' starts from '{stage.name}', a LoRA stage: "
+                                     f"set lora.merge: true on '{stage.name}' so it exports the merged weights")
             if not self.eval.tasks:
                 continue
             # evaluated as an adapter on the engine of the weights it was trained from (see the eval stage)
@@ -143,6 +155,13 @@ class Recipe(Strict):
                                  "modules_to_save; set lora.merge: true to serve and evaluate the merged weights")
             raise ValueError(f"train stage '{stage.name}': its adapters train on random initial weights, which "
                              "no engine serves; set lora.merge: true to serve and evaluate the merged weights")
+        for i, stage in enumerate(self.train):
+            for reward in getattr(stage, "reward_sources", []):
+                if reward.model in names and (names.index(reward.model) >= i
+                                              or self.train[names.index(reward.model)].objective != "reward"):
+                    raise ValueError(f"train stage '{stage.name}': rewards model '{reward.model}' names a train stage "
+                                     "that is not a reward stage before it (objective: reward); a reward model is "
+                                     "an earlier reward stage or a checkpoint folder")
         sources = {s.name for s in self.data.sources}
         for stage in self.train:
             curriculum = stage.curriculum if isinstance(stage, PretrainStage) else None

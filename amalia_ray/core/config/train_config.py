@@ -361,7 +361,30 @@ class GRPOStage(_SampledStage):
         return self
 
 
-TrainStage = Annotated[PretrainStage | SFTStage | DPOStage | GRPOStage, Field(discriminator="objective")]
+class RewardStage(_DatasetStage):
+    """A reward model, as TRL's RewardTrainer trains one: the stage's starting model with a one-output score head
+    (a transformers sequence classifier reading the last token that is not padding), trained with the Bradley–Terry
+    loss -log σ(r(chosen) - r(rejected) - margin) on preference pairs ({prompt, chosen, rejected}, or {chosen,
+    rejected} whole conversations or texts; an optional per-pair `margin`). Exported as a HF sequence-classification
+    checkpoint (hf/), which sampled stages score completions with (`rewards: [{model: <this stage>}]`). It branches
+    off the policy: a later stage with init_from previous starts from the policy stage before it, and the eval stage
+    does not serve it (it does not generate)."""
+    objective: Literal["reward"]
+    lr: float = Field(1e-4, gt=0, description="peak learning rate (TRL's RewardTrainer default)")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="adds c × mean((r(chosen) + r(rejected))²) to the loss, pulling the rewards towards "
+        "zero mean (TRL's center_rewards_coefficient; 0.01 in its docs); null: none")
+
+    @model_validator(mode="after")
+    def _whole_weights(self) -> RewardStage:
+        if self.lora is not None:
+            raise ValueError(f"train stage '{self.name}': LoRA on a reward stage is not available (the score head "
+                             "would have to train beside the adapters); train every weight: remove lora")
+        return self
+
+
+TrainStage = Annotated[PretrainStage | SFTStage | DPOStage | GRPOStage | RewardStage,
+                       Field(discriminator="objective")]
 # objective -> its stage model, read off the models' `objective` literals: the names are written once, there
 STAGE_TYPES: dict[str, type[TrainStageConfig]] = {
     get_args(model.model_fields["objective"].annotation)[0]: model for model in get_args(get_args(TrainStage)[0])}

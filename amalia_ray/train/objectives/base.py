@@ -1,5 +1,5 @@
 """What an objective is to the training loop: how it draws a step's rows and turns rows into batches, its loss, and
-the optional hooks, with their defaults. Each concrete objective (pretrain.py, sft.py, dpo.py, grpo.py) subclasses
+the optional hooks, with their defaults. Each concrete objective (pretrain.py, sft.py, dpo.py, grpo.py, reward.py) subclasses
 `Objective`, names the recipe's stage model it is built from (`config`) and the metrics its records carry; the
 registry (registry.py) maps the recipe's `objective` to it."""
 
@@ -41,6 +41,7 @@ class Objective(ABC):
     config: ClassVar[type[TrainStageConfig]]  # the recipe's stage model for it
     metrics: ClassVar[frozenset[str]] = frozenset()  # what its step records carry beyond LOOP_METRICS
     loss_panel: ClassVar[str] = "cross-entropy"  # the run report's panel its curve goes on
+    head: ClassVar[str] = "lm"  # what the model has on top of its decoder (train/heads.py)
 
     @classmethod
     @abstractmethod
@@ -51,6 +52,11 @@ class Objective(ABC):
     def reported(cls, stage: TrainStageConfig, sources: Iterable[str] = ()) -> set[str]:
         """The metrics a stage of this objective reports, of a corpus with these sources."""
         return set(LOOP_METRICS | cls.metrics)
+
+    def model_config(self, hf_config):
+        """The transformers config of the model this objective trains, from the stage's (a reward model sets its
+        one output and pad id)."""
+        return hf_config
 
     @abstractmethod
     def sampler(self, seed: int) -> MixtureSampler:

@@ -10,9 +10,10 @@ from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.train.objectives.dpo import DPO
 from amalia_ray.train.objectives.grpo import GRPO
 from amalia_ray.train.objectives.pretrain import Pretrain
+from amalia_ray.train.objectives.reward import Reward
 from amalia_ray.train.objectives.sft import SFT
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (Pretrain, SFT, DPO, GRPO)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (Pretrain, SFT, DPO, GRPO, Reward)}
 
 
 def objective_of(name: str) -> type[Objective]:

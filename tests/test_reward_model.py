@@ -1,0 +1,208 @@
+"""Reward models (`objective: reward`): TRL's RewardTrainer and our objective through the loop's own `train_step`
+give the same losses on the same pairs; the export is a transformers sequence classifier scoring as the trained
+model does; a causal LM's checkpoint starts one; reward stages branch off the policy in a recipe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _pairs(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        a, b = i + 2, 3 * i + 1
+        rows.append({"prompt": f"Quanto é {a} + {b}?", "chosen": f" É {a + b}.",
+                     "rejected": " Não sei." if i % 2 else f" Talvez {a * b}, ou {a - b}."})
+    return rows
+
+
+def _models(tmp_path, tok):
+    """A tiny causal LM, and the reward model transformers makes of it (a score head drawn from seed 0)."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    torch.manual_seed(1)
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=1,
+                                                            pad_token_id=tok.pad_token_id)
+    rm.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    return tmp_path / "lm", tmp_path / "rm"
+
+
+def test_two_steps_give_trl_reward_trainers_losses_and_the_export_scores_like_its_model(tmp_path):
+    """TRL 1.13's RewardTrainer (centering 0.01, one batch of 8 pairs a step) and our reward objective through the
+    loop's `train_step` (FSDP2, two micro-batches) from the same sequence classifier: both steps' losses agree
+    within 1e-5, and our export, loaded by transformers, scores the pairs as TRL's trained model does."""
+    import torch.distributed as dist
+    from datasets import Dataset
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    from amalia_ray.core.config import train_stage
+    from amalia_ray.core.formats.jsonl import write_rows
+    from amalia_ray.core.formats.preference_pairs import validate_reward_pair
+    from amalia_ray.train.hf_weights import export_hf
+    from amalia_ray.train.loop import LoopConfig, Training, train_step
+    from amalia_ray.train.model import build
+    from amalia_ray.train.objectives.reward import Reward, sequence_scores
+    from amalia_ray.train.parallel import apply_fsdp
+    from tests.test_grpo import _tiny_tokenizer
+
+    lr, center, n = 3e-3, 0.01, 8
+    tok = AutoTokenizer.from_pretrained(str(_tiny_tokenizer(tmp_path)))
+    _, folder = _models(tmp_path, tok)
+    rows = _pairs(n)
+
+    trl_losses = []
+    args = RewardConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=n, gradient_accumulation_steps=1,
+                        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=2, weight_decay=0.0,
+                        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, report_to=[],
+                        use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
+                        center_rewards_coefficient=center, max_length=None)
+    trainer = RewardTrainer(model=str(folder), args=args, processing_class=tok,
+                            train_dataset=Dataset.from_list(rows))
+    compute = trainer.compute_loss
+
+    def recorded(model, inputs, *a, **kw):
+        loss = compute(model, inputs, *a, **kw)
+        trl_losses.append(float(loss))
+        return loss
+
+    trainer.compute_loss = recorded
+    trainer.train()
+    assert len(trl_losses) == 2
+
+    data = tmp_path / "pairs.jsonl"
+    write_rows(rows, data, validate_reward_pair)
+    stage = train_stage({"name": "rm", "objective": "reward", "dataset": str(data), "steps": 2,
+                         "global_batch_size": n, "micro_batch_size": 4, "lr": lr, "warmup_steps": 0,
+                         "schedule": "constant", "betas": [0.9, 0.999], "weight_decay": 0.0, "grad_clip": 1.0,
+                         "center_rewards_coefficient": center})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        objective = Reward(data, folder, 64, center, validation_fraction=0.0)
+        config = objective.model_config(AutoConfig.from_pretrained(folder))
+        model = build(config, cpu, lambda m: apply_fsdp(m, "fp32", False), init_dir=Path(folder), seed=0,
+                      head=objective.head)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        run = LoopConfig(stage=stage, hf_config=config.to_dict(), data_dir=data, tokenizer_dir=folder,
+                         stage_dir=tmp_path / "stage", export_dir=tmp_path / "export", seed=0, checkpoint_key="k")
+        t = Training(run, 0, 1, cpu, "fp32", config, model, optimizer, objective, objective.sampler(0), 0, False,
+                     1.0, "test", 0.0, [None], None)
+        records = [train_step(t, step)[0] for step in range(2)]
+        export_hf(model, config, tmp_path / "export", folder)
+        batch = objective.batch(torch.arange(n).numpy())
+        with torch.no_grad():
+            ours = sequence_scores(model, batch)
+    finally:
+        dist.destroy_process_group()
+    losses = [r["loss"] for r in records]
+    assert abs(losses[0] - trl_losses[0]) < 1e-5 and abs(losses[1] - trl_losses[1]) < 1e-5, (losses, trl_losses)
+    assert abs(losses[1] - losses[0]) > 1e-3, "the second step's model has moved: the comparison means something"
+    assert 0 <= records[0]["accuracy"] <= 1 and "margin" in records[0] and "mean_reward" in records[0]
+
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():
+        loaded = exported(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+        theirs = trainer.model.eval()(input_ids=batch["input_ids"],
+                                      attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    assert torch.allclose(loaded, ours, atol=1e-5), (loaded, ours)
+    assert torch.allclose(loaded, theirs, atol=1e-4), (loaded, theirs)
+
+
+def test_a_causal_lms_checkpoint_starts_a_reward_model_without_its_lm_head(tmp_path):
+    """The decoder's weights come from the causal LM, its LM head is left out, and the new score head is drawn
+    from the seed: the same seed the same head."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from amalia_ray.train.model import build
+    from amalia_ray.train.parallel import apply_fsdp
+    from tests.test_grpo import _tiny_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(_tiny_tokenizer(tmp_path)))
+    lm, _ = _models(tmp_path, tok)
+    stored = load_file(str(lm / "model.safetensors"))
+    config = AutoConfig.from_pretrained(lm)
+    config.num_labels, config.pad_token_id = 1, tok.pad_token_id
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        heads = []
+        for seed in (3, 3, 4):
+            model = build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "fp32", False), init_dir=lm,
+                          seed=seed, head="score")
+            state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            heads.append(state["score.weight"])
+        assert "lm_head.weight" not in state and "lm_head.weight" in stored
+        assert torch.equal(state["model.layers.1.mlp.up_proj.weight"], stored["model.layers.1.mlp.up_proj.weight"])
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
+    assert 0.005 < float(heads[0].std()) < 0.05  # transformers' initializer_range, 0.02
+
+
+def test_reward_pairs_may_leave_out_the_prompt_and_carry_a_margin_and_bad_ones_are_named(tmp_path):
+    from amalia_ray.core.formats.preference_pairs import read_reward_pairs
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"chosen": "Sim, é verdade.", "rejected": "Não.", "margin": 1.5}\n'
+                    '{"prompt": [{"role": "user", "content": "Olá"}], "chosen": [{"role": "assistant", '
+                    '"content": "Olá!"}], "rejected": [{"role": "assistant", "content": "?"}]}\n')
+    assert len(read_reward_pairs(good)) == 2
+    for row, why in [('{"chosen": "a", "rejected": "b", "margin": "big"}', "margin"),
+                     ('{"prompt": "p", "chosen": "a"}', "rejected"),
+                     ('{"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}',
+                      "all be strings")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"chosen": "x", "rejected": "y"}\n' + row + "\n")
+        with pytest.raises(ValueError, match=rf"bad.jsonl.*2.*{why}|{why}.*bad.jsonl"):
+            read_reward_pairs(bad)
+
+
+def test_a_margin_moves_the_loss_as_trls_does():
+    import torch.nn.functional as F
+
+    from amalia_ray.train.objectives.reward import Reward
+
+    objective = Reward.__new__(Reward)
+    objective.center, objective._sums, objective._pairs = None, torch.zeros(3, dtype=torch.float64), 0
+
+    class Scores(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, use_cache):
+            return type("Out", (), {"logits": input_ids[:, :1].float()})()
+
+    batch = {"input_ids": torch.tensor([[3], [1], [2], [2]]), "attention_mask": torch.ones(4, 1, dtype=torch.long),
+             "margin": torch.tensor([0.0, 0.5])}
+    loss, pairs = objective.loss(Scores().train(), batch)
+    expected = -F.logsigmoid(torch.tensor([3.0 - 2.0 - 0.0, 1.0 - 2.0 - 0.5])).sum()
+    assert pairs == 2 and torch.isclose(loss, expected)
+    assert objective.take_metrics()["accuracy"] == (1.0, 2)
+
+
+def test_a_reward_stage_branches_off_the_policy_in_a_recipe():
+    """The stage after a reward stage starts from the policy before it; the eval stage serves no reward model; a
+    reward given by model names an earlier reward stage."""
+    from amalia_ray.core.config import Recipe
+
+    base = {"data": {"sources": [{"name": "web", "paths": ["corpus"]}]}}
+    stages = [{"name": "sft", "objective": "sft", "dataset": "chat.jsonl", "steps": 10},
+              {"name": "rm", "objective": "reward", "dataset": "pairs.jsonl", "steps": 10},
+              {"name": "dpo", "objective": "dpo", "dataset": "prefs.jsonl", "steps": 10}]
+    recipe = Recipe.model_validate({**base, "train": stages})
+    assert [recipe.previous_policy(i) for i in range(3)] == [None, 0, 0]
+    assert [s.name for s in recipe.policy_stages] == ["sft", "dpo"]
+    assert not recipe.starts_from_checkpoint(0) and recipe.starts_from_checkpoint(1) and recipe.starts_from_checkpoint(2)
+    with pytest.raises(ValueError, match="LoRA on a reward stage"):
+        Recipe.model_validate({**base, "train": [{**stages[1], "lora": {}}]})
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        Recipe.model_validate({**base, "train": [stages[1]], "eval": {"tasks": [{"name": "t", "path": "t.jsonl"}]}})
