@@ -211,10 +211,13 @@ def carry_over_data_stages(demo_run, run_dir: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def post_training(demo_run, recipe_path) -> Path:
-    """The demo run continued: pretrain -> LoRA sft (merged) on conversations made from the Debian FAQ -> on-policy
-    dpo, trained up to sft here (test_e2e.py trains the rest; test_e2e_serving.py serves the sft adapter). Returns
-    the recipe."""
+    """The demo run continued: pretrain -> LoRA sft (merged) on conversations made from the Debian FAQ -> a reward
+    model from sft on arithmetic preference pairs -> on-policy dpo from sft, its candidates ranked by rules and the
+    reward model; trained up to sft here (test_e2e.py trains the rest; test_e2e_serving.py serves the sft adapter).
+    Returns the recipe."""
     from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.core.formats.jsonl import write_rows
+    from amalia_ray.core.formats.preference_pairs import validate_reward_pair
     from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.faq_chats import write_faq_conversations
     from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
@@ -224,13 +227,19 @@ def post_training(demo_run, recipe_path) -> Path:
     assert write_faq_conversations(Path("/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"), chats) >= 100
     tasks = recipe_path.parent / "dpo-tasks.jsonl"
     write_tasks(arithmetic_tasks(48, seed=1), tasks)
+    pairs = recipe_path.parent / "reward-pairs.jsonl"
+    write_rows([{"prompt": t["prompt"], "chosen": [{"role": "assistant", "content": f"A resposta é {t['answer']}."}],
+                 "rejected": [{"role": "assistant", "content": f"A resposta é {int(float(t['answer'])) + 7}."}]}
+                for t in arithmetic_tasks(64, seed=2)], pairs, validate_reward_pair)
     data = yaml.safe_load(recipe_path.read_text())
     sft = {**common_fields(data["train"][0]), "name": "sft", "objective": "sft", "dataset": str(chats),
            "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 4}
     dpo = {**sft, "name": "dpo", "objective": "dpo", "dataset": str(tasks), "on_policy": True, "num_generations": 4,
-           "max_completion_length": 24, "seq_len": 160, "rewards": ["exact_answer", "has_number"], "steps": 4,
-           "lr": 0.0005, "beta": 0.1, "checkpoint_every": 4}
-    data["train"] += [{**sft, "lora": {"r": 8, "alpha": 16, "merge": True}}, dpo]
+           "max_completion_length": 24, "seq_len": 160, "steps": 4, "lr": 0.0005, "beta": 0.1, "checkpoint_every": 4,
+           "rewards": ["exact_answer", "has_number", {"model": "rm", "weight": 0.5}]}
+    rm = {**sft, "name": "rm", "objective": "reward", "dataset": str(pairs), "seq_len": 160, "steps": 4,
+          "warmup_steps": 0, "lr": 0.0005, "checkpoint_every": 4}
+    data["train"] += [{**sft, "lora": {"r": 8, "alpha": 16, "merge": True}}, rm, dpo]
     post_recipe = recipe_path.parent / "post.yaml"
     post_recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     Pipeline(load_recipe(post_recipe)).run(until="sft")

@@ -184,22 +184,36 @@ def test_second_run_skips_unchanged_stages(demo_run, recipe_path, capsys):
 
 
 def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(post_training):
-    """pretrain -> LoRA sft on conversations made from the Debian FAQ -> AMALIA-style on-policy dpo: the pairs are
-    sampled from the sft checkpoint through the vLLM engine and ranked by rewards. Each stage starts from the
-    previous stage's export — dpo from the LoRA stage's merged weights —, sft trains adapters on assistant tokens
+    """pretrain -> LoRA sft on conversations made from the Debian FAQ -> a reward model -> AMALIA-style on-policy
+    dpo: the pairs are sampled from the sft checkpoint through the vLLM engine and ranked by rule rewards and the
+    reward model, trained from sft by Ray Train and served by Ray Serve while dpo samples. Each policy stage starts
+    from the previous one's export — dpo from the LoRA stage's merged weights, past the reward model, which
+    branches off sft and is not served for evaluation —, sft trains adapters on assistant tokens
     only and checkpoints nothing else, its PEFT adapter folder on the pretrained export gives the merged export's
     logits, dpo starts at exactly ln 2 (the policy is its own reference before the first update), and both export
     HF checkpoints and TensorBoard events. (That DPO learns, and that its loss equals TRL's, is shown without Ray in
     test_dpo.py; LoRA's parity with PEFT in test_lora.py; full SFT runs in the demo run.)"""
+    from transformers import AutoConfig
+
+    from amalia_ray.pipeline.stages import served_models
+
     pipeline = Pipeline(load_recipe(post_training))
     pipeline.run(until="dpo")
     stages = pipeline.manifest.stages
     assert stages["pretrain"].attempts == 1 and stages["sft"].attempts == 1, "pretrain and sft unchanged: skipped"
-    for name in ("sft", "dpo"):
+    for name in ("sft", "rm", "dpo"):
         rec = stages[name]
         assert rec.status == "completed" and "init_checkpoint" in rec.inputs and "dataset" in rec.inputs
         assert (pipeline.checkpoint_of(name) / "model.safetensors").exists()
         assert list((pipeline.run_dir / name / "tensorboard").glob("events.out.tfevents.*"))
+    assert stages["rm"].inputs["init_checkpoint"] == stages["dpo"].inputs["init_checkpoint"], "both from sft"
+    assert "reward_model:rm" in stages["dpo"].inputs, "the reward model's weights decide whether dpo reruns"
+    rm = read_jsonl(pipeline.run_dir / "rm" / "metrics.jsonl")
+    assert [h["step"] for h in rm] == [1, 2, 3, 4] and all(math.isfinite(h["loss"]) and 0 <= h["accuracy"] <= 1
+                                                           for h in rm)
+    rm_config = AutoConfig.from_pretrained(pipeline.checkpoint_of("rm"))
+    assert rm_config.architectures == ["LlamaForSequenceClassification"] and rm_config.num_labels == 1
+    assert pipeline.model_id("rm") not in served_models(pipeline, paths=False)[0], "a reward model is not served"
     sft = read_jsonl(pipeline.run_dir / "sft" / "metrics.jsonl")
     assert [h["step"] for h in sft] == list(range(1, 9))
     assert all(math.isfinite(h["loss"]) for h in sft) and sft[-1]["loss_items"] < 8 * 512

@@ -206,3 +206,84 @@ def test_a_reward_stage_branches_off_the_policy_in_a_recipe():
         Recipe.model_validate({**base, "train": [{**stages[1], "lora": {}}]})
     with pytest.raises(ValueError, match="nothing to evaluate"):
         Recipe.model_validate({**base, "train": [stages[1]], "eval": {"tasks": [{"name": "t", "path": "t.jsonl"}]}})
+
+
+def test_a_served_reward_model_scores_a_rollout_in_batches_as_transformers_does(ray_cluster, tmp_path):
+    """The reward server (Ray Serve, no HTTP route) gets a rollout's completions as separate requests at once,
+    gathers them into batches, and scores each as transformers' own classifier does alone; a stage's scorer reaches
+    it by its application name, and refuses a reward model it was not given."""
+    from ray import serve
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from amalia_ray.core.config import RewardConfig
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.core.reward_text import reward_input_ids
+    from amalia_ray.serve import app as serve_app
+    from amalia_ray.serve import reward_server
+    from amalia_ray.train.reward_scoring import RewardScorer
+    from tests.test_grpo import _tiny_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(_tiny_tokenizer(tmp_path)))
+    _, folder = _models(tmp_path, tok)
+    rows = _pairs(12)
+    prompts = [[{"role": "user", "content": r["prompt"]}] if i % 2 else r["prompt"] for i, r in enumerate(rows)] * 2
+    completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    name = reward_server.app_name("test", 0)
+    reward_server.start(folder, name, use_gpu=False)
+    try:
+        assert serve_app.running_serve()["applications"][name]["route_prefix"] is None, "handles only"
+        sources = [RewardConfig(model="rm", weight=1.0)]
+        scores = RewardScorer(sources, reward_apps={"rm": name}).score(prompts, completions, [{}] * len(prompts))
+        stats = serve.get_app_handle(name).stats.remote().result()
+    finally:
+        serve_app.stop(name)
+    assert name not in (serve_app.running_serve() or {}).get("applications", {})
+    assert stats["requests"] == len(completions) and stats["largest_batch"] > 1, stats
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        alone = [float(model(input_ids=torch.tensor([reward_input_ids(tok, p, c)])).logits[0, 0])
+                 for p, c in zip(prompts, completions)]
+    assert torch.allclose(scores[:, 0], torch.tensor(alone), atol=1e-5), (scores[:, 0], alone)
+    with pytest.raises(AmaliaError, match="not served"):
+        RewardScorer(sources)
+
+
+def test_a_stage_finds_its_reward_models_and_a_gpu_cluster_too_small_for_them_is_refused(tmp_path):
+    """A reward named by a stage is that stage's export, another a folder relative to the recipe; each replica
+    needs a GPU of its own beside the workers (and a separate rollout engine) on a GPU cluster."""
+    from types import SimpleNamespace
+
+    from amalia_ray.core.config import Recipe
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.pipeline.stages import check_gpus_for_reward_models, reward_models
+
+    recipe = Recipe.model_validate({
+        "data": {"sources": [{"name": "web", "paths": ["corpus"]}]},
+        "train": [{"name": "rm", "objective": "reward", "dataset": "pairs.jsonl", "steps": 10},
+                  {"name": "rl", "objective": "grpo", "dataset": "tasks.jsonl", "steps": 10, "rewards": [
+                      "format", {"model": "rm", "weight": 0.5}, {"model": "models/judge-rm"}],
+                   "rollout": {"placement": "separate"}, "num_workers": 2}]})
+    p = SimpleNamespace(recipe=recipe, checkpoint_of=lambda name: tmp_path / name / "hf",
+                        loaded=SimpleNamespace(resolve=lambda path: tmp_path / path))
+    assert reward_models(p, recipe.train[1]) == {"rm": tmp_path / "rm" / "hf",
+                                                 "models/judge-rm": tmp_path / "models/judge-rm"}
+    assert reward_models(p, recipe.train[0]) == {}
+    check_gpus_for_reward_models(recipe.train[1], 2, 5)
+    with pytest.raises(AmaliaError, match="need 5 GPUs, one each; the cluster has 4"):
+        check_gpus_for_reward_models(recipe.train[1], 2, 4)
+    with pytest.raises(ValueError, match="not a reward stage before it"):
+        Recipe.model_validate({**recipe.model_dump(mode="json", by_alias=True, exclude_unset=True),
+                               "train": [recipe.train[1].model_dump(mode="json", exclude_unset=True),
+                                         recipe.train[0].model_dump(mode="json", exclude_unset=True)]})
+
+
+def test_serving_a_reward_model_for_chat_is_refused_with_the_reason(tmp_path):
+    import json
+
+    from amalia_ray.core.config import ServeConfig
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.serve.app import llm_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForSequenceClassification"]}))
+    with pytest.raises(AmaliaError, match="is a reward model .* does not generate"):
+        llm_config("rm", tmp_path, ServeConfig(), use_gpu=False)

@@ -25,6 +25,7 @@ from amalia_ray.evals.evaluate import metrics_of, run_task
 from amalia_ray.evals.tasks import item_text, load_task, task_of_file
 from amalia_ray.pipeline.spec import RunContext, StageSpec
 from amalia_ray.serve import app as serve_app
+from amalia_ray.serve import reward_server
 from amalia_ray.train.model import check_config
 from amalia_ray.train.train_stage import run_train_stage
 
@@ -48,6 +49,10 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
     for stage in r.train:
         if stage.data_path and not p.loaded.resolve(stage.data_path).exists():
             raise AmaliaError(f"train stage '{stage.name}': dataset not found: {p.loaded.resolve(stage.data_path)}")
+        for ref, folder in reward_models(p, stage).items():
+            if ref not in {s.name for s in r.train} and not (folder / "config.json").is_file():
+                raise AmaliaError(f"train stage '{stage.name}': reward model '{ref}' is neither a reward stage of "
+                                  f"the recipe nor a checkpoint folder (no {folder / 'config.json'})")
     for i, task in enumerate(r.eval.tasks):
         task, path = eval_task(p, task)
         if not path.exists():
@@ -132,10 +137,11 @@ def by_content(inputs: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]
 def logical_cpus_needed(r) -> int:
     """Logical CPUs the recipe's widest step holds at once: serving every trained model side by side (a vLLM
     replica holds its actor's CPU and its engine bundle's) plus the ingress and slack, or the widest training stage
-    plus its rollout engine and controller."""
+    plus its rollout engine, controller and reward models."""
     served = len(r.policy_stages) + (1 if r.model.base else 0)  # a base model is served beside its stages (at most)
     serve = 2 * served * r.serve.cpus_per_replica * r.serve.max_replicas + 4
-    train = max((s.worker_range[1] * s.cpus_per_worker + 3 for s in r.train), default=0)
+    train = max((s.worker_range[1] * s.cpus_per_worker + 3
+                 + sum(w.model is not None for w in getattr(s, "reward_sources", ())) for s in r.train), default=0)
     return max(serve if r.eval.tasks else 0, train)
 
 
@@ -195,7 +201,8 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         init = starting_checkpoint(p, index)
         data = {"dataset": p.loaded.resolve(stage.data_path)} if stage.data_path else {"packed": d("pack")}
         inputs, named = by_content({**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {}),
-                                    **variety_models(p, stage)})
+                                    **variety_models(p, stage),
+                                    **{f"reward_model:{ref}": path for ref, path in reward_models(p, stage).items()}})
         gpu = use_gpu(p)
         # a LoRA stage exports its adapter folder, and the merged weights when it merges
         outputs = {**({"adapter": d(stage.name) / "adapter"} if stage.lora else {}),
@@ -317,21 +324,64 @@ def variety_models(p: RunContext, section) -> dict[str, Path]:
     return {"variety_model": p.loaded.resolve(model)} if model else {}
 
 
+def reward_models(p: RunContext, stage) -> dict[str, Path]:
+    """The reward models a sampled stage's rewards name (as the recipe names them) -> their checkpoint folders: an
+    earlier reward stage's export, or a folder relative to the recipe. Only a stage that samples has any."""
+    sampled = stage.objective == "grpo" or getattr(stage, "on_policy", False)
+    names = {s.name for s in p.recipe.train}
+    return {r.model: p.checkpoint_of(r.model) if r.model in names else p.loaded.resolve(r.model)
+            for r in (stage.reward_sources if sampled else ()) if r.model is not None}
+
+
+@contextmanager
+def serving_reward_models(p: RunContext, stage, gpu: bool) -> Iterator[dict[str, str]]:
+    """The stage's reward models served while it trains (reward model -> Serve application), deleted after."""
+    apps: dict[str, str] = {}
+    if gpu and (models := reward_models(p, stage)):
+        import ray
+
+        check_gpus_for_reward_models(stage, len(models), int(ray.cluster_resources().get("GPU", 0)))
+    try:
+        for i, (ref, folder) in enumerate(reward_models(p, stage).items()):
+            stage_line(stage.name, f"serving reward model {escape(ref)}")
+            apps[ref] = reward_server.start(folder, reward_server.app_name(f"{p.run_name}-{stage.name}", i), gpu)
+        yield apps
+    finally:
+        for app in apps.values():
+            serve_app.stop(app)
+
+
+def check_gpus_for_reward_models(stage, models: int, cluster_gpus: int) -> None:
+    """On GPUs each reward model's replica holds a GPU of its own beside the stage's workers (and a separate rollout
+    engine's): a cluster without that many would leave the replica, or the workers after it, waiting forever."""
+    separate = getattr(getattr(stage, "rollout", None), "placement", None) == "separate"
+    needed = stage.worker_range[0] + models + int(separate)
+    if cluster_gpus < needed:
+        raise AmaliaError(f"train stage '{stage.name}': {stage.worker_range[0]} training worker(s)"
+                          f"{', a separate rollout engine' if separate else ''} and {models} reward model(s) need "
+                          f"{needed} GPUs, one each; the cluster has {cluster_gpus}: add GPUs, or lower num_workers")
+
+
 def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
     def body() -> dict:
         # same fingerprint -> same Ray Train run name -> Ray resumes from that run's latest checkpoint
         fingerprint = p.manifest.stage(stage.name).fingerprint
-        return run_train_stage(
-            with_variety_model(p, stage), p.recipe.model,
-            data_dir=p.loaded.resolve(stage.data_path) if stage.data_path else p.stage_dir("pack"),
-            tokenizer_dir=p.stage_dir("tokenizer"),
-            init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
-            ray_run_name=f"{stage.name}-{fingerprint}",
-            seed=p.recipe.run.seed, use_gpu=gpu, stop_file=stop_file(p.run_dir),
-            step_transient=_step_transient(p, stage),
-            **({"storage_path": p.store.path(f"{stage.name}/ray"), "storage_filesystem": p.store.fs} if p.store else {}),
-        )
+        with serving_reward_models(p, stage, gpu) as reward_apps:
+            return _train(p, stage, init, gpu, fingerprint, reward_apps)
     return body
+
+
+def _train(p: RunContext, stage, init: Path | None, gpu: bool, fingerprint: str, reward_apps: dict[str, str]) -> dict:
+    return run_train_stage(
+        with_variety_model(p, stage), p.recipe.model,
+        data_dir=p.loaded.resolve(stage.data_path) if stage.data_path else p.stage_dir("pack"),
+        tokenizer_dir=p.stage_dir("tokenizer"),
+        init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
+        ray_run_name=f"{stage.name}-{fingerprint}",
+        seed=p.recipe.run.seed, use_gpu=gpu, stop_file=stop_file(p.run_dir),
+        step_transient=_step_transient(p, stage), reward_apps=reward_apps,
+        **({"storage_path": p.store.path(f"{stage.name}/ray"), "storage_filesystem": p.store.fs} if p.store else {}),
+    )
 
 
 def _step_transient(p: RunContext, stage):

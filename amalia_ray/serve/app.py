@@ -67,6 +67,10 @@ def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool,
         raise AmaliaError(f"not a HF checkpoint (no config.json): {checkpoint}")
     if ":" in model_id:
         raise AmaliaError(f"model id '{model_id}': ':' is kept for adapters (MODEL:ADAPTER); name it without one")
+    if any(a.endswith("ForSequenceClassification") for a in _architectures(checkpoint)):
+        raise AmaliaError(f"{checkpoint} is a reward model (a sequence classifier): it scores text and does not "
+                          "generate, so it has no OpenAI chat endpoint; a sampled train stage serves it as a reward "
+                          "(rewards: [{model: ...}])")
     config = {
         "model_loading_config": {"model_id": model_id, "model_source": str(checkpoint.resolve())},
         "deployment_config": {
@@ -87,6 +91,13 @@ def llm_config(model_id: str, checkpoint: Path, cfg: ServeConfig, use_gpu: bool,
         config["lora_config"] = {"max_num_adapters_per_replica": len(adapters)}
         config["adapters"] = {name: str(path.resolve()) for name, path in adapters.items()}
     return config
+
+
+def _architectures(checkpoint: Path) -> list[str]:
+    try:
+        return list(json.loads((checkpoint / "config.json").read_text()).get("architectures") or [])
+    except (ValueError, OSError, AttributeError):  # an unreadable config is vLLM's to report, with its reason
+        return []
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM's LoRA engine takes
@@ -288,6 +299,11 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
             stop(name)
         raise
     return Served(base_url, failed)
+
+
+def note_started_serve(name: str) -> None:
+    """The application `name` started Serve: its `stop` shuts Serve down when no other application runs."""
+    _started_serve.add(name)
 
 
 def _reachable(host: str) -> str:

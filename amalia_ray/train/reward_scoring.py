@@ -1,6 +1,7 @@
 """What a sampled stage (GRPO, on-policy DPO) scores its completions with: its rewards (`rewards:`), each a rule
-(core/rewards.py, called per completion) or an LLM judge (core/judge.py: every completion of a rollout graded over
-HTTP, concurrently, with retries and a timeout). A score is missing (NaN) where a judge could not grade; the caller
+(core/rewards.py, called per completion), a reward model (served by Ray Serve: every completion of a rollout sent
+through the application's handle at once, and batched there) or an LLM judge (core/judge.py: every completion of a
+rollout graded over HTTP, concurrently, with retries and a timeout). A score is missing (NaN) where a judge could not grade; the caller
 leaves such a completion out of what it learns from and counts it, and the step goes on."""
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ log = logging.getLogger("amalia_ray.train")
 
 class RewardScorer:
     def __init__(self, sources: list[RewardConfig], variety_model: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, reward_apps: dict[str, str] | None = None):
         self.sources, self.transport = sources, transport  # transport: the judges' HTTP, replaced in tests
         self.labels = reward_labels(sources)
         self.weights = torch.tensor([r.weight for r in sources], dtype=torch.float32)
         self.rules = {i: get_reward(r.name, variety_model) for i, r in enumerate(sources) if r.name is not None}
         self.judges = {i: r.judge for i, r in enumerate(sources) if r.judge is not None}
+        self.models = {i: r.model for i, r in enumerate(sources) if r.model is not None}
+        if unserved := sorted({m for m in self.models.values() if m not in (reward_apps or {})}):
+            raise AmaliaError(f"reward model(s) {unserved} are not served: a stage run by the pipeline has them "
+                              "served beside it; run on its own, serve each (serve/reward_server.py `start`) and "
+                              "pass reward_apps={model: application name}")
+        self.reward_apps = dict(reward_apps or {})
 
     def score(self, prompts: list, completions: list[str], tasks: list[dict]) -> torch.Tensor:
         """(completions, rewards): each reward's score of each completion (of the prompt and task at the same
@@ -38,6 +45,8 @@ class RewardScorer:
         out = torch.full((len(completions), len(self.sources)), math.nan, dtype=torch.float32)
         for i, fn in self.rules.items():
             out[:, i] = torch.tensor([float(fn(c, t)) for c, t in zip(completions, tasks)], dtype=torch.float32)
+        for i, model in self.models.items():
+            out[:, i] = torch.tensor(model_scores(self.reward_apps[model], prompts, completions), dtype=torch.float32)
         for i, judge in self.judges.items():
             grades = asyncio.run(judge_grades(judge, [question_of(p) for p in prompts], completions,
                                               [reference_of(t) for t in tasks], self.transport))
@@ -49,6 +58,25 @@ class RewardScorer:
         weight 0 is only logged)."""
         counted = self.weights != 0
         return torch.where(counted | ~scores.isnan(), scores, 0.0) @ self.weights
+
+
+# how long a rollout's completions may wait for the reward model's scores
+MODEL_TIMEOUT_S = 1800
+
+
+def model_scores(app: str, prompts: list, completions: list[str]) -> list[float]:
+    """The reward model served as the Serve application `app`: each (prompt, completion) sent as its own request at
+    once, so the replica gathers them into batches; the scores in order. A reward model that fails stops the stage
+    (it scores every completion: there is no partial answer to go on with)."""
+    from ray import serve
+
+    handle = serve.get_app_handle(app)
+    pending = [handle.score.remote((p, c)) for p, c in zip(prompts, completions)]
+    try:
+        return [float(r.result(timeout_s=MODEL_TIMEOUT_S)) for r in pending]
+    except Exception as e:  # noqa: BLE001 - Serve raises the replica's error, or a timeout
+        raise AmaliaError(f"the reward model served as '{app}' failed to score the rollout: {type(e).__name__}: "
+                          f"{e}") from None
 
 
 async def judge_grades(cfg: JudgeRewardConfig, questions: list[str], answers: list[str],
@@ -106,7 +134,8 @@ def reference_of(task: dict) -> str | None:
 
 
 def reward_labels(sources: list[RewardConfig]) -> list[str]:
-    """Each reward's metric name (`rewards/<label>`): its name, or `judge:<model>`, numbered when two share one."""
+    """Each reward's metric name (`rewards/<label>`): its name, `model:<model>` or `judge:<model>`, numbered when two
+    share one."""
     labels = [r.label for r in sources]
     return [label if labels.count(label) == 1 else f"{label}#{labels[:i + 1].count(label)}"
             for i, label in enumerate(labels)]

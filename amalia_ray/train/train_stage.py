@@ -85,6 +85,7 @@ def run_train_stage(
     progress: bool = True,
     stop_file: Path | None = None,
     step_transient=None,
+    reward_apps: dict[str, str] | None = None,
 ) -> dict:
     """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
     the latest checkpoint Ray Train recorded for it. When `stop_file` appears, the workers checkpoint and stop early
@@ -93,7 +94,8 @@ def run_train_stage(
     stage starts from (a base model's folder or the previous stage's export; None: random weights); `base_dir` the
     base model whose config gives the architecture (model.from); `step_transient(tokens)` what a step adds
     above the sharded training state at sequences of that many tokens (`amalia plan`'s arithmetic), left free beside
-    a colocated rollout engine."""
+    a colocated rollout engine. `reward_apps`: each reward model the stage's rewards name (as the recipe names it)
+    -> the Ray Serve application serving it (serve/reward_server.py)."""
     from amalia_ray.train.hf_weights import stored_dtype
 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -127,6 +129,7 @@ def run_train_stage(
             seed=seed,
             stop_file=Path(stop_file) if stop_file else None,
             step_transient=step_transient,
+            reward_apps=dict(reward_apps or {}),
             checkpoint_key=key,  # masked wherever it might be printed, and left out of the config's repr
         )},
         torch_config=TorchConfig(backend=process_group_backend(use_gpu)),

@@ -255,26 +255,30 @@ class JudgeRewardConfig(JudgeConfig):
 
 
 class RewardConfig(Strict):
-    """One reward of a sampled stage and its weight: a rule by name, or an LLM judge."""
+    """One reward of a sampled stage and its weight: a rule by name, a trained reward model, or an LLM judge."""
     name: str | None = Field(None, description="a rule reward: format, exact_answer, has_number, pt_variety, or "
                              "module:function(completion, task) -> float")
+    model: str | None = Field(None, description="a reward model: the name of an earlier reward stage (objective: "
+                              "reward), or a HF sequence-classification checkpoint folder with one output (relative "
+                              "to the recipe). Served by Ray Serve beside the stage while it samples (one replica: a "
+                              "GPU of its own on GPU clusters, a CPU otherwise), completions scored in batches; its "
+                              "score, unbounded, is the reward")
     judge: JudgeRewardConfig | None = Field(None, description="an LLM judge")
-    model: str | None = Field(None, description="a trained reward model: not available; refused")
     weight: float = Field(1.0, description="the reward's weight in the sum a completion is scored by")
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:
-        if self.model is not None:
-            raise ValueError("reward models are not available as rewards: score with a rule (name) or an LLM judge "
-                             "(judge)")
-        if (self.name is None) == (self.judge is None):
-            raise ValueError("a reward is either a rule (name) or an LLM judge (judge), exactly one of them")
+        if sum(x is not None for x in (self.name, self.model, self.judge)) != 1:
+            raise ValueError("a reward is a rule (name), a reward model (model) or an LLM judge (judge), exactly one "
+                             "of them")
         return self
 
     @property
     def label(self) -> str:
         """How the reward's own metric is named (`rewards/<label>`)."""
-        return self.name if self.name is not None else f"judge:{self.judge.model}"
+        if self.name is not None:
+            return self.name
+        return f"model:{self.model}" if self.model is not None else f"judge:{self.judge.model}"
 
 
 class _SampledStage(_DatasetStage):
@@ -282,7 +286,7 @@ class _SampledStage(_DatasetStage):
     rewards: list[str | RewardConfig] = Field(
         ["format", "exact_answer"], min_length=1, description="what completions are scored by, summed with their "
         "weights: rule rewards by name (format, exact_answer, has_number, pt_variety, or module:function(completion, "
-        "task) -> float), or objects {name | judge: {...}, weight}")
+        "task) -> float), or objects {name | model: STAGE_OR_PATH | judge: {...}, weight}")
     reward_weights: list[float] | None = Field(None, description="weight of each reward named by a string "
                                                "(default all 1); rewards given as objects carry their own")
     variety_model: str | None = Field(None, description="the variety classifier the pt_variety reward scores "
@@ -335,7 +339,8 @@ class DPOStage(_SampledStage):
 
 
 class GRPOStage(_SampledStage):
-    """Group relative policy optimization (DeepSeek-R1) on task prompts, scored by rule rewards or LLM judges."""
+    """Group relative policy optimization (DeepSeek-R1) on task prompts, scored by rule rewards, reward models or LLM
+    judges."""
     objective: Literal["grpo"]
     lr: float = Field(1e-6, gt=0, description="peak learning rate (TRL's GRPO default)")
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL penalty to the initial model (0: none, no "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -34,6 +34,8 @@ class StageInputs:
     # tokens of a sequence -> bytes a training step adds above the sharded state (`amalia plan`'s arithmetic):
     # what a colocated rollout engine leaves free on the device
     step_transient: Callable[[int], int] | None = None
+    # a reward model (`rewards: [{model: …}]`, as the recipe names it) -> the Serve application scoring with it
+    reward_apps: dict[str, str] = field(default_factory=dict)
 
 
 class Objective(ABC):

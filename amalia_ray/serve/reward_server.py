@@ -1,0 +1,122 @@
+"""A trained reward model (a transformers sequence classifier with one output, as the reward stage exports) served by
+Ray Serve for a sampled training stage: the stage's trainer sends each completion as a request through a deployment
+handle, and Serve gathers the requests that arrive together into batches (`serve.batch`) the model scores in one
+forward pass each. The application has no HTTP route (handles only), and where this starts Serve it starts it with
+no HTTP proxy: nothing listens on a port for it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.reward_text import reward_input_ids
+
+# requests gathered into one batch, and how long the first waits for others (a rollout sends all of its at once)
+MAX_BATCH_SIZE = 64
+BATCH_WAIT_S = 0.02
+# padded tokens of one forward pass: a batch of long completions is scored in slices of at most this many
+MAX_BATCH_TOKENS = 32768
+
+
+def app_name(run_label: str, index: int) -> str:
+    """The Serve application of a stage's `index`-th reward model."""
+    return f"amalia-{run_label}-reward-{index}"
+
+
+class RewardModel:
+    """One replica: the tokenizer and the classifier of a checkpoint folder, on the replica's GPU when it has one."""
+
+    def __init__(self, checkpoint: str, use_gpu: bool):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if use_gpu and not torch.cuda.is_available():
+            raise AmaliaError(f"the reward model {checkpoint} was given a GPU that torch {torch.__version__} cannot "
+                              "use (CUDA unavailable on its node)")
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.tok = AutoTokenizer.from_pretrained(checkpoint)
+        dtype = torch.bfloat16 if use_gpu else torch.float32
+        self.model = AutoModelForSequenceClassification.from_pretrained(checkpoint, dtype=dtype).to(self.device)
+        self.model.eval()
+        if self.model.config.num_labels != 1:
+            raise AmaliaError(f"{checkpoint}: a sequence classifier with {self.model.config.num_labels} outputs; a "
+                              "reward model has one (a reward stage's export, or num_labels: 1)")
+        pad = self.model.config.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tok.pad_token_id if self.tok.pad_token_id is not None
+                                                   else self.tok.eos_token_id)
+        self.model.config.pad_token_id = self.pad_id  # the classifier finds each sequence's last token by it
+        self.max_len = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        self.seen = {"requests": 0, "batches": 0, "largest_batch": 0, "cut": 0}
+
+    def _scores(self, items: list[tuple]) -> list[float]:
+        import torch
+
+        ids = [reward_input_ids(self.tok, prompt, answer) for prompt, answer in items]
+        self.seen["cut"] += sum(len(s) > self.max_len for s in ids)
+        ids = [s[:self.max_len] for s in ids]  # past the model's positions: scored on its start
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        scores = [0.0] * len(ids)
+        start = 0
+        while start < len(order):  # shortest first, slices of at most MAX_BATCH_TOKENS padded tokens
+            end = start + 1
+            while end < len(order) and (end + 1 - start) * len(ids[order[end]]) <= MAX_BATCH_TOKENS:
+                end += 1
+            part = [ids[i] for i in order[start:end]]
+            width = max(map(len, part))
+            input_ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
+            attention = torch.zeros((len(part), width), dtype=torch.long)
+            for row, s in enumerate(part):
+                input_ids[row, :len(s)], attention[row, :len(s)] = torch.tensor(s), 1
+            with torch.no_grad():
+                out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device))
+            for i, value in zip(order[start:end], out.logits[:, 0].float().cpu().tolist()):
+                scores[i] = value
+            start = end
+        return scores
+
+    async def score(self, items: list[tuple]) -> list[float]:
+        """Each (prompt, answer)'s reward; Serve calls this with the requests it gathered."""
+        self.seen["requests"] += len(items)
+        self.seen["batches"] += 1
+        self.seen["largest_batch"] = max(self.seen["largest_batch"], len(items))
+        return await asyncio.to_thread(self._scores, items)
+
+    def stats(self) -> dict:
+        """Requests and batches served so far (how well requests were gathered)."""
+        return dict(self.seen)
+
+
+def deployment(checkpoint: Path, use_gpu: bool, cpus: float = 1.0):
+    """The Serve application of one reward model: one replica (one GPU, or `cpus` CPUs)."""
+    from ray import serve
+
+    cls = type("RewardModel", (RewardModel,), {
+        "score": serve.batch(max_batch_size=MAX_BATCH_SIZE, batch_wait_timeout_s=BATCH_WAIT_S)(RewardModel.score)})
+    resources = {"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cpus}
+    return serve.deployment(cls, name="reward-model", ray_actor_options=resources,
+                            max_ongoing_requests=4 * MAX_BATCH_SIZE).bind(str(checkpoint), use_gpu)
+
+
+def start(checkpoint: Path, name: str, use_gpu: bool) -> str:
+    """Deploy the reward model in `checkpoint` as the application `name` and wait until its replica is up; returns
+    the name (what `handle(name)` reaches). Where Serve does not run yet it is started without an HTTP proxy."""
+    from ray import serve
+
+    from amalia_ray.serve.app import note_started_serve, running_serve
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "config.json").is_file():
+        raise AmaliaError(f"reward model {checkpoint}: no config.json there (a reward stage's hf/ folder, or a HF "
+                          "sequence-classification checkpoint)")
+    if running_serve() is None:
+        serve.start(proxy_location="Disabled")
+        note_started_serve(name)
+    try:
+        serve.run(deployment(checkpoint, use_gpu), name=name, route_prefix=None)
+    except Exception as e:  # noqa: BLE001 - Serve reports a replica's failure as a RuntimeError with its trace
+        from amalia_ray.serve.app import stop
+
+        stop(name)
+        raise AmaliaError(f"reward model {checkpoint} could not be served: {e}") from None
+    return name
