@@ -36,9 +36,12 @@ def main(argv: list[str] | None = None) -> int:
             raise AmaliaError("jobs.serve deploys onto a cluster (RAY_ADDRESS is not set); on this machine use "
                               "`amalia serve CHECKPOINT...`")
         pipeline = Pipeline(load_recipe(args.recipe), run_name=args.run_name)
-        names = args.stage or [s.name for s in pipeline.recipe.train]
+        names = args.stage or [s.name for s in pipeline.recipe.policy_stages]
         if unknown := set(names) - {s.name for s in pipeline.recipe.train}:
             raise AmaliaError(f"unknown train stage(s) {sorted(unknown)}")
+        if scorers := sorted(set(names) - {s.name for s in pipeline.recipe.policy_stages}):
+            raise AmaliaError(f"train stage(s) {scorers} train reward models, which score text and do not generate: "
+                              "there is nothing of them to serve on the OpenAI API")
         # as the eval stage serves them: LoRA stages as adapters on the engine of the checkpoint they were trained from
         engines, adapters = served_models(pipeline)
         wanted = {pipeline.model_id(n) for n in names}

@@ -287,3 +287,45 @@ def test_serving_a_reward_model_for_chat_is_refused_with_the_reason(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForSequenceClassification"]}))
     with pytest.raises(AmaliaError, match="is a reward model .* does not generate"):
         llm_config("rm", tmp_path, ServeConfig(), use_gpu=False)
+
+
+def test_a_stages_reward_models_are_stopped_in_reverse_so_the_one_that_started_serve_shuts_it_down(
+        tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from amalia_ray.core.config import Recipe
+    from amalia_ray.pipeline import stages
+
+    recipe = Recipe.model_validate({
+        "data": {"sources": [{"name": "web", "paths": ["corpus"]}]},
+        "train": [{"name": "rl", "objective": "grpo", "dataset": "tasks.jsonl", "steps": 10,
+                   "rewards": [{"model": "a"}, {"model": "b"}]}]})
+    p = SimpleNamespace(recipe=recipe, run_name="run", checkpoint_of=lambda name: tmp_path / name,
+                        loaded=SimpleNamespace(resolve=lambda path: tmp_path / path))
+    calls = []
+    monkeypatch.setattr(stages.reward_server, "start", lambda folder, name, gpu: calls.append(("start", name)) or name)
+    monkeypatch.setattr(stages.serve_app, "stop", lambda name: calls.append(("stop", name)))
+    with stages.serving_reward_models(p, recipe.train[0], gpu=False) as apps:
+        assert list(apps) == ["a", "b"]
+    first, second = apps["a"], apps["b"]
+    assert calls == [("start", first), ("start", second), ("stop", second), ("stop", first)]
+
+
+def test_a_folder_named_as_a_reward_model_must_be_a_one_output_classifier(tmp_path):
+    import json
+
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.serve.reward_server import check_checkpoint
+
+    for config, why in [({"architectures": ["LlamaForCausalLM"]}, "no sequence classifier"),
+                        ({"architectures": ["LlamaForSequenceClassification"]}, "2 outputs"),
+                        ({"architectures": ["LlamaForSequenceClassification"],
+                          "id2label": {"0": "bad", "1": "good"}}, "2 outputs")]:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(AmaliaError, match=why):
+            check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                      "id2label": {"0": "LABEL_0"}}))
+    check_checkpoint(tmp_path)
+    with pytest.raises(AmaliaError, match="no config.json"):
+        check_checkpoint(tmp_path / "missing")

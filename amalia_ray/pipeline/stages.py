@@ -50,9 +50,12 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         if stage.data_path and not p.loaded.resolve(stage.data_path).exists():
             raise AmaliaError(f"train stage '{stage.name}': dataset not found: {p.loaded.resolve(stage.data_path)}")
         for ref, folder in reward_models(p, stage).items():
-            if ref not in {s.name for s in r.train} and not (folder / "config.json").is_file():
-                raise AmaliaError(f"train stage '{stage.name}': reward model '{ref}' is neither a reward stage of "
-                                  f"the recipe nor a checkpoint folder (no {folder / 'config.json'})")
+            if ref not in {s.name for s in r.train}:  # a folder: a reward model, read from its config alone
+                try:
+                    reward_server.check_checkpoint(folder)
+                except AmaliaError as e:
+                    raise AmaliaError(f"train stage '{stage.name}': rewards model '{ref}' is not a reward stage of "
+                                      f"the recipe, and as a folder: {e}") from None
     for i, task in enumerate(r.eval.tasks):
         task, path = eval_task(p, task)
         if not path.exists():
@@ -301,9 +304,13 @@ def benchmark_items(p: RunContext, tasks: list) -> dict[str, list[tuple[str, str
 
 
 def _train_held(stage, gpu: bool, billable_cpus: float):
+    # each reward model's replica holds a GPU (on GPU clusters) or a CPU while the stage trains
+    scorers = sum(w.model is not None for w in getattr(stage, "reward_sources", ()))
+
     def held(metrics: dict) -> dict[str, float]:
         workers = metrics.get("mean_world_size") or stage.worker_range[1]  # a failed attempt: what it asked for
-        return {"CPU": min(workers * stage.cpus_per_worker, billable_cpus), "GPU": workers if gpu else 0}
+        return {"CPU": min(workers * stage.cpus_per_worker + (0 if gpu else scorers), billable_cpus),
+                "GPU": workers + scorers if gpu else 0}
     return held
 
 
@@ -347,7 +354,7 @@ def serving_reward_models(p: RunContext, stage, gpu: bool) -> Iterator[dict[str,
             apps[ref] = reward_server.start(folder, reward_server.app_name(f"{p.run_name}-{stage.name}", i), gpu)
         yield apps
     finally:
-        for app in apps.values():
+        for app in reversed(apps.values()):  # the first started Serve: stopped last, it shuts Serve down
             serve_app.stop(app)
 
 

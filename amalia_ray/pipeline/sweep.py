@@ -73,6 +73,13 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
         raise AmaliaError(f"unknown train stage '{stage_name}'; train stages of this recipe: {', '.join(names)}")
     index = names.index(stage_name)
     stage = r.train[index]
+    if any(w.model is not None for w in getattr(stage, "reward_sources", ())):
+        raise AmaliaError(f"train stage '{stage_name}' is scored by a reward model: sweeping such a stage is not "
+                          "available (its trials would each need the reward model served); sweep it with rule or "
+                          "judge rewards")
+    if stage.objective == "reward" and space.benchmark:
+        raise AmaliaError(f"train stage '{stage_name}' is a reward model, which does not generate: a benchmark "
+                          "cannot score its trials; sweep it on val_loss or accuracy without benchmark")
     sources = [s.name for s in r.data.sources]
     space.check_against(stage, sources, r.starts_from_checkpoint(index))
     trial_stage = proxy_stage(stage)

@@ -268,6 +268,13 @@ def start(models: dict[str, Path], cfg: ServeConfig, use_gpu: bool, name: str,
     from ray import serve
 
     running = running_serve()
+    if running is not None and running.get("proxy_location") == "Disabled":
+        if running.get("applications"):
+            raise AmaliaError("Serve runs on this cluster without an HTTP proxy (as it starts for the reward models "
+                              f"of a training stage), with applications {sorted(running['applications'])}: stop "
+                              "them (amalia serve --stop --app NAME) or wait for that stage to finish")
+        serve.shutdown()  # left without applications: started again below with the proxy
+        running = None
     if running is None:
         check_auth(cfg)
         check_port_free(cfg.host, cfg.port)

@@ -42,11 +42,12 @@ class RewardModel:
         if self.model.config.num_labels != 1:
             raise AmaliaError(f"{checkpoint}: a sequence classifier with {self.model.config.num_labels} outputs; a "
                               "reward model has one (a reward stage's export, or num_labels: 1)")
-        pad = self.model.config.pad_token_id
+        text = self.model.config.get_text_config()  # where the classifier reads its pad id
+        pad = text.pad_token_id
         self.pad_id = pad if pad is not None else (self.tok.pad_token_id if self.tok.pad_token_id is not None
                                                    else self.tok.eos_token_id)
-        self.model.config.pad_token_id = self.pad_id  # the classifier finds each sequence's last token by it
-        self.max_len = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        text.pad_token_id = self.pad_id  # the classifier finds each sequence's last token by it
+        self.max_len = getattr(text, "max_position_embeddings", None) or 1 << 30
         self.seen = {"requests": 0, "batches": 0, "largest_batch": 0, "cut": 0}
 
     def _scores(self, items: list[tuple]) -> list[float]:
@@ -98,6 +99,27 @@ def deployment(checkpoint: Path, use_gpu: bool, cpus: float = 1.0):
                             max_ongoing_requests=4 * MAX_BATCH_SIZE).bind(str(checkpoint), use_gpu)
 
 
+def check_checkpoint(checkpoint: Path) -> None:
+    """A reward model's folder, read from its config.json alone: a sequence classifier with one output."""
+    import json
+
+    config_file = Path(checkpoint) / "config.json"
+    if not config_file.is_file():
+        raise AmaliaError(f"reward model {checkpoint}: no config.json there (a reward stage's hf/ folder, or a HF "
+                          "sequence-classification checkpoint)")
+    try:
+        config = json.loads(config_file.read_text())
+        architectures = list(config.get("architectures") or [])
+        outputs = config.get("num_labels", len(config.get("id2label") or {}) or 2)  # transformers' default: 2
+    except (ValueError, AttributeError, TypeError) as e:
+        raise AmaliaError(f"reward model {checkpoint}: config.json cannot be read ({e})") from None
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise AmaliaError(f"reward model {checkpoint}: architectures {architectures} has no sequence classifier "
+                          "(…ForSequenceClassification): a reward stage's export, or a reward model, scores text")
+    if outputs != 1:
+        raise AmaliaError(f"reward model {checkpoint}: {outputs} outputs; a reward model has one (num_labels: 1)")
+
+
 def start(checkpoint: Path, name: str, use_gpu: bool) -> str:
     """Deploy the reward model in `checkpoint` as the application `name` and wait until its replica is up; returns
     the name (what `handle(name)` reaches). Where Serve does not run yet it is started without an HTTP proxy."""
@@ -106,9 +128,7 @@ def start(checkpoint: Path, name: str, use_gpu: bool) -> str:
     from amalia_ray.serve.app import note_started_serve, running_serve
 
     checkpoint = Path(checkpoint)
-    if not (checkpoint / "config.json").is_file():
-        raise AmaliaError(f"reward model {checkpoint}: no config.json there (a reward stage's hf/ folder, or a HF "
-                          "sequence-classification checkpoint)")
+    check_checkpoint(checkpoint)
     if running_serve() is None:
         serve.start(proxy_location="Disabled")
         note_started_serve(name)

@@ -68,12 +68,15 @@ def model_scores(app: str, prompts: list, completions: list[str]) -> list[float]
     """The reward model served as the Serve application `app`: each (prompt, completion) sent as its own request at
     once, so the replica gathers them into batches; the scores in order. A reward model that fails stops the stage
     (it scores every completion: there is no partial answer to go on with)."""
+    import time
+
     from ray import serve
 
     handle = serve.get_app_handle(app)
     pending = [handle.score.remote((p, c)) for p, c in zip(prompts, completions)]
+    deadline = time.monotonic() + MODEL_TIMEOUT_S  # one for the whole rollout
     try:
-        return [float(r.result(timeout_s=MODEL_TIMEOUT_S)) for r in pending]
+        return [float(r.result(timeout_s=max(deadline - time.monotonic(), 0.0))) for r in pending]
     except Exception as e:  # noqa: BLE001 - Serve raises the replica's error, or a timeout
         raise AmaliaError(f"the reward model served as '{app}' failed to score the rollout: {type(e).__name__}: "
                           f"{e}") from None

@@ -167,7 +167,9 @@ class TrainStageConfig(Strict):
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
     log_every: int = Field(1, ge=1, description="steps between log lines and reports to Ray Train (metrics.jsonl has every step)")
     init_from: Literal["scratch", "previous"] = Field(
-        "previous", description="previous: start from the previous training stage's checkpoint (scratch for the first)"
+        "previous", description="previous: start from the previous policy stage's checkpoint (reward stages are passed "
+        "over: they branch off), the base model's before the first (random weights without one); scratch: random "
+        "weights"
     )
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the stage shrinks for `amalia sweep`")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters on the frozen starting weights (PEFT); "
@@ -217,7 +219,8 @@ class PretrainStage(TrainStageConfig):
 class _DatasetStage(TrainStageConfig):
     dataset: str = Field(..., description="jsonl file or folder, relative to the recipe")
     seq_len: int | None = Field(None, ge=8, description="longest sequence (packed row for sft, prompt + answer "
-                                "otherwise; longer ones keep their start); default model.max_position_embeddings")
+                                "otherwise; longer ones keep their start, but a reward stage leaves out a pair with a "
+                                "longer side); default model.max_position_embeddings")
 
     @property
     def data_path(self) -> str:

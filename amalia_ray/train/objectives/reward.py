@@ -83,6 +83,8 @@ class Reward(Objective):
         by it (TRL sets it from the tokenizer the same way)."""
         hf_config.num_labels = 1
         hf_config.pad_token_id = self.pad_id
+        # a composite config (a text_config inside) keeps the classifier's pad id on its text config
+        hf_config.get_text_config().pad_token_id = self.pad_id
         return hf_config
 
     def sampler(self, seed: int) -> MixtureSampler:
