@@ -269,7 +269,7 @@ def test_a_stage_finds_its_reward_models_and_a_gpu_cluster_too_small_for_them_is
                                                  "models/judge-rm": tmp_path / "models/judge-rm"}
     assert reward_models(p, recipe.train[0]) == {}
     check_gpus_for_reward_models(recipe.train[1], 2, 5)
-    with pytest.raises(AmaliaError, match="need 5 GPUs, one each; the cluster has 4"):
+    with pytest.raises(AmaliaError, match="need 5 GPUs; the cluster has 4"):
         check_gpus_for_reward_models(recipe.train[1], 2, 4)
     with pytest.raises(ValueError, match="not a reward stage before it"):
         Recipe.model_validate({**recipe.model_dump(mode="json", by_alias=True, exclude_unset=True),
@@ -305,8 +305,8 @@ def test_a_stages_reward_models_are_stopped_in_reverse_so_the_one_that_started_s
     calls = []
     monkeypatch.setattr(stages.reward_server, "start", lambda folder, name, gpu: calls.append(("start", name)) or name)
     monkeypatch.setattr(stages.serve_app, "stop", lambda name: calls.append(("stop", name)))
-    with stages.serving_reward_models(p, recipe.train[0], gpu=False) as apps:
-        assert list(apps) == ["a", "b"]
+    with stages.serving_rewards(p, recipe.train[0], gpu=False) as (apps, judges):
+        assert list(apps) == ["a", "b"] and judges == {}
     first, second = apps["a"], apps["b"]
     assert calls == [("start", first), ("start", second), ("stop", second), ("stop", first)]
 
@@ -329,3 +329,72 @@ def test_a_folder_named_as_a_reward_model_must_be_a_one_output_classifier(tmp_pa
     check_checkpoint(tmp_path)
     with pytest.raises(AmaliaError, match="no config.json"):
         check_checkpoint(tmp_path / "missing")
+
+
+def _sampled_recipe(rewards, extra_stages=(), **rl):
+    from amalia_ray.core.config import Recipe
+
+    return Recipe.model_validate({
+        "data": {"sources": [{"name": "web", "paths": ["corpus"]}]},
+        "train": [{"name": "sft", "objective": "sft", "dataset": "chat.jsonl", "steps": 10}, *extra_stages,
+                  {"name": "rl", "objective": "grpo", "dataset": "tasks.jsonl", "steps": 10, "rewards": rewards, **rl}]})
+
+
+def test_a_judge_served_from_an_earlier_stage_is_checked_when_the_recipe_loads():
+    recipe = _sampled_recipe(["format", {"judge": {"stage": "sft"}, "weight": 0.5}])
+    judge = recipe.train[1].reward_sources[1]
+    assert judge.judge.stage == "sft" and judge.label == "judge:sft"
+    for judge, why in [({"stage": "sft", "model": "x"}, "leave model and api_key_env out"),
+                       ({"base_url": "http://127.0.0.1:9/v1"}, "names its model"),
+                       ({"base_url": "http://127.0.0.1:9/v1", "model": "m", "stage": "sft"}, "exactly one"),
+                       ({"stage": "rl"}, "not an earlier stage that generates"),
+                       ({"stage": "base"}, "not an earlier stage that generates")]:
+        with pytest.raises(ValueError, match=why):
+            _sampled_recipe([{"judge": judge}])
+    with pytest.raises(ValueError, match="not an earlier stage that generates"):
+        _sampled_recipe([{"judge": {"stage": "rm"}}],
+                        [{"name": "rm", "objective": "reward", "dataset": "pairs.jsonl", "steps": 10}])
+
+
+def test_a_stage_judged_by_an_earlier_stage_serves_it_first_and_reaches_it_with_the_serve_key(
+        tmp_path, monkeypatch):
+    """The judged-by stage is served as the eval stage would serve it (here a LoRA stage: its adapter on the engine
+    of the weights it trained from) before the reward models, which join that Serve; the scorer reaches the judge at
+    the served URL with the stage's model id and the recipe's serve key; everything is stopped in reverse."""
+    from types import SimpleNamespace
+
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.pipeline import stages
+    from amalia_ray.serve.app import Served
+    from amalia_ray.train.reward_scoring import RewardScorer
+
+    recipe = _sampled_recipe([{"judge": {"stage": "chat"}}, {"model": "rm"}], [
+        {"name": "chat", "objective": "sft", "dataset": "chat.jsonl", "steps": 10, "lora": {}},
+        {"name": "rm", "objective": "reward", "dataset": "pairs.jsonl", "steps": 10, "init_from": "scratch"}],
+        init_from="scratch")
+    p = SimpleNamespace(recipe=recipe, run_name="run", model_id=lambda name: f"run-{name}",
+                        stage_dir=lambda name: tmp_path / name, checkpoint_of=lambda name: tmp_path / name / "hf",
+                        loaded=SimpleNamespace(resolve=lambda path: tmp_path / path))
+    calls = []
+
+    def serve_start(models, cfg, gpu, name, adapters=None, keep_going=False):
+        calls.append(("start", name, dict(models), adapters))
+        return Served("http://127.0.0.1:8000/v1")
+
+    monkeypatch.setenv("AMALIA_API_KEY", "k")
+    monkeypatch.setattr(stages.serve_app, "start", serve_start)
+    monkeypatch.setattr(stages.reward_server, "start", lambda folder, name, gpu: calls.append(("rm", name)) or name)
+    monkeypatch.setattr(stages.serve_app, "stop", lambda name: calls.append(("stop", name)))
+    rl = recipe.train[-1]
+    assert stages.judge_checkpoint(p, "chat") == tmp_path / "chat" / "adapter"
+    with stages.serving_rewards(p, rl, gpu=False) as (apps, judges):
+        assert judges == {"chat": {"base_url": "http://127.0.0.1:8000/v1", "model": "run-sft:chat",
+                                   "api_key_env": "AMALIA_API_KEY"}}
+        scorer = RewardScorer(rl.reward_sources, reward_apps=apps, judge_servers=judges)
+        assert scorer.judges[0].base_url == "http://127.0.0.1:8000/v1" and scorer.judges[0].model == "run-sft:chat"
+    (_, judge_app, engines, adapters), (_, rm_app) = calls[0], calls[1]
+    assert engines == {"run-sft": tmp_path / "sft" / "hf"} and adapters == {"run-sft": {"chat": tmp_path / "chat" /
+                                                                                        "adapter"}}
+    assert calls[2:] == [("stop", rm_app), ("stop", judge_app)]
+    with pytest.raises(AmaliaError, match="stage 'chat' is not served"):
+        RewardScorer(rl.reward_sources, reward_apps=apps)

@@ -79,6 +79,9 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
     if judge and judge.base_url is None and judge.model not in served:
         raise AmaliaError(f"eval.judge.model '{judge.model}' is not one of the run's served checkpoints {served}; "
                           "name one of them, or set eval.judge.base_url to reach another server")
+    if any(judge_stages(s) for s in r.train):  # judges served from the recipe's stages while one trains
+        serve_app.require_vllm()
+        serve_app.check_can_serve(r.serve)
     if needs_serving and r.eval.tasks:
         serve_app.require_vllm()
         eval_rec = p.manifest.stages.get("eval")
@@ -205,7 +208,8 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         data = {"dataset": p.loaded.resolve(stage.data_path)} if stage.data_path else {"packed": d("pack")}
         inputs, named = by_content({**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {}),
                                     **variety_models(p, stage),
-                                    **{f"reward_model:{ref}": path for ref, path in reward_models(p, stage).items()}})
+                                    **{f"reward_model:{ref}": path for ref, path in reward_models(p, stage).items()},
+                                    **{f"judge:{name}": judge_checkpoint(p, name) for name in judge_stages(stage)}})
         gpu = use_gpu(p)
         # a LoRA stage exports its adapter folder, and the merged weights when it merges
         outputs = {**({"adapter": d(stage.name) / "adapter"} if stage.lora else {}),
@@ -340,45 +344,101 @@ def reward_models(p: RunContext, stage) -> dict[str, Path]:
             for r in (stage.reward_sources if sampled else ()) if r.model is not None}
 
 
+def judge_stages(stage) -> list[str]:
+    """The stages of the recipe a sampled stage's judge rewards are served from (`judge: {stage: …}`)."""
+    sampled = stage.objective == "grpo" or getattr(stage, "on_policy", False)
+    return sorted({r.judge.stage for r in (stage.reward_sources if sampled else ())
+                   if r.judge is not None and r.judge.stage is not None})
+
+
+def judge_engines(p: RunContext, names: list[str]) -> tuple[dict[str, Path], dict[str, dict[str, Path]],
+                                                            dict[str, str]]:
+    """What serving these stages as judges takes, as the eval stage serves them: the engines (model id -> folder),
+    the LoRA adapters on them, and each stage's model id there."""
+    engines, adapters = served_models(p)
+    models: dict[str, Path] = {}
+    on: dict[str, dict[str, Path]] = {}
+    ids: dict[str, str] = {}
+    for name in names:
+        model_id = p.model_id(name)
+        if model_id in engines:
+            models[model_id], ids[name] = engines[model_id], model_id
+            continue
+        engine = next(m for m, named in adapters.items() if name in named)  # a LoRA stage: its adapter
+        models[engine] = engines[engine]
+        on.setdefault(engine, {})[name] = adapters[engine][name]
+        ids[name] = serve_app.adapter_id(engine, name)
+    return models, on, ids
+
+
+def judge_checkpoint(p: RunContext, name: str) -> Path:
+    """The weights a judge served from stage `name` answers with (what decides whether the judged stage reruns): the
+    base model's, a LoRA stage's adapter where it exports no merged weights, else the stage's export."""
+    if name == "base":
+        return base_model_dir(p)
+    stage = next(s for s in p.recipe.train if s.name == name)
+    return p.stage_dir(name) / "adapter" if stage.lora and not stage.lora.merge else p.checkpoint_of(name)
+
+
 @contextmanager
-def serving_reward_models(p: RunContext, stage, gpu: bool) -> Iterator[dict[str, str]]:
-    """The stage's reward models served while it trains (reward model -> Serve application), deleted after."""
-    apps: dict[str, str] = {}
-    if gpu and (models := reward_models(p, stage)):
+def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str, str], dict[str, dict]]]:
+    """What the stage's rewards need served while it trains, deleted after: its reward models (reward model ->
+    Serve application) and the stages its judges are (stage -> {base_url, model, api_key_env}), those on one
+    application of vLLM engines on the OpenAI API, as the eval stage serves them."""
+    r = p.recipe
+    apps: list[str] = []
+    reward_apps: dict[str, str] = {}
+    judge_servers: dict[str, dict] = {}
+    rms, judged_by = reward_models(p, stage), judge_stages(stage)
+    engines, adapters, ids = judge_engines(p, judged_by) if judged_by else ({}, {}, {})
+    if gpu and (rms or engines):
         import ray
 
-        check_gpus_for_reward_models(stage, len(models), int(ray.cluster_resources().get("GPU", 0)))
+        gpus_per_engine = max(r.serve.gpus_per_replica, 1) * r.serve.min_replicas
+        check_gpus_for_reward_models(stage, len(rms) + len(engines) * gpus_per_engine,
+                                     int(ray.cluster_resources().get("GPU", 0)))
     try:
-        for i, (ref, folder) in enumerate(reward_models(p, stage).items()):
+        if engines:  # first: where it starts Serve, it starts it with the HTTP proxy the judges are reached by
+            stage_line(stage.name, f"serving the judge(s) {escape(', '.join(judged_by))}")
+            name = serve_app.app_name(f"{p.run_name}-{stage.name}-judges")
+            url = serve_app.start(engines, r.serve, gpu, name, adapters).base_url
+            apps.append(name)
+            key_env = r.serve.api_key_env if serve_app.api_key(r.serve) else None
+            judge_servers = {s: {"base_url": url, "model": ids[s], "api_key_env": key_env} for s in judged_by}
+        for i, (ref, folder) in enumerate(rms.items()):
             stage_line(stage.name, f"serving reward model {escape(ref)}")
-            apps[ref] = reward_server.start(folder, reward_server.app_name(f"{p.run_name}-{stage.name}", i), gpu)
-        yield apps
+            apps.append(reward_server.start(folder, reward_server.app_name(f"{p.run_name}-{stage.name}", i), gpu))
+            reward_apps[ref] = apps[-1]
+        yield reward_apps, judge_servers
     finally:
-        for app in reversed(apps.values()):  # the first started Serve: stopped last, it shuts Serve down
+        for app in reversed(apps):  # the first started Serve: stopped last, it shuts Serve down
             serve_app.stop(app)
 
 
-def check_gpus_for_reward_models(stage, models: int, cluster_gpus: int) -> None:
-    """On GPUs each reward model's replica holds a GPU of its own beside the stage's workers (and a separate rollout
-    engine's): a cluster without that many would leave the replica, or the workers after it, waiting forever."""
+def check_gpus_for_reward_models(stage, served: int, cluster_gpus: int) -> None:
+    """On GPUs each reward model's replica and judge's engine holds GPUs of its own (`served` in all) beside the
+    stage's workers (and a separate rollout engine's): a cluster without that many would leave a replica, or the
+    workers after it, waiting forever."""
     separate = getattr(getattr(stage, "rollout", None), "placement", None) == "separate"
-    needed = stage.worker_range[0] + models + int(separate)
+    needed = stage.worker_range[0] + served + int(separate)
     if cluster_gpus < needed:
         raise AmaliaError(f"train stage '{stage.name}': {stage.worker_range[0]} training worker(s)"
-                          f"{', a separate rollout engine' if separate else ''} and {models} reward model(s) need "
-                          f"{needed} GPUs, one each; the cluster has {cluster_gpus}: add GPUs, or lower num_workers")
+                          f"{', a separate rollout engine' if separate else ''} and the reward models and judges it "
+                          f"serves ({served} GPU(s)) need {needed} GPUs; the cluster has {cluster_gpus}: add GPUs, or "
+                          "lower num_workers")
 
 
 def _train_body(p: RunContext, stage, init: Path | None, gpu: bool):
     def body() -> dict:
         # same fingerprint -> same Ray Train run name -> Ray resumes from that run's latest checkpoint
         fingerprint = p.manifest.stage(stage.name).fingerprint
-        with serving_reward_models(p, stage, gpu) as reward_apps:
-            return _train(p, stage, init, gpu, fingerprint, reward_apps)
+        with serving_rewards(p, stage, gpu) as (reward_apps, judge_servers):
+            return _train(p, stage, init, gpu, fingerprint, reward_apps, judge_servers)
     return body
 
 
-def _train(p: RunContext, stage, init: Path | None, gpu: bool, fingerprint: str, reward_apps: dict[str, str]) -> dict:
+def _train(p: RunContext, stage, init: Path | None, gpu: bool, fingerprint: str, reward_apps: dict[str, str],
+           judge_servers: dict[str, dict]) -> dict:
     return run_train_stage(
         with_variety_model(p, stage), p.recipe.model,
         data_dir=p.loaded.resolve(stage.data_path) if stage.data_path else p.stage_dir("pack"),
@@ -386,7 +446,7 @@ def _train(p: RunContext, stage, init: Path | None, gpu: bool, fingerprint: str,
         init_hf_dir=init, base_dir=base_model_dir(p), stage_dir=p.stage_dir(stage.name),
         ray_run_name=f"{stage.name}-{fingerprint}",
         seed=p.recipe.run.seed, use_gpu=gpu, stop_file=stop_file(p.run_dir),
-        step_transient=_step_transient(p, stage), reward_apps=reward_apps,
+        step_transient=_step_transient(p, stage), reward_apps=reward_apps, judge_servers=judge_servers,
         **({"storage_path": p.store.path(f"{stage.name}/ray"), "storage_filesystem": p.store.fs} if p.store else {}),
     )
 

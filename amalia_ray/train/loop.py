@@ -154,6 +154,7 @@ class LoopConfig:
     stop_file: Path | None = None  # when it appears: checkpoint now and stop (a batch job's time limit is near)
     step_transient: Callable[[int], int] | None = None  # see StageInputs
     reward_apps: dict[str, str] = field(default_factory=dict)  # see StageInputs
+    judge_servers: dict[str, dict] = field(default_factory=dict)  # see StageInputs
 
 
 @dataclass
@@ -202,7 +203,8 @@ def setup(run: LoopConfig) -> Training:
     hf_config = config_from_dict(run.hf_config, run.trust_remote_code, source=init_dir)
     seq_len = stage.sequence_length or hf_config.max_position_embeddings
     objective = build_objective(stage, StageInputs(run.data_dir, run.tokenizer_dir, seq_len, run.stage_dir, run.seed,
-                                                   device.type == "cuda", run.step_transient, run.reward_apps))
+                                                   device.type == "cuda", run.step_transient, run.reward_apps,
+                                                   run.judge_servers))
     hf_config = objective.model_config(hf_config)
     # the ceiling MFU is against: every worker's stated peak (datasheet, else measured) in its precision, summed
     worker_peak, peak_basis = stated_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)

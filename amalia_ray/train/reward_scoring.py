@@ -26,12 +26,14 @@ log = logging.getLogger("amalia_ray.train")
 
 class RewardScorer:
     def __init__(self, sources: list[RewardConfig], variety_model: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, reward_apps: dict[str, str] | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, reward_apps: dict[str, str] | None = None,
+                 judge_servers: dict[str, dict] | None = None):
         self.sources, self.transport = sources, transport  # transport: the judges' HTTP, replaced in tests
         self.labels = reward_labels(sources)
         self.weights = torch.tensor([r.weight for r in sources], dtype=torch.float32)
         self.rules = {i: get_reward(r.name, variety_model) for i, r in enumerate(sources) if r.name is not None}
-        self.judges = {i: r.judge for i, r in enumerate(sources) if r.judge is not None}
+        self.judges = {i: served_judge(r.judge, judge_servers or {}) for i, r in enumerate(sources)
+                       if r.judge is not None}
         self.models = {i: r.model for i, r in enumerate(sources) if r.model is not None}
         if unserved := sorted({m for m in self.models.values() if m not in (reward_apps or {})}):
             raise AmaliaError(f"reward model(s) {unserved} are not served: a stage run by the pipeline has them "
@@ -58,6 +60,18 @@ class RewardScorer:
         weight 0 is only logged)."""
         counted = self.weights != 0
         return torch.where(counted | ~scores.isnan(), scores, 0.0) @ self.weights
+
+
+def served_judge(judge: JudgeRewardConfig, servers: dict[str, dict]) -> JudgeRewardConfig:
+    """A judge reward as it is reached: at its own base_url, or, served from a stage of the recipe, at the server
+    the pipeline runs that stage on (`servers`: stage -> {base_url, model, api_key_env})."""
+    if judge.stage is None:
+        return judge
+    if judge.stage not in servers:
+        raise AmaliaError(f"the judge reward's stage '{judge.stage}' is not served: a stage run by the pipeline has "
+                          "it served beside it; run on its own, serve it (`amalia serve`) and give the judge its "
+                          "base_url and model instead")
+    return judge.model_copy(update={**servers[judge.stage], "stage": None})
 
 
 # how long a rollout's completions may wait for the reward model's scores

@@ -86,6 +86,7 @@ def run_train_stage(
     stop_file: Path | None = None,
     step_transient=None,
     reward_apps: dict[str, str] | None = None,
+    judge_servers: dict[str, dict] | None = None,
 ) -> dict:
     """Train, export `stage_dir/hf`, return the final metrics. Re-running with the same `ray_run_name` resumes from
     the latest checkpoint Ray Train recorded for it. When `stop_file` appears, the workers checkpoint and stop early
@@ -95,7 +96,8 @@ def run_train_stage(
     base model whose config gives the architecture (model.from); `step_transient(tokens)` what a step adds
     above the sharded training state at sequences of that many tokens (`amalia plan`'s arithmetic), left free beside
     a colocated rollout engine. `reward_apps`: each reward model the stage's rewards name (as the recipe names it)
-    -> the Ray Serve application serving it (serve/reward_server.py)."""
+    -> the Ray Serve application serving it (serve/reward_server.py); `judge_servers`: each judge reward's stage ->
+    {base_url, model, api_key_env} of the server the pipeline runs it on."""
     from amalia_ray.train.hf_weights import stored_dtype
 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -130,6 +132,7 @@ def run_train_stage(
             stop_file=Path(stop_file) if stop_file else None,
             step_transient=step_transient,
             reward_apps=dict(reward_apps or {}),
+            judge_servers=dict(judge_servers or {}),
             checkpoint_key=key,  # masked wherever it might be printed, and left out of the config's repr
         )},
         torch_config=TorchConfig(backend=process_group_backend(use_gpu)),

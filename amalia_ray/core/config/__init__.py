@@ -157,6 +157,12 @@ class Recipe(Strict):
                              "no engine serves; set lora.merge: true to serve and evaluate the merged weights")
         for i, stage in enumerate(self.train):
             for reward in getattr(stage, "reward_sources", []):
+                judged_by = reward.judge.stage if reward.judge else None
+                if judged_by is not None and not (judged_by == "base" and self.model.base) and (
+                        judged_by not in names[:i] or self.train[names.index(judged_by)].objective == "reward"):
+                    raise ValueError(f"train stage '{stage.name}': a judge reward's stage '{judged_by}' is not an "
+                                     "earlier stage that generates (nor 'base' with a base model): a judge served "
+                                     "from the recipe is one of its policy stages before this one")
                 if reward.model in names and (names.index(reward.model) >= i
                                               or self.train[names.index(reward.model)].objective != "reward"):
                     raise ValueError(f"train stage '{stage.name}': rewards model '{reward.model}' names a train stage "

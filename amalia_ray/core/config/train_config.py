@@ -243,10 +243,14 @@ class JudgeRewardConfig(JudgeConfig):
     that still fails after its retries, or a reply without a readable grade, leaves that completion's reward missing:
     it is counted (`rewards/missing`) and gets advantage 0, and the step goes on. A judge that fails for every
     completion of a rollout (a wrong URL, model or key) stops the stage with its first error."""
-    # the evaluation judge's fields (api_key_env, chat), reached by base_url only: no run server is up in training
-    model: str = Field(..., description="the judge's model id at base_url")
-    base_url: str = Field(..., description="the judge's OpenAI API base URL: a model `amalia serve` serves "
-                          "(http://127.0.0.1:8000/v1) or an external provider's")
+    # the evaluation judge's fields (api_key_env, chat); reached at base_url, or at the server the pipeline starts
+    # for `stage` while the sampled stage trains
+    model: str | None = Field(None, description="the judge's model id at base_url (with stage: that stage's)")
+    base_url: str | None = Field(None, description="the judge's OpenAI API base URL: a model `amalia serve` serves "
+                                 "(http://127.0.0.1:8000/v1) or an external provider's")
+    stage: str | None = Field(None, description="instead of base_url: an earlier train stage of the recipe that "
+                              "generates (or 'base', the base model), served by Ray Serve + vLLM while this stage "
+                              "trains, with the recipe's serve settings (its API key when serve.api_key_env is set)")
     rubric: str | None = Field(None, description="what the grade is for; default: the project's pt-PT rubric, "
                                "as the evaluation judge's (fluency and correctness in European Portuguese, its "
                                "variety, a fitting answer: core/judge.py)")
@@ -255,6 +259,18 @@ class JudgeRewardConfig(JudgeConfig):
     retries: int = Field(2, ge=0, description="retries of a request that fails for a transient reason")
     deadline_s: float = Field(600, gt=0, description="most time the judging of one rollout may take; a completion "
                               "not graded by then has its reward missing")
+
+    @model_validator(mode="after")
+    def _one_server(self) -> JudgeRewardConfig:
+        if (self.base_url is None) == (self.stage is None):
+            raise ValueError("a judge reward is reached at base_url or served from a stage of the recipe (stage), "
+                             "exactly one of them")
+        if self.base_url is not None and self.model is None:
+            raise ValueError("a judge reward at base_url names its model (model: the model id there)")
+        if self.stage is not None and (self.model is not None or self.api_key_env is not None):
+            raise ValueError("a judge reward served from a stage takes that stage's model id and the recipe's serve "
+                             "key: leave model and api_key_env out")
+        return self
 
 
 class RewardConfig(Strict):
@@ -281,7 +297,9 @@ class RewardConfig(Strict):
         """How the reward's own metric is named (`rewards/<label>`)."""
         if self.name is not None:
             return self.name
-        return f"model:{self.model}" if self.model is not None else f"judge:{self.judge.model}"
+        if self.model is not None:
+            return f"model:{self.model}"
+        return f"judge:{self.judge.stage if self.judge.stage is not None else self.judge.model}"
 
 
 class _SampledStage(_DatasetStage):

@@ -36,6 +36,8 @@ class StageInputs:
     step_transient: Callable[[int], int] | None = None
     # a reward model (`rewards: [{model: …}]`, as the recipe names it) -> the Serve application scoring with it
     reward_apps: dict[str, str] = field(default_factory=dict)
+    # a judge reward's stage (`judge: {stage: …}`) -> where the pipeline serves it: {base_url, model, api_key_env}
+    judge_servers: dict[str, dict] = field(default_factory=dict)
 
 
 class Objective(ABC):

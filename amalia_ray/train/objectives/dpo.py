@@ -111,7 +111,8 @@ class DPO(Objective):
     def from_stage(cls, stage: DPOStage, inputs: StageInputs) -> DPO:
         if stage.on_policy:
             return cls.from_policy(inputs.data_dir, inputs.tokenizer_dir, inputs.seq_len, stage, inputs.work_dir,
-                                   inputs.seed, inputs.use_gpu, reward_apps=inputs.reward_apps)
+                                   inputs.seed, inputs.use_gpu, reward_apps=inputs.reward_apps,
+                                   judge_servers=inputs.judge_servers)
         return cls(inputs.data_dir, inputs.tokenizer_dir, inputs.seq_len, stage.beta)
 
     def _setup(self, tokenizer_dir: Path, seq_len: int, beta: float) -> None:
@@ -129,7 +130,7 @@ class DPO(Objective):
     @classmethod
     def from_policy(cls, tasks_path: Path, tokenizer_dir: Path, seq_len: int, stage: DPOStage, work_dir: Path,
                     seed: int, use_gpu: bool = False, validation_fraction: float = 0.05,
-                    reward_apps: dict[str, str] | None = None) -> DPO:
+                    reward_apps: dict[str, str] | None = None, judge_servers: dict[str, dict] | None = None) -> DPO:
         """AMALIA-style on-policy DPO: the pairs are made in `prepare` by the stage's initial model (the previous
         stage's checkpoint) — `num_generations` completions per task prompt sampled through the vLLM rollout engine,
         scored by the stage's rewards; the best becomes chosen and the worst rejected (ties give no pair)."""
@@ -147,7 +148,8 @@ class DPO(Objective):
             log.warning(f"{tasks_path}: {self.dropped} prompt(s) leave no room for {stage.max_completion_length} "
                         f"completion tokens in seq_len {seq_len}: skipped")
         self.on_policy = {"tasks": [tasks[i] for i in keep], "prompts": [prompts[i] for i in keep],
-                          "scorer": RewardScorer(stage.reward_sources, stage.variety_model, reward_apps=reward_apps),
+                          "scorer": RewardScorer(stage.reward_sources, stage.variety_model, reward_apps=reward_apps,
+                                                 judge_servers=judge_servers),
                           "engine": stage.rollout.for_length(seq_len),
                           "stage": stage, "tokenizer_dir": tokenizer_dir, "work_dir": work_dir, "seed": seed,
                           "use_gpu": use_gpu, "validation_fraction": validation_fraction, "source": tasks_path}

@@ -99,7 +99,7 @@ class GRPO(Objective):
     @classmethod
     def from_stage(cls, stage: GRPOStage, inputs: StageInputs) -> GRPO:
         return cls(inputs.data_dir, inputs.tokenizer_dir, inputs.seq_len, stage, inputs.work_dir, inputs.seed,
-                   inputs.use_gpu, inputs.step_transient, inputs.reward_apps)
+                   inputs.use_gpu, inputs.step_transient, inputs.reward_apps, inputs.judge_servers)
 
     @classmethod
     def reported(cls, stage: GRPOStage, sources=()) -> set[str]:
@@ -107,7 +107,8 @@ class GRPO(Objective):
                 | {"rewards/missing"} | ({"clip_ratio"} if stage.num_iterations > 1 or stage.async_rollout else set()))
 
     def __init__(self, data_path: Path, tokenizer_dir: Path, seq_len: int, stage: GRPOStage, work_dir: Path,
-                 seed: int, use_gpu: bool = False, step_transient=None, reward_apps: dict[str, str] | None = None):
+                 seed: int, use_gpu: bool = False, step_transient=None, reward_apps: dict[str, str] | None = None,
+                 judge_servers: dict[str, dict] | None = None):
         from transformers import AutoTokenizer
 
         self.step_transient = step_transient  # tokens of a sequence -> bytes a step adds: left free beside the engine
@@ -125,7 +126,8 @@ class GRPO(Objective):
         self.lora = bool(stage.lora) and stage.lora.adapters_only
         self.engine_dtype = getattr(torch, self.engine_config.resolved_dtype(use_gpu))
         self.sequences = stage.global_batch_size
-        self.scorer = RewardScorer(stage.reward_sources, stage.variety_model, reward_apps=reward_apps)
+        self.scorer = RewardScorer(stage.reward_sources, stage.variety_model, reward_apps=reward_apps,
+                                   judge_servers=judge_servers)
         self.tasks, self.prompts, dropped = [], [], 0
         for row in read_tasks(data_path):
             ids = encode_prompt(self.tok, row["prompt"])
