@@ -135,7 +135,7 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     advice = "" if fits or not advise else _advice(stage, memory, hw, _least_recompute_that_fits(stage, recipe, m))
 
     tokens_per_step = stage.global_batch_size * seq * per_pair
-    flops_per_token = model_flops_per_token(m.hidden, m.ffn, m.layers, m.heads, m.kv_heads, m.head_dim, vocab, seq)
+    flops_per_token = model_flops_per_token(m.hidden, m.ffn, m.layers, m.heads, m.kv_heads, m.head_dim, vocab_out, seq)
     if stage.objective == "dpo":
         flops_per_token *= 4 / 3  # the reference pass over the same pairs: one more forward
     # what the GPUs run: a step's sequences, and a filler pass for every micro-batch slot left without one
