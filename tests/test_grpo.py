@@ -229,7 +229,7 @@ def test_judge_rewards_grade_over_http_and_a_judge_that_fails_leaves_the_reward_
     assert sum("falha" in text for text, _ in asked) == 2, "retried once, then missing"
 
 
-def test_rewards_are_names_or_objects_and_reward_models_are_refused():
+def test_rewards_are_names_or_objects_of_one_source_each():
     from pydantic import ValidationError
 
     from amalia_ray.core.config import train_stage
@@ -237,10 +237,11 @@ def test_rewards_are_names_or_objects_and_reward_models_are_refused():
     fields = {"name": "rl", "objective": "grpo", "dataset": "t.jsonl", "steps": 20}
     stage = train_stage({**fields, "rewards": ["format", "exact_answer"], "reward_weights": [0.5, 1.0]})
     assert [(r.label, r.weight) for r in stage.reward_sources] == [("format", 0.5), ("exact_answer", 1.0)]
-    with pytest.raises(ValidationError, match="reward models are not available"):
-        train_stage({**fields, "rewards": [{"model": "rm-stage"}]})
-    with pytest.raises(ValidationError, match="exactly one of them"):
-        train_stage({**fields, "rewards": [{"name": "format", "judge": {"base_url": "http://j/v1", "model": "j"}}]})
+    assert train_stage({**fields, "rewards": [{"model": "rm-stage"}]}).reward_sources[0].label == "model:rm-stage"
+    for two in [{"name": "format", "judge": {"base_url": "http://j/v1", "model": "j"}},
+                {"name": "format", "model": "rm"}, {}]:
+        with pytest.raises(ValidationError, match="exactly one of them"):
+            train_stage({**fields, "rewards": [two]})
     with pytest.raises(ValidationError, match="carries its own weight"):
         train_stage({**fields, "rewards": ["format", {"name": "has_number"}], "reward_weights": [1, 2]})
 
