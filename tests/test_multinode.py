@@ -20,7 +20,8 @@ import yaml
 
 from tests.conftest import DATA_STAGES, DEMO_PRETRAIN_METRICS, STEPS, carry_over_data_stages, read_jsonl
 
-pytestmark = pytest.mark.e2e
+# the suite's longest scenario (over three minutes on two cores): `make test-all` runs it, `make test` does not
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_a_submitted_job_shrinks_and_grows_with_its_worker_nodes(demo_run, recipe_path, tmp_path):
