@@ -255,7 +255,7 @@ def test_a_stage_finds_its_reward_models_and_a_gpu_cluster_too_small_for_them_is
 
     from amalia_ray.core.config import Recipe
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.pipeline.stages import check_gpus_for_reward_models, reward_models
+    from amalia_ray.pipeline.stages import check_gpus_for_served_rewards, reward_models
 
     recipe = Recipe.model_validate({
         "data": {"sources": [{"name": "web", "paths": ["corpus"]}]},
@@ -268,9 +268,9 @@ def test_a_stage_finds_its_reward_models_and_a_gpu_cluster_too_small_for_them_is
     assert reward_models(p, recipe.train[1]) == {"rm": tmp_path / "rm" / "hf",
                                                  "models/judge-rm": tmp_path / "models/judge-rm"}
     assert reward_models(p, recipe.train[0]) == {}
-    check_gpus_for_reward_models(recipe.train[1], 2, 5)
+    check_gpus_for_served_rewards(recipe.train[1], 2, 5)
     with pytest.raises(AmaliaError, match="need 5 GPUs; the cluster has 4"):
-        check_gpus_for_reward_models(recipe.train[1], 2, 4)
+        check_gpus_for_served_rewards(recipe.train[1], 2, 4)
     with pytest.raises(ValueError, match="not a reward stage before it"):
         Recipe.model_validate({**recipe.model_dump(mode="json", by_alias=True, exclude_unset=True),
                                "train": [recipe.train[1].model_dump(mode="json", exclude_unset=True),
@@ -398,3 +398,15 @@ def test_a_stage_judged_by_an_earlier_stage_serves_it_first_and_reaches_it_with_
     assert calls[2:] == [("stop", rm_app), ("stop", judge_app)]
     with pytest.raises(AmaliaError, match="stage 'chat' is not served"):
         RewardScorer(rl.reward_sources, reward_apps=apps)
+
+
+def test_a_reward_replica_given_a_gpu_that_torch_cannot_use_says_so(tmp_path):
+    """On a GPU cluster each replica holds a GPU; where CUDA is unavailable to torch (a CPU build, a wrong driver)
+    the replica fails naming it instead of scoring on the CPU."""
+    from amalia_ray.core.errors import AmaliaError
+    from amalia_ray.serve.reward_server import RewardModel
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(AmaliaError, match="given a GPU that torch .* cannot use"):
+        RewardModel(str(tmp_path), use_gpu=True)

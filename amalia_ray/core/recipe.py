@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from amalia_ray.core.config import DPOStage, GRPOStage, PretrainStage, Recipe
+from amalia_ray.core.config import PretrainStage, Recipe
 from amalia_ray.core.errors import RecipeError
 from amalia_ray.core.rewards import get_reward
 from amalia_ray.core.formats.shards import load_hook
@@ -142,8 +142,7 @@ def check_named_code(recipe: Recipe, source: str, lines: dict[tuple, int]) -> No
     problems = []
     trusted = recipe.run.trusted_modules
     for i, stage in enumerate(recipe.train):
-        sampled = isinstance(stage, GRPOStage) or (isinstance(stage, DPOStage) and stage.on_policy)
-        for j, reward in enumerate(stage.reward_sources if sampled else ()):
+        for j, reward in enumerate(stage.sampled_rewards):
             if (name := reward.name) is None:  # an LLM judge: reached over HTTP when the stage samples
                 continue
             where = ("train", i, "rewards", j) + (() if isinstance(stage.rewards[j], str) else ("name",))

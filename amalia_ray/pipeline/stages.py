@@ -147,7 +147,8 @@ def logical_cpus_needed(r) -> int:
     served = len(r.policy_stages) + (1 if r.model.base else 0)  # a base model is served beside its stages (at most)
     serve = 2 * served * r.serve.cpus_per_replica * r.serve.max_replicas + 4
     train = max((s.worker_range[1] * s.cpus_per_worker + 3
-                 + sum(w.model is not None for w in getattr(s, "reward_sources", ())) for s in r.train), default=0)
+                 + len(reward_models_named(s)) + 2 * r.serve.cpus_per_replica * len(judge_stages(s))
+                 for s in r.train), default=0)
     return max(serve if r.eval.tasks else 0, train)
 
 
@@ -242,8 +243,8 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
 
 def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | None], dict[str, dict[str, Path]]]:
     """What the eval stage serves: the checkpoints that get an engine each (model id -> folder: the base model, so
-    the report shows what each stage changed, and every policy stage trained in full; not the reward models), and per engine the LoRA stages'
-    adapters that run on it (engine id -> {stage name -> adapter folder}), each stage's on the checkpoint it was
+    the report shows what each stage changed, and every policy stage trained in full; not the reward models), and
+    per engine the LoRA stages' adapters that run on it (engine id -> {stage name -> adapter folder}), each stage's on the checkpoint it was
     trained from. A LoRA stage is served in full (its merged export) instead when a later LoRA stage was trained on
     its merged weights (that one's adapter needs them as its engine) or when vLLM cannot serve its adapter
     (modules_to_save, or no starting checkpoint to run on: random initial weights). paths=False leaves the base
@@ -309,7 +310,7 @@ def benchmark_items(p: RunContext, tasks: list) -> dict[str, list[tuple[str, str
 
 def _train_held(stage, gpu: bool, billable_cpus: float):
     # each reward model's replica holds a GPU (on GPU clusters) or a CPU while the stage trains
-    scorers = sum(w.model is not None for w in getattr(stage, "reward_sources", ()))
+    scorers = len(reward_models_named(stage))
 
     def held(metrics: dict) -> dict[str, float]:
         workers = metrics.get("mean_world_size") or stage.worker_range[1]  # a failed attempt: what it asked for
@@ -335,20 +336,21 @@ def variety_models(p: RunContext, section) -> dict[str, Path]:
     return {"variety_model": p.loaded.resolve(model)} if model else {}
 
 
+def reward_models_named(stage) -> list[str]:
+    """The reward models a sampled stage's rewards name, as the recipe names them (a stage or a folder)."""
+    return list(dict.fromkeys(r.model for r in stage.sampled_rewards if r.model is not None))
+
+
 def reward_models(p: RunContext, stage) -> dict[str, Path]:
-    """The reward models a sampled stage's rewards name (as the recipe names them) -> their checkpoint folders: an
-    earlier reward stage's export, or a folder relative to the recipe. Only a stage that samples has any."""
-    sampled = stage.objective == "grpo" or getattr(stage, "on_policy", False)
+    """The reward models a sampled stage's rewards name -> their checkpoint folders: an earlier reward stage's
+    export, or a folder relative to the recipe."""
     names = {s.name for s in p.recipe.train}
-    return {r.model: p.checkpoint_of(r.model) if r.model in names else p.loaded.resolve(r.model)
-            for r in (stage.reward_sources if sampled else ()) if r.model is not None}
+    return {m: p.checkpoint_of(m) if m in names else p.loaded.resolve(m) for m in reward_models_named(stage)}
 
 
 def judge_stages(stage) -> list[str]:
     """The stages of the recipe a sampled stage's judge rewards are served from (`judge: {stage: …}`)."""
-    sampled = stage.objective == "grpo" or getattr(stage, "on_policy", False)
-    return sorted({r.judge.stage for r in (stage.reward_sources if sampled else ())
-                   if r.judge is not None and r.judge.stage is not None})
+    return sorted({r.judge.stage for r in stage.sampled_rewards if r.judge is not None and r.judge.stage is not None})
 
 
 def judge_engines(p: RunContext, names: list[str]) -> tuple[dict[str, Path], dict[str, dict[str, Path]],
@@ -395,7 +397,7 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
         import ray
 
         gpus_per_engine = max(r.serve.gpus_per_replica, 1) * r.serve.min_replicas
-        check_gpus_for_reward_models(stage, len(rms) + len(engines) * gpus_per_engine,
+        check_gpus_for_served_rewards(stage, len(rms) + len(engines) * gpus_per_engine,
                                      int(ray.cluster_resources().get("GPU", 0)))
     try:
         if engines:  # first: where it starts Serve, it starts it with the HTTP proxy the judges are reached by
@@ -415,7 +417,7 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
             serve_app.stop(app)
 
 
-def check_gpus_for_reward_models(stage, served: int, cluster_gpus: int) -> None:
+def check_gpus_for_served_rewards(stage, served: int, cluster_gpus: int) -> None:
     """On GPUs each reward model's replica and judge's engine holds GPUs of its own (`served` in all) beside the
     stage's workers (and a separate rollout engine's): a cluster without that many would leave a replica, or the
     workers after it, waiting forever."""

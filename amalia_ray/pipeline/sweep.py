@@ -73,7 +73,7 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
         raise AmaliaError(f"unknown train stage '{stage_name}'; train stages of this recipe: {', '.join(names)}")
     index = names.index(stage_name)
     stage = r.train[index]
-    if any(w.model is not None for w in getattr(stage, "reward_sources", ())):
+    if any(w.model is not None for w in stage.sampled_rewards):
         raise AmaliaError(f"train stage '{stage_name}' is scored by a reward model: sweeping such a stage is not "
                           "available (its trials would each need the reward model served); sweep it with rule or "
                           "judge rewards")

@@ -243,7 +243,9 @@ def setup(run: LoopConfig) -> Training:
     nodes: list = [None] * world  # where the workers landed, so the report can state the placement
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     return Training(run, rank, world, device, precision, hf_config, model, optimizer, objective, sampler, start_step,
-                    bool(resumed), peak_flops, peak_basis, flops_per_token_of(hf_config, seq_len, None if objective.head == "lm" else hf_config.num_labels), nodes,
+                    bool(resumed), peak_flops, peak_basis,
+                    flops_per_token_of(hf_config, seq_len, None if objective.head == "lm" else hf_config.num_labels),
+                    nodes,
                     TensorBoard(run.stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None)
 
 

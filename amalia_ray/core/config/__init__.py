@@ -86,7 +86,7 @@ class Recipe(Strict):
     def key_variables(self) -> list[str]:
         """The environment variables the recipe's LLM judges read their API keys from (eval.judge, judge rewards)."""
         judges = [*([self.eval.judge] if self.eval.judge else []),
-                  *(r.judge for s in self.train for r in getattr(s, "reward_sources", []) if r.judge)]
+                  *(r.judge for s in self.train for r in s.sampled_rewards if r.judge)]
         return [j.api_key_env for j in judges if j.api_key_env]
 
     def previous_policy(self, i: int) -> int | None:
@@ -156,7 +156,7 @@ class Recipe(Strict):
             raise ValueError(f"train stage '{stage.name}': its adapters train on random initial weights, which "
                              "no engine serves; set lora.merge: true to serve and evaluate the merged weights")
         for i, stage in enumerate(self.train):
-            for reward in getattr(stage, "reward_sources", []):
+            for reward in stage.sampled_rewards:
                 judged_by = reward.judge.stage if reward.judge else None
                 if judged_by is not None and not (judged_by == "base" and self.model.base) and (
                         judged_by not in names[:i] or self.train[names.index(judged_by)].objective == "reward"):

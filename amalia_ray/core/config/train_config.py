@@ -191,6 +191,12 @@ class TrainStageConfig(Strict):
         return None
 
     @property
+    def sampled_rewards(self) -> list[RewardConfig]:
+        """The rewards a stage scores what it samples with (GRPO, on-policy DPO); none for a stage that samples
+        nothing."""
+        return []
+
+    @property
     def sequence_length(self) -> int | None:
         """The stage's own sequence length; None: the packed corpus's (pretraining) or the model's positions."""
         return None
@@ -329,6 +335,10 @@ class _SampledStage(_DatasetStage):
         return self
 
     @property
+    def sampled_rewards(self) -> list[RewardConfig]:
+        return self.reward_sources
+
+    @property
     def reward_sources(self) -> list[RewardConfig]:
         """Every reward as an object with its weight."""
         weights = self.reward_weights or [None] * len(self.rewards)
@@ -348,6 +358,10 @@ class DPOStage(_SampledStage):
     on_policy: bool = Field(False, description="make the pairs with the stage's initial model (AMALIA): dataset = "
                             "tasks; num_generations candidates per prompt sampled by the rollout engine, ranked by the "
                             "rewards (best = chosen, worst = rejected)")
+
+    @property
+    def sampled_rewards(self) -> list[RewardConfig]:
+        return self.reward_sources if self.on_policy else []
 
     @model_validator(mode="after")
     def _sampling_needs_on_policy(self) -> DPOStage:

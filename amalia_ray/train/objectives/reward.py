@@ -18,20 +18,10 @@ from amalia_ray.core.config import RewardStage
 from amalia_ray.core.formats.preference_pairs import read_reward_pairs
 from amalia_ray.core.formats.shards import MixtureSampler, one_block
 from amalia_ray.core.reward_text import reward_input_ids
+from amalia_ray.train.completions import pad_completions
 from amalia_ray.train.objectives.base import Objective, StageInputs
 
 log = logging.getLogger("amalia_ray.train")
-
-
-def pad_pairs(chosen: list[list[int]], rejected: list[list[int]], pad_id: int) -> dict:
-    """[chosen_0 … chosen_n, rejected_0 … rejected_n], right-padded: input_ids, attention_mask."""
-    seqs = chosen + rejected
-    width = max(map(len, seqs))
-    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
-    attention = np.zeros((len(seqs), width), dtype=np.int64)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], attention[i, :len(s)] = s, 1
-    return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(attention)}
 
 
 def sequence_scores(model, batch: dict) -> torch.Tensor:
@@ -95,7 +85,9 @@ class Reward(Objective):
 
     def batch(self, rows: np.ndarray, split: str = "train") -> dict:
         pairs = [self.pairs[split][i] for i in rows]
-        batch = pad_pairs([p[0] for p in pairs], [p[1] for p in pairs], self.pad_id)
+        # [chosen_0 … chosen_n, rejected_0 … rejected_n], right-padded; each side is whole (no prompt to mask)
+        batch = pad_completions([([], p[0]) for p in pairs] + [([], p[1]) for p in pairs], self.pad_id, self.seq_len)
+        del batch["completion_mask"]
         batch["margin"] = torch.tensor([p[2] for p in pairs], dtype=torch.float32)
         return batch
 
