@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,7 +127,7 @@ def test_two_steps_on_one_rollout_give_trl_grpo_trainers_losses(tmp_path, monkey
             objective._rollout_stats = {}
 
         objective._share = share
-        objective._start_sampling = lambda rows: (rows, None)
+        objective._start_sampling = lambda sampler, prompts: (sampler.next_rows(prompts), None)
         monkeypatch.setattr(grpo_module, "push_weights", lambda *args: None)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.999),
                                       eps=1e-8, weight_decay=0.0)
@@ -148,28 +147,24 @@ def test_two_steps_on_one_rollout_give_trl_grpo_trainers_losses(tmp_path, monkey
     assert records[0]["kl"] < 1e-7 < records[1]["kl"]
 
 
-class _Engine:
-    """A stand-in for the rollout engine actor: records the weights each rollout was sampled with."""
+class _Fleet:
+    """A stand-in for the rollout fleet: records the weights each rollout was sampled with."""
 
     def __init__(self):
         self.weights, self.asked, self.slept = None, [], 0
-        outer = self
 
-        class _Method:
-            def __init__(self, fn):
-                self.fn = fn
-
-            def remote(self, *args, **kwargs):
-                return self.fn(*args, **kwargs)
-
-        self.generate = _Method(lambda prompts, n, max_tokens, temperature, logprobs=False: outer._generate(
-            prompts, n, logprobs))
-        self.sleep = _Method(lambda: setattr(outer, "slept", outer.slept + 1))
-
-    def _generate(self, prompts, n, logprobs):
+    def submit(self, prompts, n, max_tokens, temperature, logprobs, seeds):
+        assert len(seeds) == len(prompts)
         self.asked.append(self.weights)
         ids = [[5 + self.weights, 6]] * n
         return [[(c, [-0.5, -0.25]) for c in ids] if logprobs else ids for _ in prompts]
+
+    @staticmethod
+    def collect(pending):
+        return pending
+
+    def sleep(self):
+        self.slept += 1
 
 
 def _objective(tmp_path, monkeypatch, **fields):
@@ -187,10 +182,9 @@ def _objective(tmp_path, monkeypatch, **fields):
                          "rewards": ["has_number"], **fields})
     tok_dir = _tiny_tokenizer(tmp_path)
     objective = GRPO.from_stage(stage, StageInputs(tasks, tok_dir, 64, tmp_path / "stage", 0))
-    objective.engine = _Engine()
-    monkeypatch.setattr(grpo_module, "push_weights", lambda model, engine, dtype: setattr(engine, "weights",
-                                                                                          model.version))
-    monkeypatch.setattr(grpo_module, "ray", SimpleNamespace(get=lambda ref: ref))
+    objective.fleet = _Fleet()
+    monkeypatch.setattr(grpo_module, "push_weights", lambda model, fleet, dtype: setattr(fleet, "weights",
+                                                                                         model.version))
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     return objective
@@ -217,8 +211,8 @@ def test_an_async_rollout_is_sampled_by_the_weights_of_the_step_before_the_one_t
         assert trained_on == [0, 0, 1, 2, 3, 4]
     else:  # two steps a rollout: the next one starts at the second, with that step's weights
         assert trained_on == [0, 0, 1, 1, 3, 3]
-    assert objective.engine.slept == 0, "an async engine stays awake: it samples while the trainer steps"
-    assert len(objective.engine.asked) == 6 // iterations, "no rollout sampled after the stage's last step"
+    assert objective.fleet.slept == 0, "an async engine stays awake: it samples while the trainer steps"
+    assert len(objective.fleet.asked) == 6 // iterations, "no rollout sampled after the stage's last step"
     # the engine's log-probabilities sit where token_logps scores each completion token
     mask = batch["completion_mask"][:, 1:].bool()
     assert torch.equal(batch["sampling_logps"][mask], torch.tensor([-0.5, -0.25] * 4))
@@ -240,8 +234,8 @@ def test_a_sync_rollout_samples_with_the_weights_it_trains(tmp_path, monkeypatch
             assert "sampling_logps" not in objective.batch(rows)
     finally:
         dist.destroy_process_group()
-    assert trained_on == [0, 0, 2, 2] and objective.engine.asked == [0, 2]
-    assert objective.engine.slept == 2, "a sync engine gives its memory back while the trainer steps"
+    assert trained_on == [0, 0, 2, 2] and objective.fleet.asked == [0, 2]
+    assert objective.fleet.slept == 2, "a sync engine gives its memory back while the trainer steps"
 
 
 def test_an_async_engine_sharing_a_gpu_with_the_trainer_is_refused(tmp_path, monkeypatch):

@@ -111,24 +111,24 @@ def _first_pretrain_step(model, packed: Path) -> dict:
 
 
 def _push_to_a_recorder(model) -> dict[str, torch.Tensor]:
-    """push_weights into an engine that keeps what it is sent (rank 0's record; every rank takes part)."""
+    """push_weights into a fleet that keeps what it is sent (rank 0's record; every rank takes part)."""
     import types
+    from concurrent.futures import Future
 
-    from amalia_ray.train import rollout
+    from amalia_ray.train.rollout_fleet import push_weights
+    from amalia_ray.train.weight_sync import unpack
 
     got = {}
 
-    class Call:
-        def __init__(self, fn):
-            self.remote = fn
+    def send(bucket):
+        got.update({n: t.clone() for n, t in unpack(bucket.header(), bucket.payload())})
+        done = Future()
+        done.set_result(None)
+        return done
 
-    recorder = types.SimpleNamespace(begin_update=Call(lambda: None), end_update=Call(lambda: None), push=Call(
-        lambda bucket: got.update({n: rollout.from_wire(a, d).clone() for n, d, a in bucket})))
-    real_ray, rollout.ray = rollout.ray, types.SimpleNamespace(get=lambda ref: ref)
-    try:
-        rollout.push_weights(model, recorder, torch.float32, bucket_bytes=1 << 16)
-    finally:
-        rollout.ray = real_ray
+    recorder = types.SimpleNamespace(begin_update=lambda: None, end_update=lambda: None, send=send,
+                                     wait=Future.result, sender=types.SimpleNamespace(device=torch.device("cpu")))
+    push_weights(model, recorder, torch.float32, bucket_bytes=1 << 16)
     return got
 
 

@@ -250,27 +250,28 @@ def test_a_served_reward_model_scores_a_rollout_in_batches_as_transformers_does(
 
 def test_a_stage_finds_its_reward_models_and_a_gpu_cluster_too_small_for_them_is_refused(tmp_path):
     """A reward named by a stage is that stage's export, another a folder relative to the recipe; each replica
-    needs a GPU of its own beside the workers (and a separate rollout engine) on a GPU cluster."""
+    needs a GPU of its own beside the workers (and separate rollout engines, each over tensor_parallel GPUs) on a
+    GPU cluster."""
     from types import SimpleNamespace
 
     from amalia_ray.core.config import Recipe
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.pipeline.stages import check_gpus_for_served_rewards, reward_models
+    from amalia_ray.pipeline.stages import check_gpus_beside_workers, reward_models
 
     recipe = Recipe.model_validate({
         "data": {"sources": [{"name": "web", "paths": ["corpus"]}]},
         "train": [{"name": "rm", "objective": "reward", "dataset": "pairs.jsonl", "steps": 10},
                   {"name": "rl", "objective": "grpo", "dataset": "tasks.jsonl", "steps": 10, "rewards": [
                       "format", {"model": "rm", "weight": 0.5}, {"model": "models/judge-rm"}],
-                   "rollout": {"placement": "separate"}, "num_workers": 2}]})
+                   "rollout": {"placement": "separate", "engines": 2, "tensor_parallel": 2}, "num_workers": 2}]})
     p = SimpleNamespace(recipe=recipe, checkpoint_of=lambda name: tmp_path / name / "hf",
                         loaded=SimpleNamespace(resolve=lambda path: tmp_path / path))
     assert reward_models(p, recipe.train[1]) == {"rm": tmp_path / "rm" / "hf",
                                                  "models/judge-rm": tmp_path / "models/judge-rm"}
     assert reward_models(p, recipe.train[0]) == {}
-    check_gpus_for_served_rewards(recipe.train[1], 2, 5)
-    with pytest.raises(AmaliaError, match="need 5 GPUs; the cluster has 4"):
-        check_gpus_for_served_rewards(recipe.train[1], 2, 4)
+    check_gpus_beside_workers(recipe.train[1], 2, 8)
+    with pytest.raises(AmaliaError, match=r"separate rollout engines \(4 GPUs\).*need 8 GPUs; the cluster has 7"):
+        check_gpus_beside_workers(recipe.train[1], 2, 7)
     with pytest.raises(ValueError, match="not a reward stage before it"):
         Recipe.model_validate({**recipe.model_dump(mode="json", by_alias=True, exclude_unset=True),
                                "train": [recipe.train[1].model_dump(mode="json", exclude_unset=True),

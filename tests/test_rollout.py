@@ -63,19 +63,50 @@ def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatc
     assert seen["num_cpus"] == 0 and seen["num_gpus"] == 0
     assert seen["scheduling_strategy"].node_id == "a" * 56 and seen["scheduling_strategy"].soft is False
     assert seen["runtime_env"]["env_vars"]["CUDA_VISIBLE_DEVICES"] == "6"
-    dtype, max_len, _, _, util, kv, sleep = seen["args"][1:]
+    dtype, max_len, eager, _, util, kv, sleep, tensor_parallel = seen["args"][1:]
     assert (dtype, max_len, sleep, kv) == ("bfloat16", 512, True, (8 * 256 + KV_SPARE_TOKENS) * 1024) and 0 < util < 0.1
+    assert (eager, tensor_parallel) == (False, 1), "CUDA graphs on GPU unless the recipe asks for eager"
 
     seen.clear()
     rollout.start_engine("m", RolloutConfig(max_model_len=512, placement="separate", gpu_memory_utilization=0.5),
                          seed=0, use_gpu=True)
     assert seen["num_gpus"] == 1 and "scheduling_strategy" not in seen and "CUDA_VISIBLE_DEVICES" not in seen[
         "runtime_env"]["env_vars"]
-    assert seen["args"][5:] == (0.5, None, False)
+    assert seen["args"][5:8] == (0.5, None, False)
     seen.clear()  # separate and sized: the trainer's memory is on another GPU, not taken from the engine's
     greedy = {**sizing, "sequences": 10**6, "trainer_bytes": 30 * GiB}
     rollout.start_engine("m", RolloutConfig(max_model_len=512, placement="separate"), seed=0, use_gpu=True, sizing=greedy)
     assert seen["args"][6] == int(0.9 * 70 * GiB) - GiB - rollout.ENGINE_WORKSPACE_BYTES
+
+
+def test_a_fleet_splits_prompts_in_order_and_seeds_each_by_its_place_in_the_stream():
+    """Contiguous, near-equal shares (no empty engine call); a prompt's seed depends on the stage's seed and its
+    position only, spaced so its n completions' seeds (seed + i) never meet another prompt's."""
+    from amalia_ray.train.rollout_fleet import prompt_seeds, shares
+
+    assert shares(5, 2) == [range(0, 3), range(3, 5)] and shares(1, 3) == [range(0, 1)]
+    assert [i for run in shares(7, 3) for i in run] == list(range(7))
+    first, later = prompt_seeds(0, 0, 6, 4), prompt_seeds(0, 2, 4, 4)
+    assert first[2:] == later, "the same position, the same seed"
+    assert len(set(first)) == 6 and all(s % 4 == 0 for s in first) and prompt_seeds(1, 0, 6, 4) != first
+
+
+def test_fleet_shapes_that_cannot_run_are_refused_before_an_engine_starts():
+    from amalia_ray.core.config import train_stage
+    from amalia_ray.train.rollout_fleet import start_fleet
+
+    with pytest.raises(ValueError, match="tensor_parallel 2 shards each engine.*placement: separate"):
+        RolloutConfig(tensor_parallel=2)
+    assert RolloutConfig(tensor_parallel=2, placement="separate", engines=3).gpus(True) == 6
+    assert RolloutConfig(engines=3).gpus(True) == 0 and RolloutConfig(engines=3, placement="separate").gpus(False) == 0
+    stage = train_stage({"name": "rl", "objective": "grpo", "dataset": "t.jsonl", "steps": 10,
+                         "rollout": {"engines": 4, "enforce_eager": None}})
+    assert stage.rollout.engines == 4 and stage.rollout.eager(False) and not stage.rollout.eager(True)
+    workers = [("a" * 56, "0"), ("b" * 56, "1")]
+    with pytest.raises(ValueError, match="rollout.engines 3 colocated on GPU needs as many training workers"):
+        start_fleet("m", RolloutConfig(engines=3), 0, True, None, workers)
+    with pytest.raises(ValueError, match="tensor_parallel 2 shards engines over GPUs; on CPU"):
+        start_fleet("m", RolloutConfig(tensor_parallel=2, placement="separate"), 0, False, None, workers)
 
 
 class AnonPeak:
@@ -110,17 +141,20 @@ class AnonPeak:
 
 
 def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
-    """One FSDP2 rank (world 1) beside a running engine: streams perturbed weights, then the original ones, and
-    reports what each side's private resident memory grew by during each push."""
+    """One FSDP2 rank (world 1) beside a fleet of two engines: streams perturbed weights, then the original ones,
+    and reports what each side's private resident memory grew by during each push, what the engines sample and
+    the log-probabilities they give."""
     import os
 
     import ray
     import torch.distributed as dist
     from transformers import AutoConfig, AutoTokenizer
 
+    from amalia_ray.train.completions import pad_completions, token_logps
     from amalia_ray.train.model import build
     from amalia_ray.train.parallel import apply_fsdp
-    from amalia_ray.train.rollout import kv_bytes_per_token, push_weights, start_engine
+    from amalia_ray.train.rollout import kv_bytes_per_token, this_worker
+    from amalia_ray.train.rollout_fleet import prompt_seeds, push_weights, start_fleet
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     torch.set_num_threads(1)
@@ -130,13 +164,19 @@ def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
     model = build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "fp32", False), init_dir=Path(folder),
                   seed=0).requires_grad_(False)
     copy = sum(p.numel() * 4 for p in model.parameters())
-    sizing = {"weight_bytes": copy, "kv_per_token": kv_bytes_per_token(config, torch.float32), "sequences": 2,
+    sizing = {"weight_bytes": copy, "kv_per_token": kv_bytes_per_token(config, torch.float32), "sequences": 8,
               "tokens_per_sequence": 64}
-    engine = start_engine(folder, RolloutConfig(max_model_len=128), seed=0, use_gpu=False, sizing=sizing)
+    fleet = start_fleet(folder, RolloutConfig(max_model_len=128, engines=2), seed=0, use_gpu=False, sizing=sizing,
+                        workers=[this_worker(False)])
     tok = AutoTokenizer.from_pretrained(folder)
-    prompts = [tok("one two three")["input_ids"], tok("four five")["input_ids"]]
-    sample = lambda: ray.get(engine.generate.remote(prompts, 1, 12, 0.0))  # noqa: E731
-    before = sample()
+    prompts = [tok(text)["input_ids"] for text in ("one two three", "four five", "six seven eight nine", "ten")]
+    greedy = lambda: fleet.sample(prompts, 1, 12, 0.0, prompt_seeds(0, 0, len(prompts), 1))  # noqa: E731
+    before = greedy()
+
+    # the same seeds give the same completions split over the two engines as on either engine alone
+    seeds = prompt_seeds(0, 100, len(prompts), 2)
+    split = fleet.sample(prompts, 2, 12, 1.0, seeds)
+    alone = [ray.get(engine.generate.remote(prompts, 2, 12, 1.0, False, seeds)) for engine in fleet.engines]
 
     def engine_start(self):
         # the engine is a Ray worker started before this test set MALLOC_MMAP_THRESHOLD_: set the same there, so a
@@ -152,39 +192,44 @@ def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
         return self._anon_peak.stop()
 
     def measured_push(bucket_bytes: int) -> dict:
-        ray.get(engine.__ray_call__.remote(engine_start))
+        ray.get([engine.__ray_call__.remote(engine_start) for engine in fleet.engines])
         trainer = AnonPeak()
-        push_weights(model, engine, torch.float32, bucket_bytes)
-        return {"trainer": trainer.stop(), "engine": ray.get(engine.__ray_call__.remote(engine_stop))}
+        push_weights(model, fleet, torch.float32, bucket_bytes)
+        return {"trainer": trainer.stop(),
+                "engine": max(ray.get([engine.__ray_call__.remote(engine_stop) for engine in fleet.engines]))}
+
+    def logprob_gap() -> tuple[float, int]:
+        # what an async GRPO step weighs its policy against: each engine's log-probability of each token it sampled
+        # at temperature 0.7, against the trainer's own of the same tokens at the same temperature
+        drawn = fleet.sample(prompts, 2, 12, 0.7, prompt_seeds(0, 200, len(prompts), 2), logprobs=True)
+        pairs = [(p, ids, lp) for p, per_prompt in zip(prompts, drawn) for ids, lp in per_prompt]
+        batch = pad_completions([(p, ids) for p, ids, _ in pairs], 0, 128)
+        with torch.no_grad():
+            trainer_logps = token_logps(model, batch, temperature=0.7)
+        model.reshard()  # FSDP2 keeps the root module gathered after a forward without backward
+        return (max(abs(trainer_logps[i, len(p) - 1 + j].item() - value)
+                    for i, (p, _, lp) in enumerate(pairs) for j, value in enumerate(lp)),
+                sum(len(lp) for _, _, lp in pairs))
 
     original = {n: p.to_local().clone() for n, p in model.named_parameters()}
     measured_push(copy // 8)  # warm-up: the first push sets up the transfer path on both sides
     torch.manual_seed(0)
-    with torch.no_grad():
+    with torch.no_grad():  # a change the size of the weights' own spread at initialization
         for p in model.parameters():
-            p.to_local().add_(0.5 * torch.randn_like(p.to_local()))
+            p.to_local().add_(0.02 * torch.randn_like(p.to_local()))
     streamed = measured_push(copy // 8)
-    changed = sample()
+    changed = greedy()
+    gap, sampled_tokens = logprob_gap()  # the engines serve the pushed weights, not the ones they loaded
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.to_local().copy_(original[n])
     whole = measured_push(4 * copy)  # the check that the measurement sees a whole copy when one is held
-    restored = sample()
-    # what an async GRPO step weighs its policy against: the engine's log-probability of each token it sampled at
-    # temperature 0.7, against the trainer's own of the same tokens at the same temperature
-    from amalia_ray.train.completions import pad_completions, token_logps
-
-    drawn = ray.get(engine.generate.remote(prompts, 2, 12, 0.7, logprobs=True))
-    pairs = [(p, ids, lp) for p, per_prompt in zip(prompts, drawn) for ids, lp in per_prompt]
-    batch = pad_completions([(p, ids) for p, ids, _ in pairs], 0, 128)
-    with torch.no_grad():
-        trainer_logps = token_logps(model, batch, temperature=0.7)
-    gap = max(abs(trainer_logps[i, len(p) - 1 + j].item() - value)
-              for i, (p, _, lp) in enumerate(pairs) for j, value in enumerate(lp))
+    restored = greedy()
+    restored_gap, _ = logprob_gap()
     Path(out).write_text(json.dumps({"copy": copy, "streamed": streamed, "whole": whole, "before": before,
                                      "changed": changed, "restored": restored, "logprob_gap": gap,
-                                     "sampled_tokens": sum(len(lp) for _, _, lp in pairs)}))
-    ray.kill(engine)
+                                     "sampled_tokens": sampled_tokens, "restored_gap": restored_gap, "split": split, "alone": alone}))
+    fleet.shutdown()
     dist.destroy_process_group()
     ray.shutdown()
 
@@ -196,15 +241,14 @@ def _free_port() -> int:
 
 
 @pytest.mark.e2e
-def test_weights_stream_into_the_engine_within_a_fraction_of_one_copy(ray_cluster, tmp_path, monkeypatch):
-    """GRPO's weight push, every step: the trainer gathers one tensor at a time and rank 0 sends buckets of an
-    eighth of the model, so it grows by a small part of one copy of the weights, and the engine (which holds the
-    model already) never by a whole copy; what the engine samples follows the pushed weights, and pushing the
-    original weights back gives the original samples (greedy). Pushed as one bucket, the trainer grows by about a
-    whole copy: the measurement sees a copy when one is held. The engine's own growth (0.3–0.8 of a copy from run to
-    run here) is the same whether the weights come in one bucket or eight: it is vLLM's reload work, not the
-    stream's. The log-probabilities the engine returns for what it sampled (async GRPO's old policy) are the
-    trainer's at the sampling temperature."""
+def test_weights_stream_into_the_fleet_within_a_fraction_of_one_copy(ray_cluster, tmp_path, monkeypatch):
+    """A fleet of two engines. The same seeds give the same completions whether a rollout's prompts are split over
+    both engines or sampled by either alone. GRPO's weight push, every step: the trainer gathers one tensor at a
+    time and rank 0 broadcasts buckets of an eighth of the model to both engines over a gloo group, so it grows by
+    a small part of one copy of the weights, and an engine (which holds the model already) never by a whole copy;
+    the log-probabilities both engines give for what they sample are then the trainer's within 1e-5, at the
+    sampling temperature, and pushing the original weights back gives the original samples (greedy). Pushed as
+    one bucket, the trainer grows by about a whole copy: the measurement sees a copy when one is held."""
     import torch.multiprocessing as mp
 
     from tests.base_models import make_base_model
@@ -218,11 +262,13 @@ def test_weights_stream_into_the_engine_within_a_fraction_of_one_copy(ray_cluste
              nprocs=1)
     got = json.loads(out.read_text())
     copy, streamed, whole = got["copy"], got["streamed"], got["whole"]
+    assert got["split"] == got["alone"][0] == got["alone"][1], "completions depend on their seeds alone"
+    assert len({tuple(map(tuple, c)) for c in got["split"]}) == 4, "each prompt samples from its own seed"
     assert got["changed"] != got["before"] and got["restored"] == got["before"], got
     assert streamed["trainer"] < 0.5 * copy and streamed["engine"] < copy, got
     assert whole["trainer"] > 0.8 * copy, f"the measurement cannot see a whole copy held: {got}"
-    assert got["sampled_tokens"] >= 4 and got["logprob_gap"] < 1e-4, \
-        "the engine's log-probabilities of what it sampled are the trainer's, at the sampling temperature"
+    assert got["sampled_tokens"] >= 8 and max(got["logprob_gap"], got["restored_gap"]) < 1e-5, \
+        f"both engines' log-probabilities of what they sampled are the trainer's: {got}"
 
 
 def test_a_colocated_engine_leaves_the_trainer_its_planned_step(tmp_path):

@@ -393,11 +393,12 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
     judge_servers: dict[str, dict] = {}
     rms, judged_by = reward_models(p, stage), judge_stages(stage)
     engines, adapters, ids = judge_engines(p, judged_by) if judged_by else ({}, {}, {})
-    if gpu and (rms or engines):
+    separate_rollout = getattr(stage, "rollout", None) is not None and stage.rollout.gpus(True) > 0
+    if gpu and (rms or engines or separate_rollout):
         import ray
 
         gpus_per_engine = max(r.serve.gpus_per_replica, 1) * r.serve.min_replicas
-        check_gpus_for_served_rewards(stage, len(rms) + len(engines) * gpus_per_engine,
+        check_gpus_beside_workers(stage, len(rms) + len(engines) * gpus_per_engine,
                                      int(ray.cluster_resources().get("GPU", 0)))
     try:
         if engines:  # first: where it starts Serve, it starts it with the HTTP proxy the judges are reached by
@@ -417,15 +418,17 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
             serve_app.stop(app)
 
 
-def check_gpus_for_served_rewards(stage, served: int, cluster_gpus: int) -> None:
+def check_gpus_beside_workers(stage, served: int, cluster_gpus: int) -> None:
     """On GPUs each reward model's replica and judge's engine holds GPUs of its own (`served` in all) beside the
-    stage's workers (and a separate rollout engine's): a cluster without that many would leave a replica, or the
+    stage's workers (and separate rollout engines'): a cluster without that many would leave a replica, or the
     workers after it, waiting forever."""
-    separate = getattr(getattr(stage, "rollout", None), "placement", None) == "separate"
-    needed = stage.worker_range[0] + served + int(separate)
+    rollout = getattr(stage, "rollout", None)
+    engines = rollout.gpus(True) if rollout is not None else 0
+    needed = stage.worker_range[0] + served + engines
     if cluster_gpus < needed:
         raise AmaliaError(f"train stage '{stage.name}': {stage.worker_range[0]} training worker(s)"
-                          f"{', a separate rollout engine' if separate else ''} and the reward models and judges it "
+                          f"{f', separate rollout engines ({engines} GPUs)' if engines else ''} and the reward "
+                          "models and judges it "
                           f"serves ({served} GPU(s)) need {needed} GPUs; the cluster has {cluster_gpus}: add GPUs, or "
                           "lower num_workers")
 

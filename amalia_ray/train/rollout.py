@@ -1,32 +1,22 @@
-"""On-policy sampling (GRPO's rollouts, on-policy DPO's candidates): task prompts, and the rollout engine — vLLM in
-its own Ray actor, with its engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the trainer's weights can
-be streamed into it in place before every generation — sampling completions that rule-based rewards score.
+"""A rollout engine: vLLM in its own Ray actor, with its engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+and the trainer's weights loaded into it in place, through vLLM's weight-update path, before every generation
+(`weight_sync`); and the sizing and placement of each engine of the rollout fleet (`rollout_fleet`).
 
 A separate actor rather than vLLM inside a training worker: the training workers already own a torch.distributed
-group that vLLM would try to join. By default the actor is colocated: it runs on the first worker's node, reserves
+group that vLLM would try to join. By default an engine is colocated: it runs on a training worker's node, reserves
 nothing beyond the stage's workers and, on GPU, shares that worker's GPU, asleep (weights and KV cache released)
-while the trainer steps, as TRL's and verl's colocated modes do. `placement: separate` gives it a GPU of its own."""
+while the trainer steps, as TRL's and verl's colocated modes do. `placement: separate` gives it GPUs of its own."""
 
 from __future__ import annotations
 
 import os
-import queue
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import ray
 import torch
-import torch.distributed as dist
 
 from amalia_ray.core.config import RolloutConfig
-from amalia_ray.train.reward_scoring import RewardScorer
 
-if TYPE_CHECKING:
-    import numpy as np
-
-# how much of the weights rank 0 holds at once while streaming them to the engine (two buckets are in flight)
-PUSH_BUCKET_BYTES = 256 << 20
 # beside its weights and KV cache, what a vLLM engine needs (CUDA context, activations, sampler) when sized for you
 ENGINE_WORKSPACE_BYTES = 2 << 30
 KV_SPARE_TOKENS = 512
@@ -34,18 +24,35 @@ KV_SPARE_TOKENS = 512
 
 class RolloutEngine:
     def __init__(self, model_dir: str, dtype: str, max_model_len: int, enforce_eager: bool, seed: int,
-                 gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, sleep: bool):
+                 gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, sleep: bool,
+                 tensor_parallel: int = 1):
         from vllm import LLM
+        from vllm.config import WeightTransferConfig
 
+        from amalia_ray.train.weight_sync import BACKEND, register
+
+        register()
         kv = {"kv_cache_memory_bytes": kv_cache_memory_bytes} if kv_cache_memory_bytes else {}
+        if not torch.cuda.is_available():
+            # a request's seeded generator cannot be rewound on CPU when its prefill is split over two scheduler
+            # steps, so prefills are never split there: completions then depend on their seeds only, not on how
+            # prompts are batched or spread over engines
+            kv |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+        if tensor_parallel > 1:  # the engine's workers: Ray actors vLLM places on GPUs of their own
+            kv |= {"tensor_parallel_size": tensor_parallel, "distributed_executor_backend": "ray"}
         # log-probabilities, when asked for, of the distribution sampled from (after the temperature): what an
         # off-policy step weighs its policy against
         self.llm = LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=sleep,
-                       logprobs_mode="processed_logprobs", **kv)
+                       logprobs_mode="processed_logprobs", weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+                       **kv)
         self.sleeps, self.asleep = sleep, False
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="weight-reload")
-        self._updating: tuple[queue.Queue, Future] | None = None
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="weight-receive")
+        self._receiving: Future | None = None
+
+    def join_weight_group(self, info: dict) -> None:
+        """Join the trainer's weight group (blocks until every member has joined)."""
+        self.llm.init_weight_transfer_engine({"init_info": info})
 
     def sleep(self) -> None:
         """Release the weights and the KV cache (GPU, colocated): the trainer has the memory until the next push,
@@ -55,81 +62,54 @@ class RolloutEngine:
             self.asleep = True
 
     def begin_update(self) -> None:
-        """Start loading weights in place through vLLM's reload path, fed bucket by bucket by `push`: one reload
-        over the whole stream, so layers whose checkpoint tensors vLLM fuses (q/k/v, gate/up) are only processed
-        once all their parts are in. The reload runs on one long-lived thread: a fresh thread per update would
-        take a fresh malloc arena each time and leave it holding the update's peak."""
+        """Start receiving a weight stream: the engine's workers load each bucket the trainer broadcasts, on a
+        long-lived thread (a fresh thread per update would take a fresh malloc arena each time and leave it
+        holding the update's peak), while this actor stays free to be told the stream ended."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        stream: queue.Queue = queue.Queue(maxsize=1)
+        self.llm.start_weight_update()
+        self._receiving = self._loader.submit(self.llm.update_weights, {"update_info": {}})
 
-        def weights():
-            while (bucket := stream.get()) is not None:
-                for name, dtype, array in bucket:
-                    yield name, from_wire(array, dtype)
-
-        # the worker's own reload (checkpoint-format HF names, loaded in place under the engine's config)
-        self._updating = (stream, self._loader.submit(self.llm.collective_rpc, "reload_weights",
-                                                      kwargs={"weights_iterator": weights()}))
-
-    def push(self, bucket: list[tuple[str, str, "np.ndarray"]] | None) -> None:
-        stream, done = self._updating
-        while not done.done():
-            try:
-                stream.put(bucket, timeout=1.0)
-                return
-            except queue.Full:
-                continue
-        raise RuntimeError(f"loading weights into the rollout engine failed: {done.exception()}")
+    def receive_error(self) -> str | None:
+        """Why the weight stream being received stopped, if it failed (the trainer would otherwise wait in its
+        broadcast for a member that left)."""
+        receiving = self._receiving
+        if receiving is None or not receiving.done() or receiving.exception() is None:
+            return None
+        return f"{type(receiving.exception()).__name__}: {receiving.exception()}"
 
     def end_update(self) -> None:
-        self.push(None)
-        stream, done = self._updating
-        self._updating = None
-        if done.exception() is not None:
-            raise RuntimeError(f"loading weights into the rollout engine failed: {done.exception()}") \
-                from done.exception()
+        receiving, self._receiving = self._receiving, None
+        if receiving.exception() is not None:
+            raise RuntimeError(f"loading weights into the rollout engine failed: {receiving.exception()}") \
+                from receiving.exception()
+        self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 logprobs: bool = False) -> list[list[list[int]]] | list[list[tuple[list[int], list[float]]]]:
+                 logprobs: bool = False, seeds: list[int] | None = None
+                 ) -> list[list[list[int]]] | list[list[tuple[list[int], list[float]]]]:
         """For each prompt (token ids), `n` sampled completions (token ids, the stop token included), with
-        `logprobs` each as (ids, the log-probability of each id under the distribution it was drawn from). Sampling
-        draws from the engine's seeded generator, so a fresh engine given the same calls samples the same; no
-        per-request seed: vLLM on CPU cannot rewind a request's own generator when the scheduler splits its
-        prefill."""
+        `logprobs` each as (ids, the log-probability of each id under the distribution it was drawn from). With
+        `seeds` (one per prompt; its completions draw from seed, seed + 1, …) a prompt's completions depend on its
+        seed alone, whichever engine samples it and beside whichever prompts; without, from the engine's seeded
+        generator (the same for a fresh engine given the same calls)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self.asleep:
             raise RuntimeError("the rollout engine released its weights when it went to sleep: push weights first")
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0 if logprobs else None)
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature,
+                                 logprobs=0 if logprobs else None, seed=seed)
+                  for seed in (seeds if seeds is not None else [None] * len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         if not logprobs:
             return [[list(c.token_ids) for c in out.outputs] for out in outputs]
         return [[(list(c.token_ids), [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
                  for c in out.outputs] for out in outputs]
-
-
-def to_wire(tensor: torch.Tensor) -> tuple[str, "np.ndarray"]:
-    """A host tensor as (dtype, numpy array): Ray writes numpy arrays straight into its object store and the engine
-    reads them there without a copy of its own (bf16, which numpy lacks, travels as its 16-bit pattern)."""
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return dtype, tensor.numpy()
-
-
-def from_wire(array: "np.ndarray", dtype: str) -> torch.Tensor:
-    import warnings
-
-    with warnings.catch_warnings():  # a read-only view into the object store: vLLM only copies from it
-        warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(array)
-    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
@@ -160,22 +140,34 @@ def engine_memory(weight_bytes: int, kv_per_token: int, sequences: int, tokens_p
     return min(1.0, (weight_bytes + kv + ENGINE_WORKSPACE_BYTES) / total), kv
 
 
-def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, sizing: dict | None = None):
-    """The rollout engine on `model_dir`. Colocated (the default), it is pinned to this process's node, takes no
-    resource of its own and sees this process's GPU; call it from the first training worker. `sizing` (weights,
-    KV per token, sequences per step, tokens per sequence, trainer bytes) sizes its memory when the recipe does not."""
+def this_worker(use_gpu: bool) -> tuple[str, str | None]:
+    """(node id, the GPU this process uses as its node numbers them, or None): where a colocated engine goes. Ray
+    shows a worker every GPU its node gives the stage's workers; torch's current device picks this one's."""
+    node = ray.get_runtime_context().get_node_id()
+    if not use_gpu:
+        return node, None
+    visible, index = os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device()
+    return node, visible.split(",")[index] if visible else str(index)
+
+
+def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, sizing: dict | None = None,
+                 beside: tuple[str, str | None] | None = None):
+    """A rollout engine on `model_dir`. Colocated (the default), it is pinned to the node of the training worker
+    `beside` (`this_worker()`; default: the calling one), takes no resource of its own and sees that worker's GPU.
+    Separate, it holds `tensor_parallel` GPUs of its own. `sizing` (weights, KV per token, sequences per step,
+    tokens per sequence, trainer bytes) sizes its memory when the recipe does not."""
     colocated = cfg.placement == "colocated"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if colocated:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        options = {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False)}
-        if use_gpu:  # this worker's own GPU: Ray shows a worker every GPU its node gives the stage's workers
-            visible, index = os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device()
-            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
-    else:
-        options = {"num_cpus": 1, "num_gpus": 1 if use_gpu else 0}
+        node, gpu = beside or this_worker(use_gpu)
+        options = {"num_cpus": 0, "num_gpus": 0,
+                   "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+        if use_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+    else:  # sharded, vLLM places the engine's workers on GPUs of their own; the actor holds none
+        options = {"num_cpus": 1, "num_gpus": int(use_gpu and cfg.tensor_parallel == 1)}
     utilization, kv = cfg.gpu_memory_utilization, None
     if sizing is not None and not colocated:  # the trainer is not on the engine's GPU
         sizing = {**sizing, "trainer_bytes": 0}
@@ -185,8 +177,8 @@ def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, s
         utilization, kv = engine_memory(max_model_len=cfg.max_model_len, **sizing, **device_memory(
             use_gpu and colocated))
     actor = ray.remote(RolloutEngine).options(runtime_env={"env_vars": env}, **options)
-    return actor.remote(model_dir, cfg.resolved_dtype(use_gpu), cfg.max_model_len, cfg.enforce_eager, seed,
-                        utilization, kv, colocated and use_gpu)
+    return actor.remote(model_dir, cfg.resolved_dtype(use_gpu), cfg.max_model_len, cfg.eager(use_gpu), seed,
+                        utilization, kv, colocated and use_gpu, cfg.tensor_parallel)
 
 
 def device_memory(this_gpu: bool) -> dict:
@@ -198,97 +190,3 @@ def device_memory(this_gpu: bool) -> dict:
 
     mem = psutil.virtual_memory()
     return {"free": mem.available, "total": mem.total}
-
-
-def push_weights(model, engine, dtype: torch.dtype, bucket_bytes: int = PUSH_BUCKET_BYTES) -> None:
-    """Stream the model's current weights into the running engine, one tensor at a time in the engine's dtype: each
-    sharded tensor is gathered on every rank (a collective: every rank calls this), rank 0 casts it, copies it to
-    the host and sends it on in buckets of `bucket_bytes`, one in flight while the next fills. No rank ever holds
-    the whole state. A model with LoRA adapters sends its merged weights (the engine serves the plain model), each
-    layer merged on rank 0 once its base weight and adapters are in."""
-    from torch.distributed.tensor import DTensor
-
-    from amalia_ray.train.lora_merge import Merger, scalings
-    from amalia_ray.train.weight_names import plain_name
-
-    first = dist.get_rank() == 0
-    if torch.cuda.is_available():  # what the trainer's allocator caches goes back before the engine wakes beside it
-        torch.cuda.empty_cache()
-    if first:
-        ray.get(engine.begin_update.remote())
-    merger = Merger(scalings(model))
-    bucket, size, in_flight = [], 0, None
-    for name, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if first:
-            for out_name, tensor in merger.feed(plain_name(name), full.detach()):
-                host = tensor.to("cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype, copy=True)
-                bucket.append((out_name, *to_wire(host)))
-                size += host.nbytes
-        del full
-        if first and size >= bucket_bytes:
-            if in_flight is not None:
-                ray.get(in_flight)
-            in_flight, bucket, size = engine.push.remote(bucket), [], 0
-    if first:
-        merger.close()
-        if in_flight is not None:
-            ray.get(in_flight)
-        if bucket:
-            ray.get(engine.push.remote(bucket))
-        ray.get(engine.end_update.remote())
-
-
-def encode_prompt(tok, prompt) -> list[int]:
-    """Messages through the chat template with the generation prompt (as TRL); a string as it is."""
-    if isinstance(prompt, list):
-        rendered = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
-        return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-    return list(tok(prompt)["input_ids"])
-
-
-def engine_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutConfig, seed: int, use_gpu: bool,
-                    sequences: int, tokens_per_sequence: int, step_transient_bytes: int = 0):
-    """Export the model's current weights as a HF folder (a collective: every rank calls this) and start an engine
-    on it from rank 0, sized for `sequences` of up to `tokens_per_sequence` tokens at once, leaving the trainer its
-    gradients, AdamW state and `step_transient_bytes` (a step's activations and the like, from `amalia plan`'s
-    arithmetic); None on the other ranks."""
-    from amalia_ray.train.hf_weights import export_hf
-
-    init_dir = work_dir / "rollout-init"
-    export_hf(model, model.config, init_dir, tokenizer_dir)
-    # what this worker adds once it trains: gradients and two Adam moments of its shard of the weights
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    if dist.get_world_size() > 1:
-        dist.barrier()
-    if dist.get_rank() != 0:
-        return None
-    dtype = getattr(torch, engine.resolved_dtype(use_gpu))
-    numel = sum(p.numel() for p in model.parameters())
-    sizing = {"weight_bytes": numel * torch.finfo(dtype).bits // 8, "sequences": sequences,
-              "kv_per_token": kv_bytes_per_token(model.config, dtype), "tokens_per_sequence": tokens_per_sequence,
-              "trainer_bytes": 12 * local + step_transient_bytes}
-    if use_gpu:
-        torch.cuda.empty_cache()  # what the trainer's allocator caches is free for the engine
-    return start_engine(str(init_dir), engine, seed, use_gpu, sizing)
-
-
-def sample_and_score(engine, tok, prompts: list[list[int]], tasks: list[dict], scorer: RewardScorer,
-                     n: int, max_tokens: int, temperature: float) -> tuple[list, torch.Tensor]:
-    """`n` completions per prompt from the engine, each scored by every reward -> ([(prompt, completion)], scores
-    (completions, rewards), NaN where a judge gave no grade); completions of one prompt are consecutive."""
-    sampled = ray.get(engine.generate.remote(prompts, n, max_tokens, temperature))
-    ray.get(engine.sleep.remote())  # colocated on GPU: the memory is the trainer's again before it steps
-    return score_completions(tok, prompts, tasks, sampled, scorer)
-
-
-def score_completions(tok, prompts: list[list[int]], tasks: list[dict], sampled: list[list[list[int]]],
-                      scorer: RewardScorer) -> tuple[list, torch.Tensor]:
-    """The engine's completions of each prompt, each scored by every reward (see `sample_and_score`)."""
-    items, texts, scored_tasks = [], [], []
-    for prompt, task, completions in zip(prompts, tasks, sampled):
-        for completion in completions:
-            texts.append(tok.decode(completion, skip_special_tokens=True))
-            scored_tasks.append(task)
-            items.append((prompt, completion))
-    return items, scorer.score([t["prompt"] for t in scored_tasks], texts, scored_tasks)

@@ -55,15 +55,38 @@ class CurriculumConfig(Strict):
 
 
 class RolloutConfig(EngineConfig):
-    """The vLLM engine a grpo or on-policy dpo stage samples from."""
+    """The vLLM engines (the rollout fleet) a grpo or on-policy dpo stage samples from."""
+    engines: int = Field(1, ge=1, description="vLLM engines sampling in parallel: each rollout's prompts are split "
+                         "across them and the completions gathered in prompt order; the trainer's weights reach "
+                         "every engine through one collective broadcast")
+    tensor_parallel: int = Field(1, ge=1, description="GPUs each engine shards its model over (vLLM's "
+                                 "tensor_parallel_size; 1 on CPU); above 1 the engines need placement: separate")
     placement: Literal["colocated", "separate"] = Field(
-        "colocated", description="colocated: on the node of the first training worker, sharing its GPU (asleep "
-        "between rollouts on GPU), reserving nothing beyond the stage's workers; separate: an actor holding a GPU "
-        "of its own, which the cluster must have spare beside the training workers")
+        "colocated", description="colocated: engine i on the node of training worker i (of the stage's workers, "
+        "in turn), sharing its GPU (asleep between rollouts on GPU), reserving nothing beyond the stage's workers; "
+        "separate: actors holding engines × tensor_parallel GPUs of their own, which the cluster must have spare "
+        "beside the training workers")
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="share of the device's memory the engine may take; default: sized to the "
-        "model (its weights in the engine's dtype, the KV cache of one step's sequences, a workspace) within what the "
-        "device has free beside the training worker")
+        None, gt=0, le=1, description="share of the device's memory an engine may take; default: sized to the "
+        "model (its weights in the engine's dtype, the KV cache of its share of a step's sequences, a workspace) "
+        "within what the device has free beside the training worker")
+    enforce_eager: bool | None = Field(None, description="no CUDA graphs; null: eager on CPU only (vLLM's CPU "
+                                       "backend), CUDA graphs on GPU, where decoding is several times faster")
+
+    @model_validator(mode="after")
+    def _sharded_engines_are_separate(self) -> RolloutConfig:
+        if self.tensor_parallel > 1 and self.placement == "colocated":
+            raise ValueError(f"rollout.tensor_parallel {self.tensor_parallel} shards each engine over GPUs of its "
+                             "own: set rollout.placement: separate (a colocated engine shares one training "
+                             "worker's GPU)")
+        return self
+
+    def eager(self, use_gpu: bool) -> bool:
+        return (not use_gpu) if self.enforce_eager is None else self.enforce_eager
+
+    def gpus(self, use_gpu: bool) -> int:
+        """GPUs the engines hold beside the training workers."""
+        return self.engines * self.tensor_parallel if use_gpu and self.placement == "separate" else 0
 
     def for_length(self, max_model_len: int) -> RolloutConfig:
         """This engine for sequences of `max_model_len` tokens (the stage's seq_len), validated again: a stage's

@@ -136,7 +136,7 @@ class DPO(Objective):
         scored by the stage's rewards; the best becomes chosen and the worst rejected (ties give no pair)."""
         from amalia_ray.core.formats.rl_tasks import read_tasks
         from amalia_ray.train.reward_scoring import RewardScorer
-        from amalia_ray.train.rollout import encode_prompt
+        from amalia_ray.train.rollout_fleet import encode_prompt
 
         self = cls.__new__(cls)
         self._setup(tokenizer_dir, seq_len, stage.beta)
@@ -161,20 +161,20 @@ class DPO(Objective):
     def _make_pairs(self, model) -> None:
         """Rank 0 samples and ranks candidates; every rank gets the same pairs. Also written to
         on-policy-pairs.jsonl in the stage folder, decoded, for inspection."""
-        import ray
-
-        from amalia_ray.train.rollout import engine_on_model, sample_and_score
+        from amalia_ray.train.rollout_fleet import fleet_on_model, sample_and_score
 
         cfg, stage = self.on_policy, self.on_policy["stage"]
         n = stage.num_generations
-        engine = engine_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
-                                 cfg["use_gpu"], len(cfg["prompts"]) * n,
-                                 max(map(len, cfg["prompts"])) + stage.max_completion_length)
+        fleet = fleet_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
+                               cfg["use_gpu"], len(cfg["prompts"]) * n,
+                               max(map(len, cfg["prompts"])) + stage.max_completion_length)
         payload = [None]
         if dist.get_rank() == 0:
-            items, scores = sample_and_score(engine, self.tok, cfg["prompts"], cfg["tasks"], cfg["scorer"], n,
-                                             stage.max_completion_length, stage.temperature)
-            ray.kill(engine)
+            try:
+                items, scores = sample_and_score(fleet, self.tok, cfg["prompts"], cfg["tasks"], cfg["scorer"], n,
+                                                 stage.max_completion_length, stage.temperature, cfg["seed"])
+            finally:
+                fleet.shutdown()
             totals = cfg["scorer"].totals(scores).view(-1, n)
             pairs, ties, missing = [], 0, int(totals.isnan().sum())
             for i, group in enumerate(totals):

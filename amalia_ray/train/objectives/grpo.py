@@ -20,7 +20,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
-import ray
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -32,7 +31,8 @@ from amalia_ray.train.lora import adapters_off
 from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.core.formats.rl_tasks import read_tasks
 from amalia_ray.train.reward_scoring import RewardScorer, reward_labels
-from amalia_ray.train.rollout import encode_prompt, engine_on_model, push_weights, score_completions
+from amalia_ray.train.rollout_fleet import (encode_prompt, fleet_on_model, prompt_seeds, push_weights,
+                                            score_completions)
 
 log = logging.getLogger("amalia_ray.train")
 
@@ -141,7 +141,7 @@ class GRPO(Objective):
                              f"in seq_len {seq_len}")
         if dropped:
             log.warning(f"{data_path}: {dropped} task(s) dropped: prompt + max_completion_length > seq_len {seq_len}")
-        self.engine = self.reference = None
+        self.fleet = self.reference = None
         # (prompt ids, completion ids, advantage, the engine's log-probabilities of the completion or None)
         self.buffer: list[tuple[list[int], list[int], float, list[float] | None]] = []
         self._stats: dict[str, tuple[float, float]] = {}
@@ -172,8 +172,8 @@ class GRPO(Objective):
                              "own: set rollout.placement: separate (or async_rollout: false)")
         longest = max(map(len, self.prompts)) + self.max_new  # what a step's sequences are padded to
         step = self.step_transient(longest) if self.step_transient else 0
-        self.engine = engine_on_model(model, self.tokenizer_dir, self.work_dir, self.engine_config, self.seed, self.use_gpu,
-                                      self.sequences, longest, step)
+        self.fleet = fleet_on_model(model, self.tokenizer_dir, self.work_dir, self.engine_config, self.seed,
+                                    self.use_gpu, self.sequences, longest, step)
         if self.kl_coef > 0 and not self.lora:
             self.reference = frozen_copy(self.work_dir / "rollout-init")
 
@@ -188,18 +188,18 @@ class GRPO(Objective):
         pushed = sampled = prompt_rows = None
         if at == 0:
             if self._next is None:  # sync, or the first step of an async stage: sample now
-                push_weights(model, self.engine, self.engine_dtype)
+                push_weights(model, self.fleet, self.engine_dtype)
                 pushed = True
-                self._next = self._start_sampling(sampler.next_rows(prompts))
+                self._next = self._start_sampling(sampler, prompts)
             (prompt_rows, sampling), self._next = self._next, None
-            sampled = ray.get(sampling) if sampling is not None else None
+            sampled = self.fleet.collect(sampling) if sampling is not None else None
             if sampled is not None and not self.async_rollout:
-                ray.get(self.engine.sleep.remote())  # colocated on GPU: the memory is the trainer's while it steps
+                self.fleet.sleep()  # colocated on GPU: the memory is the trainer's while it steps
         self._steps_left -= 1
         if self.async_rollout and at == self.num_iterations - 1 and self._steps_left > 0:
             if not pushed:
-                push_weights(model, self.engine, self.engine_dtype)
-            self._next = self._start_sampling(sampler.next_rows(prompts))
+                push_weights(model, self.fleet, self.engine_dtype)
+            self._next = self._start_sampling(sampler, prompts)
         if at == 0:  # scored while the next rollout samples
             self._share(prompt_rows, sampled)
             self._old_logps = {}
@@ -232,12 +232,16 @@ class GRPO(Objective):
         self.buffer, stats = payload[0]
         self._rollout_stats = stats if dist.get_rank() == 0 else {k: (0.0, 0) for k in stats}
 
-    def _start_sampling(self, prompt_rows: np.ndarray) -> tuple[np.ndarray, object]:
-        """Rank 0 asks the engine for G completions of each prompt (the ref of its answer; None on other ranks)."""
+    def _start_sampling(self, sampler: MixtureSampler, prompts: int) -> tuple[np.ndarray, object]:
+        """Draw the next rollout's prompts; rank 0 asks the fleet for G completions of each, seeded by the prompt's
+        position in the stage's prompt stream (what `collect` waits on; None on other ranks)."""
+        first = sampler.cursors["grpo"]
+        prompt_rows = sampler.next_rows(prompts)
         if dist.get_rank() != 0:
             return prompt_rows, None
-        return prompt_rows, self.engine.generate.remote([self.prompts[i] for i in prompt_rows], self.G, self.max_new,
-                                                        self.temperature, logprobs=self.async_rollout)
+        return prompt_rows, self.fleet.submit([self.prompts[i] for i in prompt_rows], self.G, self.max_new,
+                                              self.temperature, self.async_rollout,
+                                              prompt_seeds(self.seed, first, len(prompt_rows), self.G))
 
     def batch(self, rows: np.ndarray, split: str = "train") -> dict:
         chosen = [self.buffer[i] for i in rows]
