@@ -5,6 +5,7 @@ JSON.
 
     .venv/bin/python bench/rollout_scaling.py [--steps 8] [--prompts 4] [--generations 4] [--max-new 48]
     .venv/bin/python bench/rollout_scaling.py --gpu   # one GPU: a larger model in bf16, one engine, sync only
+                                                      # (part of bench/gpu/one_gpu.py)
 
 Rollout: completion tokens per second of one sampling call over `--rollout-prompts` prompts × generations,
 split over the fleet's engines (after a warm-up call). Per GRPO mode: the whole stage's wall time (engine start and
@@ -92,13 +93,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--gpu", action="store_true", help="one GPU: 1 worker, one engine, sync; a hidden-2048, "
-                        "16-layer model unless --hidden/--layers say otherwise")
+    parser.add_argument("--gpu", action="store_true", help="one GPU: 1 worker, one engine, sync; a hidden-1024, "
+                        "16-layer model (heads 256 wide) unless --hidden/--layers say otherwise")
     args = parser.parse_args()
     if args.gpu:
         args.workers = 1
         if (args.hidden, args.layers) == (256, 4):
-            args.hidden, args.layers = 2048, 16
+            args.hidden, args.layers = 1024, 16
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     import ray
@@ -111,7 +112,8 @@ def main() -> None:
     grpo = [("sync", 1)] if args.gpu else [("sync", 1), ("sync", 2), ("async", 1)]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        base = make_base_model(work / "base", "qwen3", hidden=args.hidden, layers=args.layers, dtype="float32")
+        base = make_base_model(work / "base", "qwen3", hidden=args.hidden, layers=args.layers, dtype="float32",
+                               shard_size="2GB")
         tasks = work / "tasks.jsonl"
         write_tasks(arithmetic_tasks(max(args.steps * args.prompts * 2, args.rollout_prompts), seed=0), tasks)
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)

@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ports", type=int, nargs=2, default=(8392, 8393))
+    ap.add_argument("--gpu", action="store_true", help="both servers on this machine's GPU, 0.4 of its memory each")
     args = ap.parse_args()
     if not (args.checkpoint / "config.json").exists():
         sys.exit(f"no HF checkpoint at {args.checkpoint}: run `make demo` first or pass --checkpoint")
@@ -96,18 +97,19 @@ def main() -> None:
     from amalia_ray.core.config import ServeConfig
     from amalia_ray.serve import app as serve_app
 
-    cfg = ServeConfig(port=args.ports[0])
+    cfg = ServeConfig(port=args.ports[0], **({"gpus_per_replica": 1, "engine": {"gpu_memory_utilization": 0.4}}
+                                             if args.gpu else {}))
     engine = cfg.engine
     bare_url = f"http://127.0.0.1:{args.ports[1]}/v1"
     bare = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.checkpoint),
          "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(args.ports[1]),
          "--max-model-len", str(engine.max_model_len), "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
-         "--dtype", engine.resolved_dtype(use_gpu=False), *(["--enforce-eager"] if engine.enforce_eager else [])],
+         "--dtype", engine.resolved_dtype(use_gpu=args.gpu), *(["--enforce-eager"] if engine.enforce_eager else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        ours_url = serve_app.start({"bench": args.checkpoint}, cfg, use_gpu=False, name="amalia-bench").base_url
+        ours_url = serve_app.start({"bench": args.checkpoint}, cfg, use_gpu=args.gpu, name="amalia-bench").base_url
         wait_ready(bare_url)
         texts = prompts(args.requests)
         servers = {"ray_serve": ours_url, "bare_vllm": bare_url}

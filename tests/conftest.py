@@ -236,7 +236,7 @@ def post_training(demo_run, recipe_path) -> Path:
            "seq_len": 512, "steps": 8, "warmup_steps": 2, "lr": 0.001, "checkpoint_every": 4}
     dpo = {**sft, "name": "dpo", "objective": "dpo", "dataset": str(tasks), "on_policy": True, "num_generations": 4,
            "max_completion_length": 24, "seq_len": 160, "steps": 4, "lr": 0.0005, "beta": 0.1, "checkpoint_every": 4,
-           "rewards": ["exact_answer", "has_number", {"model": "rm", "weight": 0.5}]}
+           "rewards": ["exact_answer", "has_number", {"model": "rm", "weight": 0.5}], "rollout": {"engines": 2}}
     rm = {**sft, "name": "rm", "objective": "reward", "dataset": str(pairs), "seq_len": 160, "steps": 4,
           "warmup_steps": 0, "lr": 0.0005, "checkpoint_every": 4}
     data["train"] += [{**sft, "lora": {"r": 8, "alpha": 16, "merge": True}}, rm, dpo]

@@ -185,7 +185,7 @@ def test_second_run_skips_unchanged_stages(demo_run, recipe_path, capsys):
 
 def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(post_training):
     """pretrain -> LoRA sft on conversations made from the Debian FAQ -> a reward model -> AMALIA-style on-policy
-    dpo: the pairs are sampled from the sft checkpoint through the vLLM engine and ranked by rule rewards and the
+    dpo: the pairs are sampled from the sft checkpoint by two vLLM engines and ranked by rule rewards and the
     reward model, trained from sft by Ray Train and served by Ray Serve while dpo samples. Each policy stage starts
     from the previous one's export — dpo from the LoRA stage's merged weights, past the reward model, which
     branches off sft and is not served for evaluation —, sft trains adapters on assistant tokens

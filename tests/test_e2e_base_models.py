@@ -104,8 +104,8 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     into it in place (with LoRA: the merged weights), weighted rule rewards and an LLM judge reached over HTTP from
     the training worker (a scripted OpenAI-compatible judge here, grading every completion), group advantages, k3
     KL to the base (with LoRA: the policy with its adapters off); the first step's policy is its reference, and the
-    export keeps the base's architecture. With LoRA, async: the second rollout is sampled while the second step
-    trains on the first one again, and is the third step's."""
+    export keeps the base's architecture. With LoRA, async on two engines: the second rollout is sampled while the
+    second step trains on the first one again, and is the third step's."""
     from amalia_ray.core.formats.rl_tasks import write_tasks
     from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
     from amalia_ray.train.train_stage import run_train_stage
@@ -116,7 +116,8 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     tasks = tmp_path / "arithmetic.jsonl"
     write_tasks(arithmetic_tasks(32, seed=0), tasks)
     with scripted_judge("Nota: 3") as judge:
-        off_policy = {"async_rollout": True, "num_iterations": 2} if lora else {}
+        # with LoRA: async, and a fleet of two engines (one beside each worker) sampling half the prompts each
+        off_policy = {"async_rollout": True, "num_iterations": 2, "rollout": {"engines": 2}} if lora else {}
         steps = 3 if lora else 2
         stage = GRPOStage(name="grpo", objective="grpo", dataset=str(tasks), steps=steps, seq_len=128,
                           global_batch_size=4, micro_batch_size=2, num_workers=2, warmup_steps=0, lr=1e-4,

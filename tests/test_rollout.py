@@ -166,8 +166,12 @@ def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
     copy = sum(p.numel() * 4 for p in model.parameters())
     sizing = {"weight_bytes": copy, "kv_per_token": kv_bytes_per_token(config, torch.float32), "sequences": 8,
               "tokens_per_sequence": 64}
+    before = _listening()
     fleet = start_fleet(folder, RolloutConfig(max_model_len=128, engines=2), seed=0, use_gpu=False, sizing=sizing,
                         workers=[this_worker(False)])
+    # the weight group's sockets: on loopback, here and in both engines (Ray's own listen on every interface)
+    opened = {"trainer": sorted(_listening() - before),
+              "engines": ray.get([e.__ray_call__.remote(lambda self: sorted(_listening())) for e in fleet.engines])}
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = [tok(text)["input_ids"] for text in ("one two three", "four five", "six seven eight nine", "ten")]
     greedy = lambda: fleet.sample(prompts, 1, 12, 0.0, prompt_seeds(0, 0, len(prompts), 1))  # noqa: E731
@@ -228,10 +232,19 @@ def _push_and_measure(rank: int, address: str, folder: str, out: str) -> None:
     restored_gap, _ = logprob_gap()
     Path(out).write_text(json.dumps({"copy": copy, "streamed": streamed, "whole": whole, "before": before,
                                      "changed": changed, "restored": restored, "logprob_gap": gap,
-                                     "sampled_tokens": sampled_tokens, "restored_gap": restored_gap, "split": split, "alone": alone}))
+                                     "sampled_tokens": sampled_tokens, "restored_gap": restored_gap,
+                                     "opened": opened, "split": split, "alone": alone}))
     fleet.shutdown()
     dist.destroy_process_group()
     ray.shutdown()
+
+
+def _listening() -> set[str]:
+    """This process's listening TCP sockets bound to one address (not to every interface), as 'ip:port'."""
+    import psutil
+
+    return {f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.ip not in ("0.0.0.0", "::")}
 
 
 def _free_port() -> int:
@@ -262,6 +275,9 @@ def test_weights_stream_into_the_fleet_within_a_fraction_of_one_copy(ray_cluster
              nprocs=1)
     got = json.loads(out.read_text())
     copy, streamed, whole = got["copy"], got["streamed"], got["whole"]
+    assert got["opened"]["trainer"] and all(e for e in got["opened"]["engines"]), got["opened"]
+    assert all(a.startswith("127.0.0.1:") for a in got["opened"]["trainer"] + sum(got["opened"]["engines"], [])), \
+        f"the weight group listens on loopback only: {got['opened']}"
     assert got["split"] == got["alone"][0] == got["alone"][1], "completions depend on their seeds alone"
     assert len({tuple(map(tuple, c)) for c in got["split"]}) == 4, "each prompt samples from its own seed"
     assert got["changed"] != got["before"] and got["restored"] == got["before"], got

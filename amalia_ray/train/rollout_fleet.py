@@ -6,11 +6,12 @@ it, and a resumed stage samples what it would have.
 
 The trainer's weights reach every engine in one collective broadcast from the first training worker
 (`weight_sync`): each sharded tensor is gathered on every rank, and rank 0 casts it to the engines' dtype (on its
-GPU when it has one) and copies it into a bucket, sent while the next fills."""
+GPU when it has one) and copies it into a bucket, sent (by a thread of its own) while the next fills."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from amalia_ray.train.reward_scoring import RewardScorer
 from amalia_ray.train.rollout import kv_bytes_per_token, start_engine, this_worker
 from amalia_ray.train.weight_sync import Bucket, WeightSender
 
+log = logging.getLogger("amalia_ray.train")
 # how much of the weights rank 0 holds at once while streaming them to the engines (two buckets are in flight)
 PUSH_BUCKET_BYTES = 256 << 20
 ENGINE_CHECK_S = 10.0  # while a broadcast waits, how often the engines are asked whether they still receive
@@ -54,9 +56,12 @@ def shares(count: int, parts: int) -> list[range]:
 class RolloutFleet:
     """The engines of one stage, held by its first training worker, and the weight group joining them to it."""
 
-    def __init__(self, engines: list, config: RolloutConfig, use_gpu: bool, loopback: bool):
+    def __init__(self, engines: list, config: RolloutConfig, use_gpu: bool, weight_sync: bool = True):
         self.engines, self.config = engines, config
-        self.sender = WeightSender(engines, config.tensor_parallel, use_gpu, "127.0.0.1" if loopback else None)
+        transport = "nccl" if use_gpu and config.placement == "separate" else "gloo"
+        self.sender = WeightSender(engines, config.tensor_parallel, transport) if weight_sync else None
+        log.info(f"rollout fleet: {len(engines)} engine(s), {config.placement}"
+                 + (f", weights broadcast over {transport}" if weight_sync else ""))
         self._sending = ThreadPoolExecutor(1, thread_name_prefix="weight-send")
 
     def submit(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, logprobs: bool,
@@ -102,14 +107,16 @@ class RolloutFleet:
         self._sending.shutdown()
         for engine in self.engines:
             ray.kill(engine)
-        self.sender.close()
+        if self.sender is not None:
+            self.sender.close()
 
 
 def start_fleet(model_dir: str, config: RolloutConfig, seed: int, use_gpu: bool, sizing: dict | None,
-                workers: list[tuple[str, str | None]]) -> RolloutFleet:
-    """`config.engines` engines on `model_dir`, from the first training worker. Colocated, engine i runs beside
-    training worker i of `workers` (in turn, when there are more engines than workers: on CPU only), each sized for
-    its share of a step's sequences."""
+                workers: list[tuple[str, str | None]], weight_sync: bool = True) -> RolloutFleet:
+    """`config.engines` engines on `model_dir`, from the first training worker, joined to it for weight pushes
+    unless `weight_sync` is off (they sample the weights they start with). Colocated, engine i runs beside training
+    worker i of `workers` (in turn, when there are more engines than workers: on CPU only), each sized for its share
+    of a step's sequences (of the weights and KV heads, its GPU's share under tensor parallelism)."""
     colocated, n = config.placement == "colocated", config.engines
     if colocated and use_gpu and n > len(workers):
         raise ValueError(f"rollout.engines {n} colocated on GPU needs as many training workers, each sharing its GPU "
@@ -119,13 +126,13 @@ def start_fleet(model_dir: str, config: RolloutConfig, seed: int, use_gpu: bool,
         raise ValueError(f"rollout.tensor_parallel {config.tensor_parallel} shards engines over GPUs; on CPU each "
                          "engine runs whole: set it to 1")
     if sizing is not None:
-        sizing = {**sizing, "sequences": -(-sizing["sequences"] // n)}
+        tp = config.tensor_parallel
+        sizing = {**sizing, "sequences": -(-sizing["sequences"] // n), "weight_bytes": sizing["weight_bytes"] // tp,
+                  "kv_per_token": sizing["kv_per_token"] // tp}
     engines = [start_engine(model_dir, config, seed, use_gpu, sizing, beside=workers[i % len(workers)])
                for i in range(n)]
-    here = workers[0][0]
-    loopback = colocated and all(workers[i % len(workers)][0] == here for i in range(n))
     try:
-        return RolloutFleet(engines, config, use_gpu, loopback)
+        return RolloutFleet(engines, config, use_gpu, weight_sync)
     except BaseException:
         for engine in engines:
             ray.kill(engine)
@@ -167,7 +174,7 @@ def push_weights(model, fleet: RolloutFleet | None, dtype: torch.dtype, bucket_b
                     flush()
                 if bucket is None:
                     bucket = Bucket(bucket_bytes, device)
-                bucket.add(out_name, cast.to(device))
+                bucket.add(out_name, cast)  # copied into the bucket, across devices when it is on the host
                 del cast
         del full
     if first:
@@ -188,7 +195,8 @@ def encode_prompt(tok, prompt) -> list[int]:
 
 
 def fleet_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutConfig, seed: int, use_gpu: bool,
-                   sequences: int, tokens_per_sequence: int, step_transient_bytes: int = 0) -> RolloutFleet | None:
+                   sequences: int, tokens_per_sequence: int, step_transient_bytes: int = 0,
+                   weight_sync: bool = True) -> RolloutFleet | None:
     """Export the model's current weights as a HF folder and start the fleet on it from rank 0 (a collective:
     every rank calls this, and tells rank 0 where it runs), sized for `sequences` of up to `tokens_per_sequence`
     tokens at once, leaving each trainer its gradients, AdamW state and `step_transient_bytes` (a step's
@@ -213,7 +221,7 @@ def fleet_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutCo
               "trainer_bytes": 12 * local + step_transient_bytes}
     if use_gpu:
         torch.cuda.empty_cache()  # what the trainer's allocator caches is free for the engines
-    return start_fleet(str(init_dir), engine, seed, use_gpu, sizing, workers)
+    return start_fleet(str(init_dir), engine, seed, use_gpu, sizing, workers, weight_sync)
 
 
 def sample_and_score(fleet: RolloutFleet, tok, prompts: list[list[int]], tasks: list[dict], scorer: RewardScorer,

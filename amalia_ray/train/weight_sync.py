@@ -9,9 +9,11 @@ bucket is one flat byte buffer broadcast from rank 0, after a header with its le
 (name, dtype, shape, offset). A stream of buckets ends with an empty header, so the receiver needs no list of names
 up front (LoRA adapters are merged into the weights as they stream).
 
-Rendezvous: NCCL takes a unique id minted by rank 0 and handed to the engines over Ray (no listening store); gloo
-exchanges its addresses through a small Ray actor (`RendezvousStore`), so no store port is opened either. Gloo's own
-connections bind to loopback when every engine runs on the trainer's node."""
+NCCL carries the weights to engines on GPUs of their own (`placement: separate`); an engine colocated with a
+training worker shares that worker's GPU, and NCCL refuses two members on one GPU, so colocated engines on GPU receive
+over gloo, through the host, as on CPU. Rendezvous: NCCL takes a unique id minted by rank 0 and handed to the engines
+over Ray (no listening store); gloo exchanges its addresses through a small Ray actor (`RendezvousStore`), so no store
+port is opened either. Gloo's own connections bind to loopback when every engine runs on the trainer's node."""
 
 from __future__ import annotations
 
@@ -106,8 +108,8 @@ class Channel:
         self.group, self.device = group, device
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            self.group.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+        if self.device.type == "cuda":  # this device's stream: a sending thread's current device is device 0
+            self.group.broadcast(tensor, src=0, stream=torch.cuda.current_stream(self.device))
         else:
             self.group.broadcast(tensor, 0).wait()
 
@@ -254,10 +256,7 @@ def nccl_group(unique_id_b64: str, rank: int, world: int, device: torch.device):
 
 def open_channel(info: dict, rank: int, device: torch.device) -> Channel:
     if info["transport"] == "nccl":
-        group = nccl_group(info["nccl_unique_id_b64"], rank, info["world_size"], device)
-        # the handshake every peer of a unique-id communicator issues first (see from_unique_id_bytes)
-        group.all_reduce(torch.zeros(1, device=device))
-        return Channel(group, device)
+        return Channel(nccl_group(info["nccl_unique_id_b64"], rank, info["world_size"], device), device)
     # loopback when every member is on one node, else this member's own node address
     host = info["host"]
     if host is None:
@@ -344,27 +343,40 @@ def __getattr__(name: str):
 # -- the trainer's side -----------------------------------------------------------------------------------------
 
 class WeightSender:
-    """Rank 0 of the trainer in the group with every engine's workers (`workers_per_engine` each)."""
+    """Rank 0 of the trainer in the group with every engine's workers (`workers_per_engine` each): over NCCL
+    (`nccl`: engines on GPUs of their own) or gloo (`gloo`: on CPU, and on GPU for engines that share a training
+    worker's GPU — NCCL refuses two members on one GPU — through the host)."""
 
-    def __init__(self, engines: list, workers_per_engine: int, on_gpu: bool, host: str | None):
+    def __init__(self, engines: list, workers_per_engine: int, transport: str):
         import ray
 
+        # an engine that failed to start must raise here, not leave rank 0 waiting for it in the rendezvous
+        nodes = ray.get([engine.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+                         for engine in engines])
+        here = ray.get_runtime_context().get_node_id()
         world = 1 + len(engines) * workers_per_engine
         self.store = None
-        if on_gpu:
+        if transport == "nccl":
             from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
 
             info = {"transport": "nccl", "world_size": world,
                     "nccl_unique_id_b64": base64.b64encode(bytes(NCCLLibrary().ncclGetUniqueId().internal)).decode()}
+            device = torch.device("cuda", torch.cuda.current_device())
         else:
             name = f"store-{uuid.uuid4().hex}"
             self.store = ray.remote(RendezvousStore).options(name=name, namespace=NAMESPACE, num_cpus=0).remote()
-            info = {"transport": "gloo", "world_size": world, "store": name, "host": host}
-        joined = [engine.join_weight_group.remote({**info, "rank_offset": 1 + i * workers_per_engine})
-                  for i, engine in enumerate(engines)]
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.channel = open_channel(info, 0, device)  # returns once every engine worker has joined
-        ray.get(joined)
+            info = {"transport": "gloo", "world_size": world, "store": name,
+                    "host": "127.0.0.1" if all(node == here for node in nodes) else None}
+            device = torch.device("cpu")
+        try:
+            joined = [engine.join_weight_group.remote({**info, "rank_offset": 1 + i * workers_per_engine})
+                      for i, engine in enumerate(engines)]
+            self.channel = open_channel(info, 0, device)  # returns once every engine worker has joined
+            ray.get(joined)
+        except BaseException:
+            if self.store is not None:
+                ray.kill(self.store)
+            raise
         self.device = self.channel.device
 
     def send(self, bucket: Bucket) -> None:

@@ -167,7 +167,8 @@ class DPO(Objective):
         n = stage.num_generations
         fleet = fleet_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
                                cfg["use_gpu"], len(cfg["prompts"]) * n,
-                               max(map(len, cfg["prompts"])) + stage.max_completion_length)
+                               max(map(len, cfg["prompts"])) + stage.max_completion_length,
+                               weight_sync=False)  # it samples once, with the weights it starts from
         payload = [None]
         if dist.get_rank() == 0:
             try:
