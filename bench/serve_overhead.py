@@ -109,6 +109,8 @@ def main() -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
+        if args.gpu:  # one engine at a time on the GPU: each one's memory profiling would count the other's
+            wait_ready(bare_url)
         ours_url = serve_app.start({"bench": args.checkpoint}, cfg, use_gpu=args.gpu, name="amalia-bench").base_url
         wait_ready(bare_url)
         texts = prompts(args.requests)

@@ -1,8 +1,8 @@
 """On-policy sampling (GRPO's rollouts, on-policy DPO's candidates) on a fleet of vLLM engines (`rollout.engines`):
 each rollout's prompts split into contiguous shares, one per engine, sampled at once and gathered back in prompt
 order. Every prompt samples with its own seed, drawn from the stage's seed and the prompt's position in the
-stage's stream of prompts, so what it samples does not depend on how many engines there are or which one sampled
-it, and a resumed stage samples what it would have.
+stage's stream of prompts (which the checkpoint keeps), so what it samples does not hang on which engine sampled it
+or beside which prompts.
 
 The trainer's weights reach every engine in one collective broadcast from the first training worker
 (`weight_sync`): each sharded tensor is gathered on every rank, and rank 0 casts it to the engines' dtype (on its
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 
 import ray
@@ -91,22 +92,20 @@ class RolloutFleet:
     def wait(self, sending: Future) -> None:
         """Until a broadcast is through, or an engine stopped receiving (then its error, not a broadcast that
         would wait for it until the group's timeout)."""
-        while True:
-            try:
-                return sending.result(timeout=ENGINE_CHECK_S)
-            except TimeoutError:
-                errors = [e for e in ray.get([engine.receive_error.remote() for engine in self.engines]) if e]
-                if errors:
-                    raise RuntimeError(f"loading weights into a rollout engine failed: {errors[0]}") from None
+        while not wait_futures([sending], timeout=ENGINE_CHECK_S).done:
+            errors = [e for e in ray.get([engine.receive_error.remote() for engine in self.engines]) if e]
+            if errors:
+                raise RuntimeError(f"loading weights into a rollout engine failed: {errors[0]}")
+        sending.result()
 
     def end_update(self) -> None:
         self.wait(self._sending.submit(self.sender.end))
         ray.get([engine.end_update.remote() for engine in self.engines])
 
     def shutdown(self) -> None:
-        self._sending.shutdown()
-        for engine in self.engines:
+        for engine in self.engines:  # first: a send still waiting on an engine then fails instead of waiting
             ray.kill(engine)
+        self._sending.shutdown(wait=False, cancel_futures=True)
         if self.sender is not None:
             self.sender.close()
 
@@ -125,10 +124,11 @@ def start_fleet(model_dir: str, config: RolloutConfig, seed: int, use_gpu: bool,
     if config.tensor_parallel > 1 and not use_gpu:
         raise ValueError(f"rollout.tensor_parallel {config.tensor_parallel} shards engines over GPUs; on CPU each "
                          "engine runs whole: set it to 1")
-    if sizing is not None:
-        tp = config.tensor_parallel
-        sizing = {**sizing, "sequences": -(-sizing["sequences"] // n), "weight_bytes": sizing["weight_bytes"] // tp,
-                  "kv_per_token": sizing["kv_per_token"] // tp}
+    if sizing is not None:  # under tensor parallelism a GPU holds its share of the weights and of the KV heads,
+        tp, sizing = config.tensor_parallel, dict(sizing)  # which vLLM replicates when there are fewer than GPUs
+        kv_heads = sizing.pop("kv_heads", tp)
+        sizing |= {"sequences": -(-sizing["sequences"] // n), "weight_bytes": sizing["weight_bytes"] // tp,
+                   "kv_per_token": sizing["kv_per_token"] * -(-kv_heads // tp) // kv_heads}
     engines = [start_engine(model_dir, config, seed, use_gpu, sizing, beside=workers[i % len(workers)])
                for i in range(n)]
     try:
@@ -153,9 +153,18 @@ def push_weights(model, fleet: RolloutFleet | None, dtype: torch.dtype, bucket_b
     first = dist.get_rank() == 0
     if torch.cuda.is_available():  # what the trainer's allocator caches goes back before the engines wake beside it
         torch.cuda.empty_cache()
+    began, failed = torch.ones(1), None
     if first:
-        fleet.begin_update()
-        device = fleet.sender.device
+        try:
+            fleet.begin_update()
+            device = fleet.sender.device
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it before the gathers below
+            began[0], failed = 0, e
+    if dist.get_world_size() > 1:
+        dist.all_reduce(began, op=dist.ReduceOp.MIN)
+    if not began.item():
+        raise RuntimeError(f"the rollout engines could not start a weight update: {failed or 'see rank 0'}") \
+            from failed
     merger = Merger(scalings(model))
     bucket, in_flight = None, None
 
@@ -216,9 +225,11 @@ def fleet_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutCo
         return None
     dtype = getattr(torch, engine.resolved_dtype(use_gpu))
     numel = sum(p.numel() for p in model.parameters())
+    text = getattr(model.config, "text_config", None) or model.config
     sizing = {"weight_bytes": numel * torch.finfo(dtype).bits // 8, "sequences": sequences,
               "kv_per_token": kv_bytes_per_token(model.config, dtype), "tokens_per_sequence": tokens_per_sequence,
-              "trainer_bytes": 12 * local + step_transient_bytes}
+              "trainer_bytes": 12 * local + step_transient_bytes,
+              "kv_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}
     if use_gpu:
         torch.cuda.empty_cache()  # what the trainer's allocator caches is free for the engines
     return start_fleet(str(init_dir), engine, seed, use_gpu, sizing, workers, weight_sync)

@@ -118,6 +118,8 @@ class Channel:
         if header:
             self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
             self._broadcast(payload)
+        if self.device.type == "cuda":  # NCCL only enqueues: done means received, and the buffer is free again
+            torch.cuda.current_stream(self.device).synchronize()
 
     def end(self) -> None:
         self.send(b"", torch.empty(0, dtype=torch.uint8, device=self.device))
@@ -371,13 +373,39 @@ class WeightSender:
         try:
             joined = [engine.join_weight_group.remote({**info, "rank_offset": 1 + i * workers_per_engine})
                       for i, engine in enumerate(engines)]
-            self.channel = open_channel(info, 0, device)  # returns once every engine worker has joined
-            ray.get(joined)
+            self.channel = self._open_watching(info, device, joined)
         except BaseException:
             if self.store is not None:
                 ray.kill(self.store)
             raise
         self.device = self.channel.device
+
+    @staticmethod
+    def _open_watching(info: dict, device: torch.device, joined: list) -> Channel:
+        """Rank 0's side of the rendezvous, opened on a thread while the engines' joins are watched: an engine that
+        dies or fails to join raises here (NCCL's rendezvous has no timeout of its own)."""
+        import threading
+
+        import ray
+
+        opened: dict = {}
+
+        def open_it():
+            try:
+                opened["channel"] = open_channel(info, 0, device)
+            except BaseException as e:  # noqa: BLE001 - handed to the watching thread
+                opened["error"] = e
+
+        opener = threading.Thread(target=open_it, name="weight-group-open", daemon=True)
+        opener.start()
+        pending = list(joined)
+        while pending or opener.is_alive():
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=2.0) if pending else ([], [])
+            ray.get(done)  # an engine's failed join raises here
+            opener.join(timeout=0 if pending else 2.0)
+            if "error" in opened:  # rank 0's own side failed: the engines would wait for it
+                raise opened["error"]
+        return opened["channel"]
 
     def send(self, bucket: Bucket) -> None:
         self.channel.send(bucket.header(), bucket.payload())
