@@ -93,7 +93,7 @@ def test_a_fleet_splits_prompts_in_order_and_seeds_each_by_its_place_in_the_stre
 
 def test_fleet_shapes_that_cannot_run_are_refused_before_an_engine_starts():
     from amalia_ray.core.config import train_stage
-    from amalia_ray.train.rollout_fleet import start_fleet
+    from amalia_ray.train.rollout_fleet import start_fleet, weight_transport
 
     with pytest.raises(ValueError, match="tensor_parallel 2 shards each engine.*placement: separate"):
         RolloutConfig(tensor_parallel=2)
@@ -107,6 +107,10 @@ def test_fleet_shapes_that_cannot_run_are_refused_before_an_engine_starts():
         start_fleet("m", RolloutConfig(engines=3), 0, True, None, workers)
     with pytest.raises(ValueError, match="tensor_parallel 2 shards engines over GPUs; on CPU"):
         start_fleet("m", RolloutConfig(tensor_parallel=2, placement="separate"), 0, False, None, workers)
+    # an engine sharing rank 0's GPU cannot join it in a NCCL group: NCCL only to engines on GPUs of their own
+    assert weight_transport(RolloutConfig(engines=2), use_gpu=True) == "gloo"
+    assert weight_transport(RolloutConfig(placement="separate"), use_gpu=True) == "nccl"
+    assert weight_transport(RolloutConfig(placement="separate"), use_gpu=False) == "gloo"
 
 
 class AnonPeak:

@@ -54,12 +54,18 @@ def shares(count: int, parts: int) -> list[range]:
     return out
 
 
+def weight_transport(config: RolloutConfig, use_gpu: bool) -> str:
+    """NCCL to engines on GPUs of their own; gloo otherwise: on CPU, and on GPU for colocated engines, which share a
+    training worker's GPU (NCCL refuses two members of a group on one GPU), through the host."""
+    return "nccl" if use_gpu and config.placement == "separate" else "gloo"
+
+
 class RolloutFleet:
     """The engines of one stage, held by its first training worker, and the weight group joining them to it."""
 
     def __init__(self, engines: list, config: RolloutConfig, use_gpu: bool, weight_sync: bool = True):
         self.engines, self.config = engines, config
-        transport = "nccl" if use_gpu and config.placement == "separate" else "gloo"
+        transport = weight_transport(config, use_gpu)
         self.sender = WeightSender(engines, config.tensor_parallel, transport) if weight_sync else None
         log.info(f"rollout fleet: {len(engines)} engine(s), {config.placement}"
                  + (f", weights broadcast over {transport}" if weight_sync else ""))
