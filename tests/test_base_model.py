@@ -244,18 +244,23 @@ def test_a_hub_snapshot_is_placed_in_the_run_folder_every_node_sees(tmp_path):
     assert stage_snapshot(local, tmp_path / "run" / "hub") == local
 
 
-def test_flash_attention_off_a_cuda_node_is_one_clear_line():
+def test_flash_and_flex_attention_off_a_cuda_node_are_one_clear_line():
     """What a GPU node without flash-attn (or a CPU worker) meets: the recipe field named, not transformers'
-    ImportError from inside the model's constructor."""
+    ImportError from inside the model's constructor; and flex_attention on CPU, whose backward pass torch lacks,
+    fails before the first step instead of in it."""
     from transformers import LlamaConfig
 
     from amalia_ray.train.model import build, config_from_dict
 
-    config = config_from_dict({**LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
-                                             vocab_size=64).to_dict(), "attn_implementation": "flash_attention_2"})
+    def config(kernel):
+        return config_from_dict({**LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                                               vocab_size=64).to_dict(), "attn_implementation": kernel})
     with pytest.raises(AmaliaError, match="attn_implementation flash_attention_2 needs CUDA GPUs and the flash-attn "
                                           "package on every training node .device cpu"):
-        build(config, torch.device("cpu"), lambda m: None, init_dir=None, seed=0)
+        build(config("flash_attention_2"), torch.device("cpu"), lambda m: None, init_dir=None, seed=0)
+    with pytest.raises(AmaliaError, match="attn_implementation flex_attention trains on CUDA GPUs only: .* no "
+                                          "backward pass on cpu; use sdpa there"):
+        build(config("flex_attention"), torch.device("cpu"), lambda m: None, init_dir=None, seed=0)
 
 
 def test_the_embedded_cluster_has_room_to_serve_the_base_beside_its_stages():

@@ -172,3 +172,62 @@ def test_a_forged_metadata_with_valid_plain_checksums_is_refused_before_it_is_un
     assert found and all("not signed with this machine's checkpoint key" in f for f in found), found
     assert not marker.exists(), "nothing was unpickled"
     assert problems(local(folder), None, 0, "the forger's guess") != []
+
+
+def _save_in_background(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """Two FSDP2 ranks start a background save, take an optimizer step while it is written, then finish it; both
+    restore it into a new model and optimizer."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.fsdp import fully_shard
+    from ray.train import Checkpoint
+
+    from amalia_ray.train import checkpoint
+
+    def built():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step(model, optimizer):
+        model(torch.randn(8, 64)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = built()
+    step(model, optimizer)
+    saved = [p.full_tensor().clone() for p in model.parameters()]
+    moments = [optimizer.state[p]["exp_avg"].full_tensor().clone() for p in model.parameters()]
+    folder = Path(root) / "checkpoint_1"  # one folder for both ranks: their files have rank-specific names
+    group = dist.new_group(backend="gloo")
+    pending = checkpoint.BackgroundSave(folder, model, optimizer, {"step": 1}, KEY, group)
+    step(model, optimizer)  # while the thread writes (collectives on the default group beside its own)
+    seconds = pending.finish()
+    dist.barrier()
+    fresh, fresh_optimizer = built()
+    train_state = checkpoint.restore([Checkpoint.from_directory(str(folder))], fresh, fresh_optimizer,
+                                     torch.device("cpu"), KEY)
+    restored = [p.full_tensor() for p in fresh.parameters()]
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "step": train_state["step"], "seconds": seconds,
+        "weights_saved": all(torch.equal(a, b) for a, b in zip(restored, saved)),
+        "moments_saved": all(torch.equal(optimizer_state, m) for optimizer_state, m in zip(
+            [fresh_optimizer.state[p]["exp_avg"].full_tensor() for p in fresh.parameters()], moments)),
+        "moved_on": not any(torch.equal(a, b) for a, b in zip([p.full_tensor() for p in model.parameters()], saved)),
+        "files": sorted(f.name for f in folder.iterdir())}))
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_step_it_was_taken_at(tmp_path):
+    """DCP's async_save through BackgroundSave: the next optimizer step runs while the shard is written, yet what is
+    restored is the weights and AdamW moments of the step the save was started at (the staged copy), with its
+    checksums signed so that `restore` accepts it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_save_in_background, args=(2, free_port(), str(tmp_path / "ckpt"), str(out)), nprocs=2)
+    for rank in range(2):
+        got = json.loads((out / f"rank{rank}.json").read_text())
+        assert got["step"] == 1 and got["weights_saved"] and got["moments_saved"] and got["moved_on"], got
+        assert got["seconds"] > 0 and {"checksums_rank0.json", "checksums_rank1.json", ".metadata",
+                                       "train_state.json"} <= set(got["files"]), got

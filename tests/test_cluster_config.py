@@ -86,6 +86,7 @@ def _check_cluster_spec(spec: dict, where: str) -> None:
         assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], (where, group["groupName"])
         (container,) = group["template"]["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "8", where
+        _check_efa_container(container, f"{where}: {group['groupName']}")
     for params in [head["rayStartParams"], *(g["rayStartParams"] for g in groups)]:
         assert all(isinstance(v, str) for v in params.values()), f"{where}: rayStartParams values are strings"
     assert spec["enableInTreeAutoscaling"] is True and spec["rayVersion"] == ray.__version__
@@ -95,6 +96,39 @@ def _check_cluster_spec(spec: dict, where: str) -> None:
     containers = [*head["template"]["spec"]["containers"], *(c for g in groups for c in g["template"]["spec"]["containers"])]
     assert not [e for c in containers for e in c.get("env", []) if e["name"].startswith("RAY_AUTH")], (
         f"{where}: RAY_AUTH_* set by hand would reach the Ray containers but not the autoscaler")
+
+
+def _check_efa_container(container: dict, where: str) -> None:
+    """A GPU worker pod of the KubeRay files gets the node's EFA interfaces (requested = limit, as extended
+    resources must be), NCCL's EFA settings exactly as fabric.py states them, and may pin memory for RDMA."""
+    from amalia_ray.train.fabric import EFA_ENV, EFA_LIBRARY_PATH
+
+    resources = container["resources"]
+    assert int(resources["limits"]["vpc.amazonaws.com/efa"]) >= 1, where
+    assert resources["requests"]["vpc.amazonaws.com/efa"] == resources["limits"]["vpc.amazonaws.com/efa"], where
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert {k: env.get(k) for k in EFA_ENV} == EFA_ENV, where
+    assert env["LD_LIBRARY_PATH"].startswith(EFA_LIBRARY_PATH + ":"), where
+    assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"], where
+
+
+def test_gpu_nodes_of_every_cluster_file_run_nccl_over_efa():
+    """cluster.yaml's worker nodes start Ray (whose workers inherit its environment) with NCCL's EFA settings and
+    the aws-ofi-nccl plugin on the library path; the image installs libfabric and the plugin. (The KubeRay files'
+    pods are checked by _check_cluster_spec.)"""
+    import shlex
+
+    from amalia_ray.train.fabric import EFA_ENV, EFA_LIBRARY_PATH
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    (start,) = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
+    exports = dict(w.split("=", 1) for part in start.split(";") if part.strip().startswith("export ")
+                   for w in shlex.split(part.strip())[1:])
+    assert {k: exports.get(k) for k in EFA_ENV} == EFA_ENV, start
+    assert exports["LD_LIBRARY_PATH"] == EFA_LIBRARY_PATH + ":$LD_LIBRARY_PATH", start
+    assert start.index("export ") < start.index("ray start"), "set before Ray starts, so its workers inherit it"
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "efa_installer.sh -y --skip-kmod" in dockerfile and "efa-installer.amazonaws.com" in dockerfile
 
 
 def test_kuberay_manifests_use_crd_fields_and_autoscale_between_min_and_max():

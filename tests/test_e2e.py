@@ -52,6 +52,9 @@ def test_every_stage_completes_and_is_recorded(demo_run):
     assert cost["data"]["held"]["CPU"] <= (os.cpu_count() or 1), "logical CPUs above the core count are not billed"
     pretrain = stages["pretrain"]["metrics"]
     assert pretrain["placement"] == "PACK" and pretrain["worker_nodes"] == 1 and pretrain["mean_world_size"] == 2
+    assert pretrain["sharding"] == "FSDP over 2" and pretrain["transport"] == "gloo (TCP) on 1 node(s)"
+    assert "| 2 on 1 node(s), PACK, FSDP over 2, gloo (TCP) on 1 node(s) |" in \
+        (pipeline.run_dir / "report.md").read_text(), "the report says how the stage's collectives ran"
 
 
 def test_mlflow_store_holds_the_run_and_a_nested_run_per_stage(demo_run):

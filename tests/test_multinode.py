@@ -5,7 +5,8 @@ nodes, and `amalia status` / `amalia logs` read the job back.
 Elastic in both directions: one worker node is removed after the first checkpoint and the stage (num_workers
 [1, 2]) carries on with the worker that is left from that checkpoint; a node is added back after the next one and
 the stage grows to two workers again. The global batch never changes, every step is trained once, the loss curve is
-the fixed-size demo run's (the same recipe on two workers throughout), and the job succeeds."""
+the fixed-size demo run's (the same recipe on two workers throughout), and the job succeeds. And a hub base model
+trained on a node whose own Hugging Face cache lacks it."""
 
 from __future__ import annotations
 
@@ -20,10 +21,27 @@ import yaml
 
 from tests.conftest import DATA_STAGES, DEMO_PRETRAIN_METRICS, STEPS, carry_over_data_stages, read_jsonl
 
+pytestmark = pytest.mark.e2e
+
+
+def test_a_hub_base_model_trains_on_a_node_whose_cache_does_not_have_it(tmp_path):
+    """Two Ray nodes with Hugging Face caches of their own (tests/hub_cache_job.py, in its own process): the hub model
+    is in the head's cache only, the worker node's is empty and offline. Placed in the run folder as the pipeline
+    places it, the head's cache then deleted, the model trains on the worker node and exports."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HF_HOME", "HF_HUB_OFFLINE")} | {
+        "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run([sys.executable, "-m", "tests.hub_cache_job", str(tmp_path)], cwd=Path(__file__).parents[1],
+                          env=env, capture_output=True, text=True, timeout=600)
+    result = json.loads((tmp_path / "result.json").read_text()) if (tmp_path / "result.json").exists() else {}
+    assert proc.returncode == 0 and "error" not in result and result, (result.get("error"), proc.stderr[-3000:])
+    assert Path(result["base"]).is_relative_to(tmp_path / "run" / "hub"), "read from the run folder, not a cache"
+    assert not (tmp_path / "head-hf").exists() and result["worker_caches"] == [], "no cache was read or filled"
+    assert result["steps"] == [1, 2] and result["metrics"]["worker_nodes"] == 1
+    assert "config.json" in result["exported"] and any(f.endswith(".safetensors") for f in result["exported"])
+
+
 # the suite's longest scenario (over three minutes on two cores): `make test-all` runs it, `make test` does not
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
+@pytest.mark.slow
 def test_a_submitted_job_shrinks_and_grows_with_its_worker_nodes(demo_run, recipe_path, tmp_path):
     data = yaml.safe_load(recipe_path.read_text())
     data["run"].update(name="multinode", output_dir=str(tmp_path / "runs"))

@@ -66,7 +66,7 @@ def test_amalia_9b_recipe_fits_and_states_the_mfu_the_seeds_imply():
 
 def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():
     r, dims = _dims(AMALIA_9B)
-    stage = r.train[1]
+    stage = r.train[1].model_copy(update={"shard_size": None})  # FSDP over every GPU
     base = plan_stage(stage, r, dims)
     double = plan_stage(stage.model_copy(update={"num_workers": 128}), r, dims)
     key = "params+grads+adam (sharded)"
@@ -77,12 +77,49 @@ def test_memory_shards_over_gpus_and_checkpointing_shrinks_activations():
     assert no_ac.step_time_s == pytest.approx(base.step_time_s)
     every_4th = plan_stage(stage.model_copy(update={"activation_checkpointing": 4}), r, dims)
     assert base.memory_gb["activations"] < every_4th.memory_gb["activations"] < no_ac.memory_gb["activations"]
-    sft = r.train[1].model_copy(update={"activation_checkpointing": False, "micro_batch_size": 3})
+    sft = stage.model_copy(update={"activation_checkpointing": False, "micro_batch_size": 3})
     assert "set activation_checkpointing: 3 (one block in 3 recomputed: the least recompute that fits)" in \
         plan_stage(sft, r, dims).advice, "every 2nd block fits too, every 4th does not"
     assert plan_stage(sft.model_copy(update={"activation_checkpointing": 3}), r, dims).fits
     once = plan_stage(stage.model_copy(update={"gradient_sync": "last_micro_batch"}), r, dims)
     assert once.total_memory_gb - base.total_memory_gb > 30, "a 9B model's unsharded fp32 gradients on every GPU"
+
+
+def _recipe_file(tmp_path, edit) -> str:
+    """The 9B recipe with `edit` applied to its data, written where its relative paths still resolve."""
+    data = yaml.safe_load(AMALIA_9B.read_text())
+    data["model"]["config_file"] = str(AMALIA_9B.parent / data["model"]["config_file"])
+    for task in data["eval"]["tasks"]:
+        task["path"] = str((AMALIA_9B.parent / task["path"]).resolve())
+    edit(data)
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_a_multi_node_stage_is_told_its_hsdp_group_and_warned_off_tcp(tmp_path):
+    """Sharded over all 64 GPUs of 8 nodes, the plan names HSDP's smallest group of whole nodes that fits (8, or 16
+    on 30 GB GPUs), which holds 8× (4×) the sharded state; with it set, nothing to say. Nodes linked by TCP only get a
+    warning, shown by `amalia plan`; a stage within one node gets neither."""
+    r, dims = _dims(AMALIA_9B)
+    key = "params+grads+adam (sharded)"
+    flat_sft = r.train[1].model_copy(update={"shard_size": None})
+    flat = plan_stage(flat_sft, r, dims)
+    assert flat.nodes == 8 and len(flat.notes) == 1 and flat.notes[0].startswith("set shard_size: 8 (HSDP"), flat.notes
+    hsdp = plan_stage(r.train[1], r, dims)
+    assert hsdp.fits and hsdp.notes == () and hsdp.memory_gb[key] == pytest.approx(8 * flat.memory_gb[key])
+    small = r.model_copy(update={"plan": r.plan.model_copy(update={"gpu_memory_gb": 30})})
+    assert plan_stage(flat_sft, small, dims).notes[0].startswith("set shard_size: 16 (HSDP"), "8 GPUs' shards: 35 GB"
+    assert not plan_stage(r.train[1], small, dims).fits
+    tcp = r.model_copy(update={"plan": r.plan.model_copy(update={"interconnect": "tcp"})})
+    assert plan_stage(r.train[1], tcp, dims).notes[0].startswith("WARNING: 8 nodes linked by TCP")
+    assert plan_stage(r.train[1].model_copy(update={"num_workers": 8}), tcp, dims).notes == ()
+
+    def over_tcp(data):
+        data["plan"]["interconnect"] = "tcp"
+    result = CliRunner().invoke(app, ["plan", _recipe_file(tmp_path, over_tcp)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "pretrain (32 nodes): WARNING: 32 nodes linked by TCP" in " ".join(result.output.split())
 
 
 def test_plan_and_the_training_loop_count_the_same_model_flops():
@@ -102,14 +139,9 @@ def test_plan_and_the_training_loop_count_the_same_model_flops():
 
 
 def test_a_stage_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
-    data = yaml.safe_load(AMALIA_9B.read_text())
-    data["train"][0]["activation_checkpointing"] = False
-    data["model"]["config_file"] = str(AMALIA_9B.parent / data["model"]["config_file"])
-    for task in data["eval"]["tasks"]:
-        task["path"] = str((AMALIA_9B.parent / task["path"]).resolve())
-    path = tmp_path / "big.yaml"
-    path.write_text(yaml.safe_dump(data))
-    result = CliRunner().invoke(app, ["plan", str(path)], env={"COLUMNS": "200"})
+    def without_checkpointing(data):
+        data["train"][0]["activation_checkpointing"] = False
+    result = CliRunner().invoke(app, ["plan", _recipe_file(tmp_path, without_checkpointing)], env={"COLUMNS": "200"})
     assert result.exit_code == 1
     line = result.output.strip().splitlines()[-1]
     assert line.startswith("error: stage 'pretrain' cannot fit: needs") and "set activation_checkpointing: true" in line

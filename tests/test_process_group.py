@@ -78,3 +78,38 @@ def test_training_passes_the_backend_to_ray_train(monkeypatch, tmp_path):
                                          tokenizer_dir=tmp_path, init_hf_dir=None, stage_dir=tmp_path / "s",
                                          ray_run_name="r", seed=0, use_gpu=use_gpu, progress=False)
         assert seen["torch_config"].backend == process_group_backend(use_gpu)
+
+
+def test_the_network_nccl_chose_is_read_from_its_log_and_tcp_between_nodes_is_warned_about(tmp_path, monkeypatch):
+    """NCCL's own lines name the network ("Using network …", or NET/… in versions without that line); a stage on
+    several nodes whose NCCL uses sockets anywhere gets a warning naming the fix; one node, EFA, InfiniBand and
+    gloo's CPU stages do not. A user's own NCCL_DEBUG is left alone."""
+    from amalia_ray.train import fabric
+
+    for var in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    log = fabric.capture_nccl_network(rank=3)
+    assert log.parent == tmp_path and log.name.endswith("-rank3.log")
+    assert os.environ["NCCL_DEBUG"] == "INFO" and os.environ["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
+    assert os.environ["NCCL_DEBUG_FILE"] == str(log)
+    assert fabric.network_in(log) is None, "no communicator yet: no file"
+    log.write_text("p5-7:812:812 [3] NCCL INFO NET/Plugin: Loaded net plugin Libfabric (v9)\n"
+                   "p5-7:812:812 [3] NCCL INFO NET/OFI Selected provider is efa, fabric is efa-direct (found 32 nics)\n"
+                   "p5-7:812:812 [3] NCCL INFO Using network Libfabric\n")
+    assert fabric.network_in(log) == "Libfabric"
+    log.write_text("node:1:1 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.7<0>\n")
+    assert fabric.network_in(log) == "Socket", "an NCCL that prints no 'Using network' line"
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.setenv("NCCL_DEBUG_FILE", "/elsewhere")
+    assert fabric.capture_nccl_network(rank=0) is None and os.environ["NCCL_DEBUG_FILE"] == "/elsewhere"
+
+    nccl = "cpu:gloo,cuda:nccl"
+    efa = [("a", "Libfabric")] * 8 + [("b", "Libfabric")] * 8
+    assert fabric.describe(nccl, efa) == ("NCCL Libfabric on 2 node(s)", None)
+    text, warning = fabric.describe(nccl, [("a", "Libfabric")] * 8 + [("b", "Socket")] * 8)
+    assert text == "NCCL Libfabric on 1 node(s); Socket on 1 node(s)"
+    assert warning.startswith("WARNING: NCCL crosses the 2 nodes over Socket") and "EFA or InfiniBand" in warning
+    assert fabric.describe(nccl, [("a", "Socket")] * 8) == ("NCCL Socket on 1 node(s)", None), "within one node"
+    assert fabric.describe(nccl, [("a", "IB"), ("b", None)]) == ("NCCL IB on 1 node(s); unknown on 1 node(s)", None)
+    assert fabric.describe("gloo", [("a", None), ("b", None)]) == ("gloo (TCP) on 2 node(s)", None)

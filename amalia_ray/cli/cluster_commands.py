@@ -131,6 +131,7 @@ def _print_plans(title: list[str], plans: list) -> None:
         console.print(table)
         for p in plans:
             console.print(f"{p.stage}: " + ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gb.items()) + " GB")
+        _print_notes(plans)
         return
     console.print("\n".join(title), markup=False, soft_wrap=False)  # a long recipe path wraps, not the figures
     label_width = max(len(c) for c in (*PLAN_COLUMNS, *(k for p in plans for k in p.memory_gb))) + 4
@@ -141,6 +142,13 @@ def _print_plans(title: list[str], plans: list) -> None:
             if label == "memory/GPU (GB)":
                 for item, gb in p.memory_gb.items():
                     console.print(f"    {item:<{label_width - 2}}{gb:.1f}", markup=False)
+    _print_notes(plans)
+
+
+def _print_notes(plans: list) -> None:
+    for p in plans:
+        for note in p.notes:
+            console.print(f"{p.stage} ({p.nodes} nodes): {note}", markup=False)
 
 
 def _figure(v: float) -> str:

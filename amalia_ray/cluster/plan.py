@@ -3,8 +3,8 @@ is spent — memory per GPU under FSDP2, step time at a stated MFU, GPU-hours, c
 cannot fit, with what to change.
 
 Memory per GPU (bytes; P parameters, N GPUs = the stage's workers, L layers, T tokens per micro-batch):
-- sharded training state, FSDP2 over all N: fp32 parameters, fp32 gradients and AdamW's two fp32 moments,
-  16·P / N;
+- sharded training state, FSDP2 over all N (or HSDP over groups of `shard_size` = k): fp32 parameters, fp32
+  gradients and AdamW's two fp32 moments, 16·P / N (16·P / k);
 - unsharded layers in flight: the bf16 all-gathered parameters of the current and the prefetched decoder block,
   2 · 2 · P_layer;
 - activations (bf16, FlashAttention-style attention that stores no s×s matrix): per token and layer the inputs the
@@ -22,6 +22,10 @@ Step time = tokens per step × model FLOPs per token / (N · peak · MFU), model
 checkpointing is not model FLOPs: it shows as a lower MFU, so state the MFU you expect with it. DPO adds its reference
 pass (a forward: a third of the training FLOPs, over the same pairs). GRPO's generation time depends on the rollout
 engine and is not included.
+
+A stage on more GPUs than one node has (`plan.gpus_per_node`) gets notes: HSDP's smallest shard group of whole nodes
+that fits, when the stage shards over every GPU; and a warning when the nodes are linked by TCP only
+(`plan.interconnect`).
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ class StagePlan:
     tokens_per_gpu_hour: float
     implied_mfu: float | None
     checkpoint_s: float = 0.0  # a save of the weights and AdamW state at the storage's write rate
+    nodes: int = 1
+    notes: tuple[str, ...] = ()  # what to know or change on a stage that fits (HSDP, the interconnect)
 
     @property
     def total_memory_gb(self) -> float:
@@ -117,8 +123,9 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     # after the blocks above it have freed theirs (`held_blocks`)
     recomputed = recomputed_blocks(stage, m.layers)
     activations = tokens_micro * (recomputed * 2 * m.hidden + held_blocks(stage, m.layers) * per_token_layer)
+    shard = min(stage.shard_size or gpus, gpus)
     memory = {
-        "params+grads+adam (sharded)": 16 * params / gpus / GB,
+        "params+grads+adam (sharded)": 16 * params / shard / GB,
         **({"unsharded gradients (synced once a step)": 4 * params / GB}
            if stage.gradient_sync == "last_micro_batch" else {}),
         "gathered layers": 4 * block / GB,
@@ -147,10 +154,36 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     tokens = stage.steps * tokens_per_step
     reported = hw.reported_gpu_hours.get(stage.name)
     implied = stage.steps * step_flops / (reported * 3600 * hw.peak_tflops * 1e12) if reported else None
+    nodes = -(-gpus // hw.gpus_per_node)
     return StagePlan(stage.name, gpus, seq, tokens_per_step, memory, fits, advice, step_time, gpu_hours,
                      gpu_hours * hw.usd_per_gpu_hour, energy_kwh, tokens / (energy_kwh * 3.6e6),
                      tokens / gpu_hours, implied,
-                     checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9))  # fp32 weights + 2 moments
+                     checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9),  # fp32 weights + 2 moments
+                     nodes=nodes, notes=_multi_node_notes(stage, recipe, m, nodes) if advise and fits else ())
+
+
+def _multi_node_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, nodes: int) -> tuple[str, ...]:
+    """For a stage spanning nodes: the HSDP shard group to set (the fewest whole nodes whose GPUs hold the sharded
+    state with the step, and that divide every worker count of the stage), and a warning when NCCL between nodes
+    would run over TCP."""
+    if nodes < 2:
+        return ()
+    hw, notes = recipe.plan, []
+    low, high = stage.worker_range
+    if not stage.shard_size:
+        for k in range(hw.gpus_per_node, high, hw.gpus_per_node):
+            if low % k == 0 and high % k == 0 and \
+                    plan_stage(stage.model_copy(update={"shard_size": k}), recipe, m, advise=False).fits:
+                notes.append(f"set shard_size: {k} (HSDP: each weight split over {k} GPUs and copied "
+                             f"{high // k}×, so the per-layer all-gathers stay within a node's links and one "
+                             "gradient all-reduce a step crosses nodes)")
+                break
+    if hw.interconnect == "tcp":
+        notes.append(f"WARNING: {nodes} nodes linked by TCP (plan.interconnect: tcp): NCCL over sockets spends most of "
+                     "a step in the all-gathers at this size; use nodes with EFA or InfiniBand (cluster.yaml and "
+                     "deploy/kuberay wire EFA) and set plan.interconnect; the first step logs the transport NCCL "
+                     "chose on each node")
+    return tuple(notes)
 
 
 def attention_memory(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int) -> dict[str, float]:

@@ -378,13 +378,14 @@ def write_report(run_dir: Path, manifest: Manifest, objectives: dict[str, str] |
             tps = [h["tokens_per_s"] for h in steady]
             mfu = [h["mfu"] for h in steady if h.get("mfu") is not None]
             m = stages[n].metrics
-            placed = f"{m['worker_layout']}, {m['placement']}" if m.get("worker_layout") else None
+            placed = ", ".join(str(m[k]) for k in ("worker_layout", "placement", "sharding", "transport")
+                               if m.get(k)) if m.get("worker_layout") else None
             rows.append([n, len(history), history[0]["loss"], history[-1]["loss"], vals[-1] if vals else None,
                          sum(h["tokens"] for h in history), sum(tps) / len(tps),
                          f"{sum(mfu) / len(mfu):.0%}" if mfu else None, placed])
         parts += ["## Training", "", _table(
             ["stage", "steps", "first loss", "last loss", "validation loss", "tokens", "tokens/s (mean)",
-             "MFU (mean)", "workers (placement)"], rows), ""]
+             "MFU (mean)", "workers (placement, sharding, network)"], rows), ""]
         bases = sorted({h["peak_basis"] for n in train_stages for h in _read_metrics(run_dir / n / "metrics.jsonl")
                         if h.get("peak_basis")})
         if bases:

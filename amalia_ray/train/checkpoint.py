@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -71,14 +72,47 @@ def signing_key() -> str:
     return secret_file(path).read_text().strip()
 
 
-def save(folder: Path, model, optimizer, train_state: dict, key: str) -> None:
+def _state(model, optimizer) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save(folder: Path, model, optimizer, train_state: dict, key: str) -> None:
+    dcp.save(_state(model, optimizer), checkpoint_id=str(folder))
+    _write_rest(folder, train_state, key, torch.get_rng_state())
+
+
+def _write_rest(folder: Path, train_state: dict, key: str, rng: torch.Tensor) -> None:
+    """What follows the DCP shard in a rank's folder: its RNG state, rank 0's train state, the signed checksums of
+    every file (so after the shard is complete)."""
     rank = dist.get_rank()
-    torch.save(torch.get_rng_state(), folder / RNG.format(rank=rank))
+    torch.save(rng, folder / RNG.format(rank=rank))
     if rank == 0:
         (folder / TRAIN_STATE).write_text(json.dumps({**train_state, "world_size": dist.get_world_size()}, indent=2))
     write_checksums(folder, rank, key)
+
+
+class BackgroundSave:
+    """A checkpoint written while training goes on (DCP's `async_save`): the weights and optimizer state are first
+    copied into host memory (the staged copy, one more copy of this rank's shard there, so the next optimizer step
+    cannot change what is written), then a thread writes the shard. `finish` waits for it and writes the rest.
+
+    The thread's collectives (DCP plans the save across ranks) go through `group`, a gloo group of their own: on the
+    training's group they could interleave with the step's collectives running at the same time."""
+
+    def __init__(self, folder: Path, model, optimizer, train_state: dict, key: str, group) -> None:
+        self.folder, self.train_state, self.key = folder, train_state, key
+        self.rng = torch.get_rng_state()  # the step's, as a save that does not wait would take it
+        self.started = time.perf_counter()
+        self.written: float | None = None
+        self.future = dcp.async_save(_state(model, optimizer), checkpoint_id=str(folder), process_group=group)
+        self.future.add_done_callback(lambda _: setattr(self, "written", time.perf_counter()))
+
+    def finish(self) -> float:
+        """Wait for the shard, write the rest; the seconds the whole save took (what one written in place would)."""
+        self.future.result()
+        _write_rest(self.folder, self.train_state, self.key, self.rng)
+        return (self.written or time.perf_counter()) - self.started
 
 
 CHUNK = 16 << 20  # bytes per checksum: a rank verifies (and downloads) only the chunks holding what it reads

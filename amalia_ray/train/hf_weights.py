@@ -180,8 +180,8 @@ def _load_vocab_rows(target, stored, new_ids: list[int], where: str) -> None:
     old = ~new[:stored_here]
     total = local[:stored_here][old.to(local.device)].double().sum(0)  # zeros when the shard has none
     count = torch.tensor([float(old.sum())], dtype=torch.float64, device=local.device)
-    if sharded:
-        group = target.device_mesh.get_group()
+    if sharded:  # summed over the ranks the rows are split across (one mesh dimension: HSDP's shard groups)
+        group = target.device_mesh.get_group(next(i for i, p in enumerate(target.placements) if isinstance(p, Shard)))
         dist.all_reduce(total, group=group)
         dist.all_reduce(count, group=group)
     if new.any():

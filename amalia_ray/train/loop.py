@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from amalia_ray.train import checkpoint, lora
+from amalia_ray.train import checkpoint, fabric, lora
 from amalia_ray.train.hf_weights import export_hf
 from amalia_ray.train.lr_schedule import lr_at
 from amalia_ray.core.config import TrainStageConfig
@@ -29,7 +31,8 @@ from amalia_ray.train.train_metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.train.objectives.registry import build_objective
-from amalia_ray.train.parallel import apply_fsdp, resolve_compile, resolve_precision, worker_device
+from amalia_ray.train.parallel import (apply_fsdp, data_parallel_mesh, resolve_async_checkpoint, resolve_compile,
+                                       resolve_precision, worker_device)
 
 # Ray Train routes worker logging to the driver once; print() in a worker shows twice (tee + logger)
 log = logging.getLogger("amalia_ray.train")
@@ -178,6 +181,10 @@ class Training:
     nodes: list  # the node each worker landed on
     board: TensorBoard | None
     last_save_s: float | None = None  # how long the previous checkpoint took
+    nccl_log: Path | None = None  # where NCCL says which network it uses (fabric.py)
+    checkpoint_group: object = None  # background checkpoints' own gloo group; None: checkpoints are written in place
+    pending: tuple | None = None  # (checkpoint.BackgroundSave, its folder, its step's record) while being written
+    sharding: str = ""  # FSDP over every rank, or HSDP's replicas × shards
 
     @property
     def stage(self) -> TrainStageConfig:
@@ -197,6 +204,7 @@ def setup(run: LoopConfig) -> Training:
     stage = run.stage
     rank, world = dist.get_rank(), dist.get_world_size()
     device = worker_device(ray.get_gpu_ids())
+    nccl_log = fabric.capture_nccl_network(rank) if device.type == "cuda" else None  # before NCCL's first use
     torch.set_num_threads(stage.cpus_per_worker)
     precision = resolve_precision(stage.precision, device)
     init_dir = str(run.init_hf_dir) if run.init_hf_dir else None
@@ -209,10 +217,11 @@ def setup(run: LoopConfig) -> Training:
     # the ceiling MFU is against: every worker's stated peak (datasheet, else measured) in its precision, summed
     worker_peak, peak_basis = stated_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     peak_flops = _all_reduce_sum(worker_peak)[0]
+    mesh = data_parallel_mesh(device.type, world, stage.shard_size)
     model = build(hf_config, device,
                   lambda m: apply_fsdp(m, precision, stage.activation_checkpointing,
                                        resolve_compile(stage.compile, device), stage.reduce_precision,
-                                       sync_once=stage.gradient_sync == "last_micro_batch"),
+                                       sync_once=stage.gradient_sync == "last_micro_batch", mesh=mesh),
                   init_dir=run.init_hf_dir, seed=run.seed, trust_remote_code=run.trust_remote_code,
                   new_token_ids=list(run.new_token_ids), lora=stage.lora, head=objective.head)
     # everything but what LoRA freezes: the optimizer's state (and the checkpoints) hold only what trains
@@ -221,7 +230,7 @@ def setup(run: LoopConfig) -> Training:
 
     def frozen_copy(folder: Path):
         """A HF export built and sharded like the policy, without gradients (GRPO's KL reference)."""
-        copy = build(hf_config, device, lambda m: apply_fsdp(m, precision, False), init_dir=folder,
+        copy = build(hf_config, device, lambda m: apply_fsdp(m, precision, False, mesh=mesh), init_dir=folder,
                      seed=run.seed, trust_remote_code=run.trust_remote_code)
         return copy.requires_grad_(False).eval()
 
@@ -246,7 +255,10 @@ def setup(run: LoopConfig) -> Training:
                     bool(resumed), peak_flops, peak_basis,
                     flops_per_token_of(hf_config, seq_len, None if objective.head == "lm" else hf_config.num_labels),
                     nodes,
-                    TensorBoard(run.stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None)
+                    TensorBoard(run.stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None,
+                    nccl_log=nccl_log, checkpoint_group=dist.new_group(backend="gloo")
+                    if resolve_async_checkpoint(stage.checkpoint_async, device) else None,
+                    sharding=f"HSDP {mesh.shape[0]}×{mesh.shape[1]}" if mesh is not None else f"FSDP over {world}")
 
 
 def _announce(t: Training) -> None:
@@ -308,26 +320,71 @@ def train_step(t: Training, step: int) -> tuple[dict, bool]:
     return record, stop_votes > 0
 
 
-def save_checkpoint(t: Training, record: dict) -> None:
+def describe_collectives(t: Training) -> dict:
+    """After an attempt's first step (NCCL has made its communicators): how the weights are sharded and the network
+    the collectives ran over on each node, logged by rank 0, a fallback to TCP between nodes as a warning. A
+    collective."""
+    per_rank: list = [None] * t.world
+    dist.all_gather_object(per_rank, (t.nodes[t.rank], fabric.network_in(t.nccl_log)))
+    transport, warning = fabric.describe(dist.get_backend(), per_rank)
+    if t.rank == 0:
+        log.info(f"[{t.stage.name}] {t.sharding}; collectives over {transport}")
+        if warning:
+            log.warning(f"[{t.stage.name}] {warning}")
+    return {"sharding": t.sharding, "transport": transport}
+
+
+def save_checkpoint(t: Training, record: dict, wait: bool) -> None:
     """The sharded checkpoint of the step just taken (DCP: model, optimizer, step, the sampler's read position),
-    reported to Ray Train with the step's record; a write that fails says which checkpoints are intact."""
+    reported to Ray Train with the step's record: written in place, or in the background when the stage writes
+    checkpoints that way and `wait` is false (then reported by `finish_checkpoint` after the next step)."""
+    finish_checkpoint(t)  # one still being written goes first: Ray Train registers them in order
+    done = record["step"]
+    folder = Path(tempfile.mkdtemp(prefix=f"amalia-checkpoint-{done}-"))
+    train_state = {"step": done, "params": sum(p.numel() for p in t.model.parameters()),
+                   "data": t.sampler.state_dict()}
+    with _writing(t, done, folder):
+        if t.checkpoint_group is not None and not wait:
+            t.pending = (checkpoint.BackgroundSave(folder, t.model, t.optimizer, train_state, t.run.checkpoint_key,
+                                                   t.checkpoint_group), folder, record)
+            return
+        saving = time.perf_counter()
+        checkpoint.save(folder, t.model, t.optimizer, train_state, t.run.checkpoint_key)
+        _report_checkpoint(t, folder, record, time.perf_counter() - saving)
+
+
+def finish_checkpoint(t: Training) -> None:
+    """The checkpoint being written in the background, if any: waited for, completed and reported."""
+    if t.pending is None:
+        return
+    save, folder, record = t.pending
+    t.pending = None
+    with _writing(t, record["step"], folder):
+        _report_checkpoint(t, folder, record, save.finish())
+
+
+def _report_checkpoint(t: Training, folder: Path, record: dict, written_s: float) -> None:
     import ray.train
 
-    done = record["step"]
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            saving = time.perf_counter()
-            checkpoint.save(Path(tmp), t.model, t.optimizer,
-                            {"step": done, "params": sum(p.numel() for p in t.model.parameters()),
-                             "data": t.sampler.state_dict()},
-                            t.run.checkpoint_key)
-            ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-            t.last_save_s = time.perf_counter() - saving
-        except OSError as e:
-            raise checkpoint.CheckpointWriteError(
-                f"[{t.stage.name}] the checkpoint of step {done} could not be written "
-                f"({type(e).__name__}: {e}); the checkpoints before it are intact: free space or fix the "
-                f"storage, then run again to resume from the latest of them") from e
+    reporting = time.perf_counter()
+    ray.train.report(record, checkpoint=ray.train.Checkpoint.from_directory(str(folder)))
+    t.last_save_s = written_s + time.perf_counter() - reporting
+
+
+@contextmanager
+def _writing(t: Training, step: int, folder: Path):
+    """A checkpoint's write: its local folder removed once reported (or failed, unless a background write still
+    holds it); a write that fails says which checkpoints are intact."""
+    try:
+        yield
+    except OSError as e:
+        raise checkpoint.CheckpointWriteError(
+            f"[{t.stage.name}] the checkpoint of step {step} could not be written "
+            f"({type(e).__name__}: {e}); the checkpoints before it are intact: free space or fix the "
+            f"storage, then run again to resume from the latest of them") from e
+    finally:
+        if t.pending is None or t.pending[1] != folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _write_record(t: Training, record: dict, save_now: bool) -> None:
@@ -365,25 +422,33 @@ def train_loop(config: dict) -> None:
     if t.rank == 0:
         _announce(t)
     stopping = False
-    for step in range(t.start_step, stage.steps):
-        record, stop_requested = train_step(t, step)
-        done = record["step"]
-        stopping = stop_requested and done < stage.steps
-        save_now = done % stage.checkpoint_every == 0 or done == stage.steps or stopping
-        if save_now and not stopping:  # a stop has seconds before the time limit: its checkpoint comes first
-            record["val_loss"], per_source = validation_losses(t.model, t.objective, stage.micro_batch_size, t.rank,
-                                                               t.world, t.device)
-            record.update({f"val_loss/{source}": loss for source, loss in per_source.items()})
-        if t.rank == 0:
-            _write_record(t, record, save_now)
-        if save_now:
-            save_checkpoint(t, record)
-        elif done % stage.log_every == 0:
-            ray.train.report(record)
-        if stopping:
+    try:
+        for step in range(t.start_step, stage.steps):
+            record, stop_requested = train_step(t, step)
+            finish_checkpoint(t)  # the previous step's, written while this one ran
+            if step == t.start_step:
+                record.update(describe_collectives(t))
+            done = record["step"]
+            stopping = stop_requested and done < stage.steps
+            save_now = done % stage.checkpoint_every == 0 or done == stage.steps or stopping
+            if save_now and not stopping:  # a stop has seconds before the time limit: its checkpoint comes first
+                record["val_loss"], per_source = validation_losses(t.model, t.objective, stage.micro_batch_size, t.rank,
+                                                                   t.world, t.device)
+                record.update({f"val_loss/{source}": loss for source, loss in per_source.items()})
             if t.rank == 0:
-                log.info(f"[{stage.name}] stop requested: checkpoint of step {done} saved, stopping here")
-            break
+                _write_record(t, record, save_now)
+            if save_now:  # a stop's and the last step's checkpoints are complete before what follows them
+                save_checkpoint(t, record, wait=stopping or done == stage.steps)
+            elif done % stage.log_every == 0:
+                ray.train.report(record)
+            if stopping:
+                if t.rank == 0:
+                    log.info(f"[{stage.name}] stop requested: checkpoint of step {done} saved, stopping here")
+                break
+    finally:
+        if t.pending:  # a step failed while a checkpoint was being written: its folder goes once it is done
+            save, folder, _ = t.pending
+            save.future.add_done_callback(lambda _: shutil.rmtree(folder, ignore_errors=True))
     if t.board:
         t.board.close()
     if stopping:

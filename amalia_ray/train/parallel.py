@@ -1,11 +1,15 @@
 """FSDP2: shard each decoder block, then the root; precision policy chosen per device. Activation checkpointing and
-torch.compile are applied per block first (torchtitan's order: AC, compile, FSDP)."""
+torch.compile are applied per block first (torchtitan's order: AC, compile, FSDP). Sharded over every rank (FSDP), or
+within groups of ranks and replicated across them (HSDP, a `replicate × shard` device mesh)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+log = logging.getLogger("amalia_ray.train")
 
 
 def process_group_backend(use_gpu: bool) -> str:
@@ -44,6 +48,12 @@ def cuda_unavailable_reason() -> str:
     return f"built for CUDA {torch.version.cuda}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"
 
 
+def resolve_async_checkpoint(checkpoint_async: bool | str, device: torch.device) -> bool:
+    """`checkpoint_async: auto` writes in the background on GPU (the staged copy leaves GPU memory over PCIe while
+    the write to storage takes far longer), in place on CPU, where the copy costs about what the write does."""
+    return device.type == "cuda" if checkpoint_async == "auto" else bool(checkpoint_async)
+
+
 def resolve_compile(compile_blocks: bool | str, device: torch.device) -> bool:
     """`compile: auto` compiles on GPU, where the fused kernels pay for the compilation, not on CPU."""
     return device.type == "cuda" if compile_blocks == "auto" else bool(compile_blocks)
@@ -61,10 +71,28 @@ def mixed_precision(precision: str, reduce_precision: str = "bf16", sync_once: b
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
+def data_parallel_mesh(device_type: str, world: int, shard_size: int | None):
+    """The device mesh the weights are sharded on: None for FSDP over all `world` ranks; for HSDP a 2-D mesh of
+    `world / shard_size` replicas × `shard_size` shards. Each parameter is then split over the ranks of one group (a
+    node's GPUs: the per-layer all-gathers and reduce-scatters stay on the node's own links) and the groups hold
+    copies, so only one gradient all-reduce per step crosses nodes. A world size that `shard_size` does not divide
+    (an elastic stage after losing part of a node) shards over every rank: less memory per rank, more traffic across
+    nodes, said in the log. Collective: every rank calls it, in the same order."""
+    if not shard_size or shard_size >= world:
+        return None
+    if world % shard_size:
+        log.warning(f"shard_size {shard_size} does not divide the {world} workers: sharding over all {world} "
+                    "(FSDP) instead of HSDP")
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
 def apply_fsdp(model, precision: str, activation_checkpointing: bool | int, compile_blocks: bool = False,
-               reduce_precision: str = "bf16", sync_once: bool = False) -> None:
+               reduce_precision: str = "bf16", sync_once: bool = False, mesh=None) -> None:
     """`activation_checkpointing`: true (every block), false, or k: every k-th block (torchtitan's selective
-    checkpointing by layer)."""
+    checkpointing by layer). `mesh`: `data_parallel_mesh`'s (None: FSDP over every rank)."""
     from torch.distributed.fsdp import fully_shard
 
     from amalia_ray.core.config import checkpoint_interval
@@ -81,5 +109,5 @@ def apply_fsdp(model, precision: str, activation_checkpointing: bool | int, comp
         for layer in layers:
             layer.compile()
     for layer in layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -194,4 +194,8 @@ def summarize_history(history: list[dict], last_loss: float | None = None) -> di
             layouts.append(layout)
     summary["worker_nodes"] = max((n for _, n in layouts), default=None)
     summary["worker_layout"] = " → ".join(f"{w} on {n} node(s)" for w, n in layouts)
+    # what each attempt's first step found: the sharding and the network the collectives crossed nodes on
+    for key in ("sharding", "transport"):
+        if seen := list(dict.fromkeys(r[key] for r in history if r.get(key))):
+            summary[key] = " → ".join(seen)
     return summary

@@ -43,7 +43,8 @@ class ModelConfig(Strict):
     attn_implementation: Literal["sdpa", "flex_attention", "flash_attention_2", "eager"] = Field(
         "sdpa", description="attention kernel of training (transformers' name); packed documents attend only within "
         "themselves with each: sdpa and eager through a seq² mask, flex_attention through torch's block-sparse mask "
-        "(no seq² memory, no extra package; compiled once per worker), flash_attention_2 varlen via position ids "
+        "(no seq² memory, no extra package; compiled once per worker; GPU only: torch has no FlexAttention backward "
+        "pass on CPU), flash_attention_2 varlen via position ids "
         "(needs the flash-attn package and a GPU)")
 
     @property

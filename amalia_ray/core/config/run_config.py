@@ -50,6 +50,12 @@ class PlanConfig(Strict):
     storage_write_gb_per_s: float = Field(5, gt=0, description="what the run's storage takes in, all ranks writing "
                                           "at once: a checkpoint's save time (and with it when a batch job must be "
                                           "told to stop) follows from it")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs of one node: a stage on more spans nodes (HSDP's shard "
+                               "groups are a node's GPUs)")
+    interconnect: Literal["tcp", "efa", "infiniband"] = Field(
+        "tcp", description="what links the nodes for NCCL: tcp (sockets; a multi-node stage is warned about: at tens "
+        "of GPUs the all-gathers take most of the step), efa (AWS, through the aws-ofi-nccl plugin the cluster files "
+        "wire) or infiniband. The first training step logs the transport NCCL chose on each node")
     reported_gpu_hours: dict[str, float] = Field(
         default_factory=dict, description="train stage name -> GPU-hours a past run reported: the plan states the "
         "MFU those imply for the stage's batch shape")

@@ -177,6 +177,13 @@ class TrainStageConfig(Strict):
     num_workers: int | tuple[int, int] = Field(2, description="workers, or [min, max] for elastic training: "
                                                "starts with what the cluster has (at least min) and carries on "
                                                "with fewer workers when a node goes away (needs max_failures)")
+    shard_size: int | None = Field(
+        None, ge=1, description="ranks each weight is sharded over. null: all the stage's workers (FSDP); k: HSDP, "
+        "sharded within groups of k ranks (a node's GPUs, so each layer's all-gather and reduce-scatter stays inside "
+        "the node) and replicated across the groups (one gradient all-reduce per step crosses nodes). Holds 16·P/k "
+        "bytes of weights, gradients and AdamW state per GPU instead of 16·P/workers; `amalia plan` names the "
+        "smallest k that fits for a multi-node stage. An elastic stage whose worker count k does not divide shards "
+        "over all of them, said in the log")
     cpus_per_worker: int = Field(1, ge=1, description="CPUs each worker holds (its torch threads on CPU)")
     elastic_resize_interval_s: float = Field(
         60, gt=0, description="elastic stages: how often Ray Train checks whether more workers fit (then restarts "
@@ -186,6 +193,11 @@ class TrainStageConfig(Strict):
         "fit, so the gradient all-reduce stays inside a node; SPREAD = one per node where possible, so losing a node "
         "costs fewer workers")
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (DCP) and validation losses")
+    checkpoint_async: bool | Literal["auto"] = Field(
+        "auto", description="write checkpoints while training goes on (DCP's async_save): the save copies this rank's "
+        "shard of the weights and AdamW state into host memory, the next step runs while a thread writes it, and the "
+        "checkpoint is registered once written; a stop's and the last step's are written before going on. auto: on "
+        "GPU, where the copy out of GPU memory takes a fraction of the write")
     checkpoints_to_keep: int = Field(2, ge=1, description="older checkpoints are deleted")
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
     log_every: int = Field(1, ge=1, description="steps between log lines and reports to Ray Train (metrics.jsonl has every step)")
@@ -231,6 +243,9 @@ class TrainStageConfig(Strict):
             raise ValueError(f"num_workers must be >= 1, or [min, max] with 1 <= min <= max; got {self.num_workers}")
         if self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps {self.warmup_steps} exceeds steps {self.steps}")
+        if self.shard_size and low == high and low % self.shard_size:
+            raise ValueError(f"shard_size {self.shard_size} must divide num_workers {low} (replicas of "
+                             f"{self.shard_size} ranks each)")
         return self
 
 
