@@ -195,22 +195,42 @@ def _save_in_background(rank: int, world: int, port: int, root: str, out: str) -
         optimizer.step()
         optimizer.zero_grad()
 
+    import threading
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    released, write = threading.Event(), FileSystemWriter.write_data
+
+    def held_back(self, plan, planner):  # DCP's thread writes only once the next step has changed the weights
+        assert released.wait(60), "the main thread never released the write"
+        return write(self, plan, planner)
+
+    FileSystemWriter.write_data = held_back
     model, optimizer = built()
     step(model, optimizer)
     saved = [p.full_tensor().clone() for p in model.parameters()]
     moments = [optimizer.state[p]["exp_avg"].full_tensor().clone() for p in model.parameters()]
-    folder = Path(root) / "checkpoint_1"  # one folder for both ranks: their files have rank-specific names
+    mine = Path(root) / f"checkpoint_1-rank{rank}"  # each rank's own folder, gathered after, as Ray Train does
     group = dist.new_group(backend="gloo")
-    pending = checkpoint.BackgroundSave(folder, model, optimizer, {"step": 1}, KEY, group)
-    step(model, optimizer)  # while the thread writes (collectives on the default group beside its own)
+    pending = checkpoint.BackgroundSave(mine, model, optimizer, {"step": 1}, KEY, group)
+    step(model, optimizer)  # while the write waits (collectives on the default group beside the save's own)
+    unwritten = not any(mine.glob("*.distcp"))
+    released.set()
     seconds = pending.finish()
+    folder = Path(root) / "checkpoint_1"
+    dist.barrier()
+    if rank == 0:
+        folder.mkdir()
+        for r in range(world):
+            for f in (Path(root) / f"checkpoint_1-rank{r}").iterdir():
+                f.rename(folder / f.name)
     dist.barrier()
     fresh, fresh_optimizer = built()
     train_state = checkpoint.restore([Checkpoint.from_directory(str(folder))], fresh, fresh_optimizer,
                                      torch.device("cpu"), KEY)
     restored = [p.full_tensor() for p in fresh.parameters()]
     Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "step": train_state["step"], "seconds": seconds,
+        "step": train_state["step"], "seconds": seconds, "unwritten_during_the_step": unwritten,
         "weights_saved": all(torch.equal(a, b) for a, b in zip(restored, saved)),
         "moments_saved": all(torch.equal(optimizer_state, m) for optimizer_state, m in zip(
             [fresh_optimizer.state[p]["exp_avg"].full_tensor() for p in fresh.parameters()], moments)),
@@ -220,14 +240,15 @@ def _save_in_background(rank: int, world: int, port: int, root: str, out: str) -
 
 
 def test_a_checkpoint_written_in_the_background_holds_the_step_it_was_taken_at(tmp_path):
-    """DCP's async_save through BackgroundSave: the next optimizer step runs while the shard is written, yet what is
-    restored is the weights and AdamW moments of the step the save was started at (the staged copy), with its
-    checksums signed so that `restore` accepts it."""
+    """DCP's async_save through BackgroundSave: the shard's write is held back until the next optimizer step has
+    changed the weights, yet what is restored is the weights and AdamW moments of the step the save was started at
+    (the staged copy), with its checksums signed so that `restore` accepts it."""
     out = tmp_path / "out"
     out.mkdir()
     mp.spawn(_save_in_background, args=(2, free_port(), str(tmp_path / "ckpt"), str(out)), nprocs=2)
     for rank in range(2):
         got = json.loads((out / f"rank{rank}.json").read_text())
+        assert got["unwritten_during_the_step"], "the write was held back until the next step had run"
         assert got["step"] == 1 and got["weights_saved"] and got["moments_saved"] and got["moved_on"], got
         assert got["seconds"] > 0 and {"checksums_rank0.json", "checksums_rank1.json", ".metadata",
                                        "train_state.json"} <= set(got["files"]), got

@@ -87,7 +87,8 @@ def test_the_network_nccl_chose_is_read_from_its_log_and_tcp_between_nodes_is_wa
     from amalia_ray.train import fabric
 
     for var in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so what the capture sets is undone after the test
+        monkeypatch.delenv(var)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     log = fabric.capture_nccl_network(rank=3)
     assert log.parent == tmp_path and log.name.endswith("-rank3.log")
@@ -113,3 +114,7 @@ def test_the_network_nccl_chose_is_read_from_its_log_and_tcp_between_nodes_is_wa
     assert fabric.describe(nccl, [("a", "Socket")] * 8) == ("NCCL Socket on 1 node(s)", None), "within one node"
     assert fabric.describe(nccl, [("a", "IB"), ("b", None)]) == ("NCCL IB on 1 node(s); unknown on 1 node(s)", None)
     assert fabric.describe("gloo", [("a", None), ("b", None)]) == ("gloo (TCP) on 2 node(s)", None)
+    # HSDP's shard groups are runs of shard_size ranks: each on one node, or a warning
+    assert fabric.shard_groups_across_nodes(["a"] * 8 + ["b"] * 8, 8) is None
+    assert fabric.shard_groups_across_nodes(["a", "b"] * 8, 8).startswith("WARNING: 2 of 2 HSDP shard groups")
+    assert fabric.shard_groups_across_nodes(["a", "b"] * 8, None) is None, "FSDP: no shard groups"

@@ -429,3 +429,50 @@ def test_hsdp_trains_as_fsdp_does_with_each_weight_split_within_a_group_only(tmp
         assert got["mesh"] == [2, 2] and got["sharded"] and got["fallback"], got
         assert got["hsdp_local_rows"] == 2 * got["flat_local_rows"], got
         assert got["reload_diff"] == 0.0, got
+
+
+@pytest.mark.parametrize("stop_at", [None, 3, 4])
+def test_a_stop_seen_while_a_checkpoint_is_written_stops_at_that_checkpoint(monkeypatch, stop_at):
+    """The loop's order with checkpoints written in the background (checkpoint_every 2, 5 steps): each is finished
+    and reported after the step that follows it, the last step's is written in place. A stop seen at step 3, while
+    step 2's checkpoint is being written, finishes that one and stops there without saving step 3 (the time before
+    the limit holds one save, not two); a stop seen at step 4 saves step 4 in place."""
+    import types
+
+    import ray.train
+
+    from amalia_ray.train import loop
+
+    calls = []
+    stage = types.SimpleNamespace(name="s", steps=5, checkpoint_every=2, log_every=1, micro_batch_size=1)
+    t = types.SimpleNamespace(stage=stage, start_step=0, rank=0, world=1, model=None, objective=None, device=None,
+                              board=None, pending=None)
+
+    def save(t, record, wait):
+        calls.append(("save", record["step"], "in place" if wait else "background"))
+        t.pending = None if wait else record["step"]
+
+    def finish(t):
+        if t.pending is not None:
+            calls.append(("finished", t.pending))
+            t.pending = None
+
+    monkeypatch.setattr(loop, "setup", lambda run: t)
+    monkeypatch.setattr(loop, "_announce", lambda t: None)
+    monkeypatch.setattr(loop, "train_step", lambda t, step: ({"step": step + 1}, step + 1 == stop_at))
+    monkeypatch.setattr(loop, "describe_collectives", lambda t: {})
+    monkeypatch.setattr(loop, "validation_losses", lambda *a: (1.0, {}))
+    monkeypatch.setattr(loop, "_write_record", lambda t, record, save_now: None)
+    monkeypatch.setattr(loop, "save_checkpoint", save)
+    monkeypatch.setattr(loop, "finish_checkpoint", finish)
+    monkeypatch.setattr(loop, "export", lambda t: calls.append(("export",)))
+    monkeypatch.setattr(ray.train, "report", lambda record, **kw: calls.append(("report", record["step"])))
+    loop.train_loop({"run": None})
+    if stop_at is None:
+        assert calls == [("report", 1), ("save", 2, "background"), ("finished", 2), ("report", 3),
+                         ("save", 4, "background"), ("finished", 4), ("save", 5, "in place"), ("export",)], calls
+    elif stop_at == 3:
+        assert calls == [("report", 1), ("save", 2, "background"), ("finished", 2)], calls
+    else:
+        assert calls == [("report", 1), ("save", 2, "background"), ("finished", 2), ("report", 3),
+                         ("save", 4, "in place")], calls

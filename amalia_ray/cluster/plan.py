@@ -179,10 +179,10 @@ def _multi_node_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, nodes: i
                              "gradient all-reduce a step crosses nodes)")
                 break
     if hw.interconnect == "tcp":
-        notes.append(f"WARNING: {nodes} nodes linked by TCP (plan.interconnect: tcp): NCCL over sockets spends most of "
-                     "a step in the all-gathers at this size; use nodes with EFA or InfiniBand (cluster.yaml and "
-                     "deploy/kuberay wire EFA) and set plan.interconnect; the first step logs the transport NCCL "
-                     "chose on each node")
+        notes.append(f"WARNING: {nodes} nodes linked by TCP (plan.interconnect: tcp): NCCL over sockets can spend "
+                     "most of a step in the collectives between nodes at this size; use nodes with EFA or InfiniBand "
+                     "(cluster.yaml and deploy/kuberay wire EFA) and set plan.interconnect; the first step logs the "
+                     "transport NCCL chose on each node")
     return tuple(notes)
 
 

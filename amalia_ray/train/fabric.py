@@ -22,10 +22,12 @@ TCP_NETWORKS = {"Socket"}
 
 # What an EFA node's Ray workers need in their environment for NCCL to cross nodes over EFA: libfabric's EFA
 # provider with GPUDirect RDMA, and the aws-ofi-nccl plugin (libnccl-net-ofi.so, which NCCL_NET_PLUGIN=ofi names) on
-# the library path. The EFA installer puts it in /opt/amazon/ofi-nccl/lib (older ones: /opt/amazon/aws-ofi-nccl/lib).
+# the library path. The EFA installer puts it under /opt/amazon/ofi-nccl: lib/x86_64-linux-gnu on Ubuntu, lib64 on
+# Amazon Linux, lib in older releases (older still: /opt/amazon/aws-ofi-nccl/lib); the path names them all.
 # cluster.yaml and deploy/kuberay/raycluster.yaml set exactly these (tests/test_cluster_config.py checks them).
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_NET_PLUGIN": "ofi"}
-EFA_LIBRARY_PATH = "/opt/amazon/ofi-nccl/lib:/opt/amazon/aws-ofi-nccl/lib:/opt/amazon/efa/lib"
+EFA_LIBRARY_PATH = ("/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu:/opt/amazon/ofi-nccl/lib64:/opt/amazon/ofi-nccl/lib:"
+                    "/opt/amazon/aws-ofi-nccl/lib:/opt/amazon/efa/lib")
 
 
 def capture_nccl_network(rank: int) -> Path | None:
@@ -65,6 +67,21 @@ def describe(backend: str, per_rank: list[tuple[str, str | None]]) -> tuple[str,
     if len(nodes) < 2 or not slow:
         return text, None
     return text, (f"WARNING: NCCL crosses the {len(nodes)} nodes over {' / '.join(sorted(slow))} "
-                  f"({text}): every all-gather and reduce-scatter goes through TCP sockets, which takes most of a "
-                  "step at this size. Give the containers the EFA or InfiniBand devices and put NCCL's network "
-                  "plugin on the library path (cluster.yaml and deploy/kuberay do this for EFA; docs/cluster.md)")
+                  f"({text}): the collectives between nodes (FSDP's all-gathers and reduce-scatters, HSDP's gradient "
+                  "all-reduce) go through TCP sockets, which can take most of a step at this size. Give the "
+                  "containers the EFA or InfiniBand devices and put NCCL's network plugin on the library path "
+                  "(cluster.yaml and deploy/kuberay do this for EFA; docs/cluster.md)")
+
+
+def shard_groups_across_nodes(nodes: list[str], shard_size: int | None) -> str | None:
+    """HSDP's shard groups are runs of `shard_size` consecutive ranks (a `replicate × shard` mesh): a warning when
+    one spans nodes (workers SPREAD, or nodes holding other counts than `shard_size`), whose per-layer all-gathers
+    then cross the network."""
+    if not shard_size:
+        return None
+    split = [i for i in range(0, len(nodes), shard_size) if len(set(nodes[i:i + shard_size])) > 1]
+    if not split:
+        return None
+    return (f"WARNING: {len(split)} of {len(nodes) // shard_size} HSDP shard groups of {shard_size} ranks span nodes, "
+            "so their per-layer all-gathers cross the network: place the workers PACK, on nodes of "
+            f"{shard_size} workers each")

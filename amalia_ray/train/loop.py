@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from amalia_ray.train import checkpoint, fabric, lora
 from amalia_ray.train.hf_weights import export_hf
@@ -185,6 +186,7 @@ class Training:
     checkpoint_group: object = None  # background checkpoints' own gloo group; None: checkpoints are written in place
     pending: tuple | None = None  # (checkpoint.BackgroundSave, its folder, its step's record) while being written
     sharding: str = ""  # FSDP over every rank, or HSDP's replicas × shards
+    shard_size: int | None = None  # HSDP's shard group (None: FSDP over every rank)
 
     @property
     def stage(self) -> TrainStageConfig:
@@ -258,7 +260,8 @@ def setup(run: LoopConfig) -> Training:
                     TensorBoard(run.stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None,
                     nccl_log=nccl_log, checkpoint_group=dist.new_group(backend="gloo")
                     if resolve_async_checkpoint(stage.checkpoint_async, device) else None,
-                    sharding=f"HSDP {mesh.shape[0]}×{mesh.shape[1]}" if mesh is not None else f"FSDP over {world}")
+                    sharding=f"HSDP {mesh.shape[0]}×{mesh.shape[1]}" if mesh is not None else f"FSDP over {world}",
+                    shard_size=mesh.shape[1] if mesh is not None else None)
 
 
 def _announce(t: Training) -> None:
@@ -325,12 +328,15 @@ def describe_collectives(t: Training) -> dict:
     the collectives ran over on each node, logged by rank 0, a fallback to TCP between nodes as a warning. A
     collective."""
     per_rank: list = [None] * t.world
-    dist.all_gather_object(per_rank, (t.nodes[t.rank], fabric.network_in(t.nccl_log)))
+    network = fabric.network_in(t.nccl_log)
+    if t.nccl_log:
+        t.nccl_log.unlink(missing_ok=True)  # read once: NCCL writes to it, unlinked, from here on
+    dist.all_gather_object(per_rank, (t.nodes[t.rank], network))
     transport, warning = fabric.describe(dist.get_backend(), per_rank)
     if t.rank == 0:
         log.info(f"[{t.stage.name}] {t.sharding}; collectives over {transport}")
-        if warning:
-            log.warning(f"[{t.stage.name}] {warning}")
+        for problem in filter(None, (warning, fabric.shard_groups_across_nodes(t.nodes, t.shard_size))):
+            log.warning(f"[{t.stage.name}] {problem}")
     return {"sharding": t.sharding, "transport": transport}
 
 
@@ -377,7 +383,7 @@ def _writing(t: Training, step: int, folder: Path):
     holds it); a write that fails says which checkpoints are intact."""
     try:
         yield
-    except OSError as e:
+    except (OSError, CheckpointException) as e:  # DCP reports a failed write as CheckpointException
         raise checkpoint.CheckpointWriteError(
             f"[{t.stage.name}] the checkpoint of step {step} could not be written "
             f"({type(e).__name__}: {e}); the checkpoints before it are intact: free space or fix the "
@@ -425,11 +431,19 @@ def train_loop(config: dict) -> None:
     try:
         for step in range(t.start_step, stage.steps):
             record, stop_requested = train_step(t, step)
+            done = record["step"]
+            stopping = stop_requested and done < stage.steps
+            if stopping and t.pending is not None:
+                # the previous step's checkpoint, still being written, is the stop's: finishing it takes less than
+                # a whole save, which the time before the limit was sized for; this step is trained again on resume
+                finish_checkpoint(t)
+                if t.rank == 0:
+                    log.info(f"[{stage.name}] stop requested: checkpoint of step {done - 1} saved, stopping here "
+                             f"(step {done} is trained again when the stage resumes)")
+                break
             finish_checkpoint(t)  # the previous step's, written while this one ran
             if step == t.start_step:
                 record.update(describe_collectives(t))
-            done = record["step"]
-            stopping = stop_requested and done < stage.steps
             save_now = done % stage.checkpoint_every == 0 or done == stage.steps or stopping
             if save_now and not stopping:  # a stop has seconds before the time limit: its checkpoint comes first
                 record["val_loss"], per_source = validation_losses(t.model, t.objective, stage.micro_batch_size, t.rank,

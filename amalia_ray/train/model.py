@@ -131,11 +131,12 @@ def materialize(model, device: torch.device) -> None:
 
 def check_attention(kernel: str | None, device: torch.device) -> None:
     """flash_attention_2 runs on CUDA with the flash-attn package, and flex_attention trains on CUDA only (torch's
-    FlexAttention has no backward pass on CPU); anywhere else they fail here in one line instead of inside
-    transformers' model construction or the first backward pass."""
+    compiled FlexAttention, which transformers runs, is inference-only on CPU); anywhere else they fail here in one
+    line instead of inside transformers' model construction or the first backward pass."""
     if kernel == "flex_attention" and device.type != "cuda":
         raise AmaliaError(f"model.attn_implementation flex_attention trains on CUDA GPUs only: torch {torch.__version__}'s "
-                          f"FlexAttention has no backward pass on {device.type}; use sdpa there")
+                          f"compiled FlexAttention, which transformers runs, has no backward pass on {device.type}; "
+                          "use sdpa there")
     if kernel != "flash_attention_2":
         return
     from transformers.utils import is_flash_attn_2_available

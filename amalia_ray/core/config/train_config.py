@@ -196,7 +196,8 @@ class TrainStageConfig(Strict):
     checkpoint_async: bool | Literal["auto"] = Field(
         "auto", description="write checkpoints while training goes on (DCP's async_save): the save copies this rank's "
         "shard of the weights and AdamW state into host memory, the next step runs while a thread writes it, and the "
-        "checkpoint is registered once written; a stop's and the last step's are written before going on. auto: on "
+        "checkpoint is registered after that step (a failure during it resumes from the checkpoint before); the last "
+        "step's is written before going on, and a stop seen while one is being written stops at it. auto: on "
         "GPU, where the copy out of GPU memory takes a fraction of the write")
     checkpoints_to_keep: int = Field(2, ge=1, description="older checkpoints are deleted")
     max_failures: int = Field(0, ge=-1, description="-1 = retry forever")
