@@ -66,6 +66,19 @@ def test_files_of_a_checkpoint_in_a_bucket_are_downloaded_only_when_asked_for(tm
     assert not files.folder.exists()
 
 
+def _gathered(root: Path, name: str, rank: int, world: int) -> Path:
+    """Every rank's own folder `name-rank{r}` moved into one folder `name`, as Ray Train gathers a checkpoint."""
+    folder = root / name
+    dist.barrier()
+    if rank == 0:
+        folder.mkdir()
+        for r in range(world):
+            for f in (root / f"{name}-rank{r}").iterdir():
+                f.rename(folder / f.name)
+    dist.barrier()
+    return folder
+
+
 def _resume(rank: int, world: int, port: int, root: str, out: str) -> None:
     """Two FSDP2 ranks save three checkpoints (each rank into its own folder, then gathered, as Ray Train does);
     rank 1's shard of the newest is damaged; both ranks resume."""
@@ -89,18 +102,10 @@ def _resume(rank: int, world: int, port: int, root: str, out: str) -> None:
             for p in model.parameters():
                 p.add_(1.0)
         weights.append([p.full_tensor().clone() for p in model.parameters()])
-        folder = Path(root) / f"checkpoint_{step}"
         mine = Path(root) / f"checkpoint_{step}-rank{rank}"
         mine.mkdir(parents=True)
         checkpoint.save(mine, model, optimizer, {"step": step}, KEY)
-        dist.barrier()
-        if rank == 0:
-            folder.mkdir()
-            for r in range(world):
-                for f in (Path(root) / f"checkpoint_{step}-rank{r}").iterdir():
-                    f.rename(folder / f.name)
-        dist.barrier()
-        folders.append(folder)
+        folders.append(_gathered(Path(root), f"checkpoint_{step}", rank, world))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     read = checkpoint.ranges_read(state, FileSystemReader(str(folders[-1])).read_metadata())
@@ -217,14 +222,7 @@ def _save_in_background(rank: int, world: int, port: int, root: str, out: str) -
     unwritten = not any(mine.glob("*.distcp"))
     released.set()
     seconds = pending.finish()
-    folder = Path(root) / "checkpoint_1"
-    dist.barrier()
-    if rank == 0:
-        folder.mkdir()
-        for r in range(world):
-            for f in (Path(root) / f"checkpoint_1-rank{r}").iterdir():
-                f.rename(folder / f.name)
-    dist.barrier()
+    folder = _gathered(Path(root), "checkpoint_1", rank, world)
     fresh, fresh_optimizer = built()
     train_state = checkpoint.restore([Checkpoint.from_directory(str(folder))], fresh, fresh_optimizer,
                                      torch.device("cpu"), KEY)

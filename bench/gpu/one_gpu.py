@@ -80,6 +80,7 @@ def train(work: Path, on_cpu: bool) -> dict:
                                   num_workers=1, warmup_steps=0, lr=1e-5, log_every=1,
                                   checkpoint_every=steps - 1,  # a save's time is in the record of the step after it
                                   checkpoints_to_keep=1,  # a 1.5 B model's checkpoint with its AdamW state: ~18 GB
+                                  checkpoint_async=False,  # written in place: its time is the save rate itself
                                   activation_checkpointing=not on_cpu, precision="fp32" if on_cpu else "bf16")
             # FlexAttention has no backward on CPU: there the plumbing runs on sdpa
             model = ModelConfig.model_validate({"from": str(base),
