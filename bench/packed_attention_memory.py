@@ -9,7 +9,8 @@ many tokens made of documents of `--document` tokens (positions restarting at ea
 document_masking feeds them), one pass after a warm-up pass (flex_attention's compilation); the peak memory that
 pass adds. On a CUDA GPU the pass is a forward and backward pass and the memory is CUDA's peak allocation; on CPU,
 where torch's FlexAttention has no backward pass, it is a forward pass (the masks are built there) and the memory
-the peak of the resident set, sampled every 0.2 ms, over what it was before the pass. Linear growth doubles with the length, quadratic quadruples.
+the peak of the resident set, sampled every 0.2 ms, over what it was before the pass. Linear growth doubles with
+the length, quadratic quadruples.
 """
 
 from __future__ import annotations

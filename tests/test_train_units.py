@@ -398,7 +398,8 @@ def _hsdp_against_fsdp(rank, world, port, folder, out):
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "flat": flat_losses, "hsdp": hsdp_losses, "grad_diff": grad_diff, "diff": diff, "reload_diff": reload_diff,
         "mesh": list(mesh.shape), "hsdp_placements": [type(p).__name__ for p in weight.placements],
-        "hsdp_local_rows": weight.to_local().shape[0], "flat_local_rows": flat.model.embed_tokens.weight.to_local().shape[0],
+        "hsdp_local_rows": weight.to_local().shape[0],
+        "flat_local_rows": flat.model.embed_tokens.weight.to_local().shape[0],
         "sharded": [type(p).__name__ for p in weight.placements] == [Replicate.__name__, Shard.__name__],
         "fallback": data_parallel_mesh("cpu", world, 3) is None and data_parallel_mesh("cpu", world, 4) is None}))
     dist.destroy_process_group()

@@ -185,7 +185,6 @@ class Training:
     nccl_log: Path | None = None  # where NCCL says which network it uses (fabric.py)
     checkpoint_group: object = None  # background checkpoints' own gloo group; None: checkpoints are written in place
     pending: tuple | None = None  # (checkpoint.BackgroundSave, its folder, its step's record) while being written
-    sharding: str = ""  # FSDP over every rank, or HSDP's replicas × shards
     shard_size: int | None = None  # HSDP's shard group (None: FSDP over every rank)
 
     @property
@@ -260,7 +259,6 @@ def setup(run: LoopConfig) -> Training:
                     TensorBoard(run.stage_dir / "tensorboard", purge_step=start_step + 1) if rank == 0 else None,
                     nccl_log=nccl_log, checkpoint_group=dist.new_group(backend="gloo")
                     if resolve_async_checkpoint(stage.checkpoint_async, device) else None,
-                    sharding=f"HSDP {mesh.shape[0]}×{mesh.shape[1]}" if mesh is not None else f"FSDP over {world}",
                     shard_size=mesh.shape[1] if mesh is not None else None)
 
 
@@ -327,17 +325,19 @@ def describe_collectives(t: Training) -> dict:
     """After an attempt's first step (NCCL has made its communicators): how the weights are sharded and the network
     the collectives ran over on each node, logged by rank 0, a fallback to TCP between nodes as a warning. A
     collective."""
-    per_rank: list = [None] * t.world
+    networks: list = [None] * t.world
     network = fabric.network_in(t.nccl_log)
     if t.nccl_log:
         t.nccl_log.unlink(missing_ok=True)  # read once: NCCL writes to it, unlinked, from here on
-    dist.all_gather_object(per_rank, (t.nodes[t.rank], network))
-    transport, warning = fabric.describe(dist.get_backend(), per_rank)
+    dist.all_gather_object(networks, network)  # the nodes were gathered at setup
+    transport, warning = fabric.describe(dist.get_backend(), list(zip(t.nodes, networks)))
+    k = t.shard_size
+    sharding = f"HSDP {t.world // k}×{k}" if k else f"FSDP over {t.world}"
     if t.rank == 0:
-        log.info(f"[{t.stage.name}] {t.sharding}; collectives over {transport}")
-        for problem in filter(None, (warning, fabric.shard_groups_across_nodes(t.nodes, t.shard_size))):
+        log.info(f"[{t.stage.name}] {sharding}; collectives over {transport}")
+        for problem in filter(None, (warning, fabric.shard_groups_across_nodes(t.nodes, k))):
             log.warning(f"[{t.stage.name}] {problem}")
-    return {"sharding": t.sharding, "transport": transport}
+    return {"sharding": sharding, "transport": transport}
 
 
 def save_checkpoint(t: Training, record: dict, wait: bool) -> None:

@@ -134,8 +134,9 @@ def check_attention(kernel: str | None, device: torch.device) -> None:
     compiled FlexAttention, which transformers runs, is inference-only on CPU); anywhere else they fail here in one
     line instead of inside transformers' model construction or the first backward pass."""
     if kernel == "flex_attention" and device.type != "cuda":
-        raise AmaliaError(f"model.attn_implementation flex_attention trains on CUDA GPUs only: torch {torch.__version__}'s "
-                          f"compiled FlexAttention, which transformers runs, has no backward pass on {device.type}; "
+        raise AmaliaError(f"model.attn_implementation flex_attention trains on CUDA GPUs only: torch "
+                          f"{torch.__version__}'s compiled FlexAttention, which transformers runs, has no backward pass "
+                          f"on {device.type}; "
                           "use sdpa there")
     if kernel != "flash_attention_2":
         return
