@@ -71,22 +71,18 @@ CORPUS_FILES := /usr/share/debian-reference/debian-reference.pt.txt.gz /usr/shar
 corpus:
 	$(call apt,$(CORPUS_FILES),debian-reference-pt debian-faq-pt)
 
-# The pt-PT / pt-BR variety classifier: Debian packages translated separately by each variety's teams, downloaded
-# as .deb files (nothing installed; their versions are recorded in runs/variety-corpus/summary.json), turned into
-# aligned pairs and trained on. `variety: {model: runs/variety-model}` in a recipe uses it.
-VARIETY_PACKAGES := libreoffice-help-pt libreoffice-help-pt-br libreoffice-l10n-pt libreoffice-l10n-pt-br \
-  firefox-esr-l10n-pt-pt firefox-esr-l10n-pt-br thunderbird-l10n-pt-pt thunderbird-l10n-pt-br \
-  adduser appstream apt at-spi2-common bash coreutils diffutils dpkg findutils gettext gettext-base grep \
-  gsettings-desktop-schemas libapt-pkg6.0 libc-l10n libgdk-pixbuf2.0-common libglib2.0-data libgtk2.0-common \
-  libgtk-3-common libpam-runtime login make man-db packagekit polkitd psmisc sed shared-mime-info systemd tar wget \
-  xz-utils vlc-l10n evince-common gedit-common nautilus-data gnome-control-center-data transmission-common \
-  file-roller thunar-data mousepad gnome-shell-common totem-common rhythmbox-data gnucash-common konsole dolphin \
-  okular pidgin-data hexchat-common claws-mail-i18n audacity-data
+# The pt-PT / pt-BR variety classifier: Debian packages translated separately by each variety's teams (the list, and
+# how it was drawn from Debian's file index, in amalia_ray/data/variety/debian_packages.txt: ~1,200 packages,
+# ~1.4 GB), downloaded as .deb files (nothing installed; their versions are recorded in
+# runs/variety-corpus/summary.json), turned into aligned pairs and trained on. The model the recipes use by default
+# (models/pt-variety) is this step's output, committed; `variety: {model: runs/variety-model}` uses a fresh one.
+VARIETY_PACKAGES := $(shell grep -v '^\#' amalia_ray/data/variety/debian_packages.txt)
 variety-model: install
 	@mkdir -p runs/variety-src/debs
 	@cd runs/variety-src/debs && for p in $(VARIETY_PACKAGES); do \
-	  [ -n "$$(ls $${p}_*.deb 2>/dev/null)" ] || apt-get download -qq $$p 2>/dev/null || echo "not available here: $$p"; \
-	done
+	  [ -n "$$(ls $${p}_*.deb 2>/dev/null)" ] || echo $$p; \
+	done | xargs -r -P 8 -n 20 sh -c 'apt-get download -qq "$$@" 2>/dev/null || for p; do \
+	  apt-get download -qq $$p 2>/dev/null || echo "not available here: $$p"; done' download
 	$(BIN)/amalia data variety-corpus runs/variety-src/debs runs/variety-corpus
 	$(BIN)/amalia data train-variety runs/variety-corpus/pairs.jsonl runs/variety-model
 

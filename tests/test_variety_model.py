@@ -23,9 +23,10 @@ from amalia_ray.data.variety.variety_corpus import build_pairs, clean_message, g
 from amalia_ray.data.variety.variety_training import coverage_accuracy, smallest_margin, train_variety_model
 
 
-def mo_file(messages: dict[str, str]) -> bytes:
-    """A GNU gettext .mo catalog (what msgfmt writes), with the UTF-8 header entry."""
-    entries = sorted({"": "Content-Type: text/plain; charset=UTF-8\n", **messages}.items())
+def mo_file(messages: dict[str, str], team: str = "") -> bytes:
+    """A GNU gettext .mo catalog (what msgfmt writes), with the UTF-8 header entry (and a Language-Team)."""
+    header = "Content-Type: text/plain; charset=UTF-8\n" + (f"Language-Team: {team}\n" if team else "")
+    entries = sorted({"": header, **messages}.items())
     ids = b"".join(k.encode() + b"\0" for k, _ in entries)
     strs = b"".join(v.encode() + b"\0" for _, v in entries)
     n, start = len(entries), 28 + 16 * len(entries)
@@ -74,9 +75,9 @@ def langpack(locale: str, messages: dict[str, str]) -> bytes:
 
 
 PT = ["Não foi possível guardar o ficheiro do utilizador no ecrã", "O utilizador está a descarregar o ficheiro agora",
-      "Escreva o carácter que pretende introduzir no registo"]
+      "Escreva o carácter que pretende introduzir no registo", "O ficheiro foi guardado na sua área de trabalho"]
 BR = ["Não foi possível salvar o arquivo do usuário na tela", "O usuário está baixando o arquivo agora",
-      "Digite o caractere que você deseja inserir no registro"]
+      "Digite o caractere que você deseja inserir no registro", "O arquivo foi salvo na sua área de trabalho"]
 
 
 def test_pairs_come_aligned_from_help_pages_language_packs_and_catalogs_of_real_debs(tmp_path):
@@ -99,16 +100,22 @@ def test_pairs_come_aligned_from_help_pages_language_packs_and_catalogs_of_real_
         "usr/share/locale/pt_BR/LC_MESSAGES/coreutils.mo": mo_file({"type the %s": "_" + BR[2] + " %s",
                                                                     "ok": "Sim"}),
         "usr/share/locale/pt/LC_MESSAGES/broken.mo": b"\x00 not a catalog"}, zst=True)
+    # a package whose name says nothing: its catalog's header names the translation team
+    deb(debs / "someapp_2.0_amd64.deb", {
+        "usr/share/locale/pt/LC_MESSAGES/someapp.mo": mo_file({"saved": PT[3]}, "Portuguese <kde-i18n-pt@kde.org>"),
+        "usr/share/locale/pt_BR/LC_MESSAGES/someapp.mo": mo_file({"saved": BR[3]}, "Brazilian Portuguese "
+                                                                 "<kde-i18n-pt_BR@kde.org>")})
     pairs, summary = build_pairs(sorted(debs.glob("*.deb")))
     got = {(p["source"], p["group"], p["pt-PT"], p["pt-BR"]) for p in pairs}
     assert got == {("help", "libreoffice", PT[0], BR[0]), ("langpack", "mozilla", PT[1], BR[1]),
-                   ("mo", "gnu", PT[2], BR[2])}, got
+                   ("mo", "gnu", PT[2], BR[2]), ("mo", "kde", PT[3], BR[3])}, got
     counts = summary["counts"]
     assert counts["help:not_portuguese"] == 1 and counts["help:identical"] == 1 and counts["mo:identical"] == 1
     assert counts["mo:unreadable"] == 1  # counted and left out; the package's other catalogs are kept
     assert summary["packages"]["coreutils"] == "9.1"
     assert (clean_message("<b>_Guardar</b> %(name)s &amp; %1$s {0} ficheiro\\n") == "Guardar & ficheiro"
-            and group_of("libgtk-3-common") == "gnome" and group_of("vlc-l10n") == "other")
+            and group_of("libgtk-3-common") == "gnome" and group_of("vlc-l10n") == "other"
+            and group_of("vlc-l10n", "Portuguese <translation-team-pt@lists.sourceforge.net>") == "gnu")
 
     with pytest.raises(AmaliaError, match="not a Debian package"):
         build_pairs([_not_a_deb(tmp_path)])
@@ -198,7 +205,7 @@ def test_a_large_input_is_tagged_by_ray_data_in_parts(ray_cluster, tmp_path):
     from amalia_ray.data.variety.variety_tagging import tag_file
 
     train_variety_model(tmp_path / "m", synthetic_pairs(120), holdout=0.0)
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in (PT + BR) * 20))
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in (PT + BR) * 15))
     counts = tag_file(tmp_path / "in.jsonl", tmp_path / "out", tmp_path / "m", 0.15, local_bytes=100)
     assert counts["texts"] == 120 and counts["pt-PT"] + counts["pt-BR"] + counts["unknown"] == 120
     rows = [json.loads(line) for f in sorted((tmp_path / "out").glob("*.json*")) for line in f.read_text().splitlines()]
@@ -248,3 +255,25 @@ def test_a_recipes_variety_models_are_resolved_checked_before_work_and_decide_re
     p = Pipeline(load_recipe(write_recipe(tmp_path, **{"eval.variety": {"model": "gone"}})))
     with pytest.raises(AmaliaError, match="variety model not found"):
         p.preflight(until="data")
+
+
+def test_the_shipped_model_is_named_builtin_anywhere_a_model_is_and_tells_the_varieties_apart(tmp_path):
+    """`builtin` is the model `make variety-model` trained and the repository ships: the recipe resolves it to
+    the package's folder (not the recipe's), and it labels unseen sentences of each variety."""
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.core.variety_model import BUILTIN_FOLDER
+    from amalia_ray.pipeline import stages
+    from amalia_ray.pipeline.runner import Pipeline
+    from tests.conftest import write_recipe
+
+    p = Pipeline(load_recipe(write_recipe(tmp_path, **{"eval.variety": {"model": "builtin"}})))
+    assert stages.variety_models(p, p.recipe.eval) == {"variety_model": BUILTIN_FOLDER}
+    # workers get the name: each loads its own installed copy (the package's folder differs between nodes)
+    assert stages.with_variety_model(p, p.recipe.eval).variety.model == "builtin"
+    meta = VarietyModel("builtin").meta
+    assert meta["train_pairs"] > 100_000 and {"kde", "gnome", "libreoffice", "mozilla"} <= set(
+        meta["train_pairs_by_group"])
+    labels, _ = label_texts(["Se quiser guardar o ficheiro, carregue no botão e escolha a pasta no ecrã.",
+                             "Se você quiser salvar o arquivo, clique no botão e escolha a pasta na tela."],
+                            "builtin", 0.15)
+    assert labels == ["pt-PT", "pt-BR"]

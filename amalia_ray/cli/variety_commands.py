@@ -69,8 +69,8 @@ def data_variety(
     output: Annotated[Path, typer.Argument(help="jsonl: each input record (a line: {'text': …}) with pt_variety "
                                            "and pt_pt_score added; for an input over 256 MB, a folder of jsonl "
                                            "parts written in parallel by Ray Data")],
-    model: Annotated[Path | None, typer.Option(help="a variety model folder (`amalia data train-variety`); "
-                                               "without one, the cue scorer")] = None,
+    model: Annotated[Path | None, typer.Option(help="a variety model folder (`amalia data train-variety`), or "
+                                               "`builtin` (the one shipped); without one, the cue scorer")] = None,
     margin: Annotated[float, typer.Option(help="pt_pt_score must be this far from 0.5 for a label")] = 0.15,
     text_field: Annotated[str, typer.Option(help="jsonl: the field holding the text")] = "text",
 ) -> None:

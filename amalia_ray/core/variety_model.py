@@ -6,6 +6,9 @@ regression over them (scikit-learn), trained on separately translated text (`dat
 The model is a folder holding `variety_model.json` (settings, what it was trained on, its held-out figures) and
 `weights.npz` (the non-zero weights): plain arrays and JSON, nothing executable, so a model from elsewhere is safe
 to load. Its score is P(pt-PT); a label needs the score `margin` away from 0.5, as the cue scorer's does.
+
+`builtin` names the model shipped in `pt_variety_model/` beside this file: what `make variety-model` trains on
+~1,200 Debian packages (its variety_model.json records the pairs and their groups; docs/data.md its accuracy).
 """
 
 from __future__ import annotations
@@ -25,6 +28,20 @@ WEIGHTS_FILE = "weights.npz"
 KIND = "hashed-char-word-ngram-logistic-regression/pt-variety"
 N_CUE_FEATURES = 2
 MAX_FEATURES = 1 << 24  # hashed features per block a model may declare (2^24 float32 weights: 64 MB)
+BUILTIN = "builtin"
+BUILTIN_FOLDER = Path(__file__).parent / "pt_variety_model"
+
+
+def variety_model_folder(model: str | Path, resolve=Path) -> Path:
+    """The folder a `model` setting names: `builtin` is the shipped model; any other value is a path, which
+    `resolve` places (a recipe's paths are relative to the recipe's folder)."""
+    return BUILTIN_FOLDER if str(model) == BUILTIN else resolve(str(model))
+
+
+def model_for_workers(model: str, resolve) -> str:
+    """The setting a worker or the eval client is given: a path resolved where the recipe is, `builtin` as it is
+    (each process loads its own installed copy: on another node the package may live elsewhere)."""
+    return BUILTIN if model == BUILTIN else str(resolve(model))
 
 
 def featurize(texts: list[str], n_features: int, char_ngrams: tuple[int, int], word_ngrams: tuple[int, int],
@@ -46,8 +63,8 @@ def featurize(texts: list[str], n_features: int, char_ngrams: tuple[int, int], w
 
 
 class VarietyModel:
-    def __init__(self, folder: Path):
-        folder = Path(folder)
+    def __init__(self, folder: str | Path):
+        folder = variety_model_folder(folder)
         meta_path = folder / MODEL_FILE
         if not meta_path.is_file():
             raise AmaliaError(f"variety model not found: {meta_path} (train one with `amalia data train-variety`)")
@@ -96,8 +113,8 @@ class VarietyModel:
 def load_variety_model(folder: str) -> VarietyModel:
     """One load per process and model (a reward or an eval metric scores many texts, one call each); a model
     trained again into the same folder is loaded again."""
-    weights = Path(folder) / WEIGHTS_FILE
-    return _cached_model(folder, weights.stat().st_mtime_ns if weights.exists() else 0)
+    weights = variety_model_folder(folder) / WEIGHTS_FILE
+    return _cached_model(str(variety_model_folder(folder)), weights.stat().st_mtime_ns if weights.exists() else 0)
 
 
 @lru_cache(maxsize=4)

@@ -16,7 +16,7 @@ from amalia_ray.core.config import EvalConfig
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import stop_file
-from amalia_ray.core.variety_model import VarietyModel
+from amalia_ray.core.variety_model import VarietyModel, model_for_workers, variety_model_folder
 from amalia_ray.data import curate as data_stage
 from amalia_ray.data.steps.quality_model import QualityModel
 from amalia_ray.evals.contamination import seen_items
@@ -70,7 +70,7 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
     # a missing or foreign variety model fails here, not in a worker hours in
     for model in [*(v.model for v in (r.data.variety, r.eval.variety) if v and v.model),
                   *(s.variety_model for s in r.train if getattr(s, "variety_model", None))]:
-        VarietyModel(p.loaded.resolve(model))
+        VarietyModel(variety_model_folder(model, p.loaded.resolve))
     if r.model.base:
         check_base_model(r, p.loaded.resolve)
     judge = r.eval.judge
@@ -177,7 +177,7 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
                                  data_stage.input_fingerprints(listing)],
                         {**{f"benchmark:{t.name}": p.loaded.resolve(t.path) for t in benchmarks},
                          **({"quality_model": p.loaded.resolve(r.data.quality_model)} if r.data.quality_model else {}),
-                         **({"variety_model": p.loaded.resolve(r.data.variety.model)}
+                         **({"variety_model": variety_model_folder(r.data.variety.model, p.loaded.resolve)}
                             if r.data.variety and r.data.variety.model else {})},
                         {"corpus": d("data")},
                         lambda: data_stage.curate(r.data, p.loaded.resolve, d("data"), benchmark_items(p, benchmarks),
@@ -324,16 +324,17 @@ def with_variety_model(p: RunContext, section):
     names it: the workers and the eval client run elsewhere than the recipe."""
     if isinstance(section, EvalConfig) and section.variety.model:
         return section.model_copy(update={"variety": section.variety.model_copy(update={
-            "model": str(p.loaded.resolve(section.variety.model))})})
+            "model": model_for_workers(section.variety.model, p.loaded.resolve)})})
     if getattr(section, "variety_model", None):
-        return section.model_copy(update={"variety_model": str(p.loaded.resolve(section.variety_model))})
+        return section.model_copy(update={"variety_model": model_for_workers(section.variety_model,
+                                                                             p.loaded.resolve)})
     return section
 
 
 def variety_models(p: RunContext, section) -> dict[str, Path]:
     """The variety model a section scores with, as a stage input (its content decides whether the stage reruns)."""
     model = section.variety.model if isinstance(section, EvalConfig) else getattr(section, "variety_model", None)
-    return {"variety_model": p.loaded.resolve(model)} if model else {}
+    return {"variety_model": variety_model_folder(model, p.loaded.resolve)} if model else {}
 
 
 def reward_models_named(stage) -> list[str]:

@@ -356,7 +356,8 @@ class _SampledStage(_DatasetStage):
     reward_weights: list[float] | None = Field(None, description="weight of each reward named by a string "
                                                "(default all 1); rewards given as objects carry their own")
     variety_model: str | None = Field(None, description="the variety classifier the pt_variety reward scores "
-                                      "completions with (relative to the recipe); null = the cue scorer")
+                                      "completions with (a folder relative to the recipe, or `builtin`); null = "
+                                      "the cue scorer")
     num_generations: int = Field(4, ge=2, description="completions sampled per prompt (the group)")
     max_completion_length: int = Field(64, ge=1, description="most tokens sampled per completion")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")

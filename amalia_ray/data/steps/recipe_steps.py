@@ -13,6 +13,7 @@ import ray
 
 from amalia_ray.core.config import DataConfig
 from amalia_ray.core.ngrams import ItemIndex
+from amalia_ray.core.variety_model import model_for_workers
 from amalia_ray.data.steps.base import DocumentStep
 from amalia_ray.data.steps.cleaning import Clean, Normalize
 from amalia_ray.data.steps.decontaminate import Decontaminate
@@ -33,7 +34,8 @@ def after_pages(cfg: DataConfig, resolve: Callable[[str], Path], index: ItemInde
     decontamination against `index` (the benchmarks' items) when the recipe asks for it."""
     steps: list[DocumentStep] = [*([LanguageID(cfg.language)] if cfg.language else [])]
     if cfg.variety:
-        steps.append(VarietyTag(cfg.variety, str(resolve(cfg.variety.model)) if cfg.variety.model else None))
+        steps.append(VarietyTag(cfg.variety, model_for_workers(cfg.variety.model, resolve) if cfg.variety.model
+                                else None))
     steps += quality_steps(cfg.quality)
     if cfg.quality_model:
         steps.append(QualityModelScore(str(resolve(cfg.quality_model)), cfg.quality_threshold))

@@ -11,7 +11,7 @@ Portuguese and the Brazilian teams of free software projects, read straight from
 
 Both sides are cleaned alike (markup, format placeholders and keyboard accelerators removed); pairs that are
 identical once cleaned, shorter than `min_words`, or not Portuguese on both sides (language ID) are dropped. Each
-pair keeps its package and a project group (`groups_of`), so a model can be trained without a whole group and
+pair keeps its package and a project group (`group_of`: its translation team), so a model can be trained without a whole group and
 tested on it: what is learned is then the variety, not one team's wording or one product's vocabulary.
 """
 
@@ -35,20 +35,43 @@ from amalia_ray.data.read.streams import _Limited
 PT_PT, PT_BR = "pt-PT", "pt-BR"
 # locale folder names of each variety (gettext: pt is Portugal's; Mozilla and LibreOffice spell them out)
 _LOCALE = {"pt": PT_PT, "pt_PT": PT_PT, "pt-PT": PT_PT, "pt_BR": PT_BR, "pt-BR": PT_BR}
-# projects translated by the same teams go together, so a held-out group shares no team with the training text
+# A project group is one translation team (on the Portuguese side): a model trained without a group and tested on
+# it has seen nothing that team wrote. A gettext catalog's team is read from its header (`Language-Team`), which
+# names the team's list or site; help pages and language packs, and catalogs whose header names no known team,
+# go by their package's name.
+TEAMS = {
+    "kde": r"kde\.org|\bkde\b",
+    "gnome": r"gnome",
+    "xfce": r"xfce",
+    "mate": r"\bmate\b",
+    "libreoffice": r"documentfoundation|libreoffice",
+    "mozilla": r"mozilla",
+    "gnu": r"translation-team-pt|translationproject",  # the Translation Project: GNU and many other tools
+    "debian": r"debian",
+    "launchpad": r"\bli\.org\b|launchpad",  # Ubuntu's translators (Rosetta)
+}
+_TEAM_PATTERNS = {team: re.compile(pattern, re.IGNORECASE) for team, pattern in TEAMS.items()}
 GROUPS = {
     "libreoffice": ("libreoffice",),
     "mozilla": ("firefox", "thunderbird"),
     "gnome": ("libgtk", "libglib", "libgdk-pixbuf", "gsettings-desktop-schemas", "nautilus", "gedit", "evince",
               "gnome-", "totem", "rhythmbox", "file-roller", "at-spi2", "gucharmap", "eog"),
-    "kde": ("konsole", "dolphin", "okular", "kate", "libkf5", "gwenview", "kdeconnect"),
+    "kde": ("konsole", "dolphin", "okular", "kate", "libkf5", "gwenview", "kdeconnect", "plasma-", "kde"),
     "gnu": ("coreutils", "tar", "grep", "sed", "diffutils", "findutils", "make", "gettext", "bash", "wget",
             "libc-l10n", "xz-utils", "gnupg"),
     "debian": ("apt", "dpkg", "adduser", "libapt-pkg", "python-apt", "man-db", "debconf", "tasksel"),
 }
 
 
-def group_of(package: str) -> str:
+def team_of(language_team: str) -> str | None:
+    """The known team a catalog header's `Language-Team` names, else None."""
+    return next((team for team, pattern in _TEAM_PATTERNS.items() if pattern.search(language_team)), None)
+
+
+def group_of(package: str, language_team: str = "") -> str:
+    """The project group of a unit: its catalog's team when the header names a known one, else by package name."""
+    if team := team_of(language_team):
+        return team
     for group, prefixes in GROUPS.items():
         if package.startswith(prefixes):
             return group
@@ -115,14 +138,16 @@ _FTL_MESSAGE = re.compile(r"^(-?[A-Za-z][\w-]*)\s*=(.*)$")
 _FTL_ATTRIBUTE = re.compile(r"^\s+\.([\w-]+)\s*=(.*)$")
 
 
-def _mo_messages(data: bytes) -> dict[str, str]:
-    catalog = gettext.GNUTranslations(io.BytesIO(data))._catalog  # msgid (or (msgid, n)) -> msgstr
+def _mo_messages(data: bytes) -> tuple[dict[str, str], str]:
+    """(messages by msgid, the header's Language-Team)."""
+    translations = gettext.GNUTranslations(io.BytesIO(data))
+    catalog = translations._catalog  # msgid (or (msgid, n)) -> msgstr
     out = {}
     for key, value in catalog.items():
         if not key or not value:  # the header, untranslated entries
             continue
         out[repr(key)] = value
-    return out
+    return out, translations.info().get("language-team", "")
 
 
 def _help_paragraphs(data: bytes) -> dict[str, str]:
@@ -181,21 +206,22 @@ def _langpack_messages(data: bytes) -> dict[str, str]:
     return out
 
 
-def _unit(name: str, data: bytes) -> tuple[str, str, dict[str, str]]:
-    """(locale folder, unit, messages) of one matching member."""
+def _unit(name: str, data: bytes) -> tuple[str, str, dict[str, str], str]:
+    """(locale folder, unit, messages, translation team or "") of one matching member."""
     if name.endswith(".mo"):
         return (name.split("/LC_MESSAGES/")[0].rsplit("/", 1)[1], "mo:" + name.rsplit("/", 1)[1],
-                _mo_messages(data))
+                *_mo_messages(data))
     if name.endswith(".html"):
         return (name.split("/help/")[1].split("/", 1)[0], "help:" + name.split("/text/", 1)[1],
-                _help_paragraphs(data))
+                _help_paragraphs(data), "")
     return ("pt-PT" if "pt-PT@" in name else "pt-BR", "langpack:" + name.rsplit("@", 1)[1],
-            _langpack_messages(data))
+            _langpack_messages(data), "")
 
 
-def package_messages(deb: Path, problems: Counter | None = None) -> dict[tuple[str, str], dict[str, dict[str, str]]]:
+def package_messages(deb: Path, problems: Counter | None = None, teams: dict | None = None
+                     ) -> dict[tuple[str, str], dict[str, dict[str, str]]]:
     """{(package, unit): {variety: {message key: text}}} of one .deb, a unit being a catalog, a help page or a
-    language pack. A member that cannot be parsed (a catalog in a charset Python lacks, a broken zip) or is too
+    language pack; `teams` gets {(package, unit): the pt-PT side's Language-Team} of each catalog. A member that cannot be parsed (a catalog in a charset Python lacks, a broken zip) or is too
     large is counted in `problems` and left out; the package's other members are kept."""
     package = deb.name.split("_", 1)[0]
     problems = Counter() if problems is None else problems
@@ -206,13 +232,15 @@ def package_messages(deb: Path, problems: Counter | None = None) -> dict[tuple[s
             problems[f"{kind}:too_large"] += 1
             continue
         try:
-            locale, unit, messages = _unit(name, data)
+            locale, unit, messages, team = _unit(name, data)
         except (OSError, LookupError, ValueError, UnicodeError, struct.error, zipfile.BadZipFile, IndexError):
             problems[f"{kind}:unreadable"] += 1
             continue
         # a language pack or help package holds one variety; both sides meet under the project's name
         family = re.sub(r"-(?:l10n-)?pt(?:-pt|-br)?$", "", package)
         found.setdefault((family, unit), {}).setdefault(_LOCALE[locale], {}).update(messages)
+        if teams is not None and _LOCALE[locale] == PT_PT and team:
+            teams[(family, unit)] = team
     return found
 
 
@@ -224,16 +252,17 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
     units: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
     versions = {}
     problems: Counter = Counter()
+    teams: dict[tuple[str, str], str] = {}
     for deb in sorted(debs):
         versions[deb.name.split("_", 1)[0]] = deb.name.split("_")[1] if deb.name.count("_") >= 2 else None
-        for key, sides in package_messages(deb, problems).items():
+        for key, sides in package_messages(deb, problems, teams).items():
             for variety, messages in sides.items():
                 units.setdefault(key, {}).setdefault(variety, {}).update(messages)
     pairs, counts, seen = [], Counter(), set()
     for (family, unit), sides in sorted(units.items()):
         if PT_PT not in sides or PT_BR not in sides:
             continue
-        source = unit.split(":", 1)[0]
+        source, group = unit.split(":", 1)[0], group_of(family, teams.get((family, unit), ""))
         for key in sorted(sides[PT_PT].keys() & sides[PT_BR].keys()):
             pt, br = clean_message(sides[PT_PT][key]), clean_message(sides[PT_BR][key])
             counts[f"{source}:aligned"] += 1
@@ -248,7 +277,7 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
             else:
                 seen.add((pt, br))
                 counts[f"{source}:kept"] += 1
-                pairs.append({"pair": f"{family}/{unit}#{key}", "package": family, "group": group_of(family),
+                pairs.append({"pair": f"{family}/{unit}#{key}", "package": family, "group": group,
                               "source": source, PT_PT: pt, PT_BR: br})
     summary = {"packages": versions, "counts": dict(sorted((counts + problems).items())),
                "pairs_by_group": dict(sorted(Counter(p["group"] for p in pairs).items()))}

@@ -51,6 +51,12 @@ def _sides(pairs: list[dict]) -> tuple[list[str], np.ndarray]:
     return texts, np.array([1] * len(pairs) + [0] * len(pairs))
 
 
+def held_out(pairs: list[dict], holdout: float, seed: int = 0) -> np.ndarray:
+    """Which pairs a `holdout` share keeps out of training: chosen by a hash of the pair's id, so the same pairs at
+    every run and both sides of a pair together."""
+    return np.array([unit_hash(f"{seed}:{p.get('pair', i)}") < holdout for i, p in enumerate(pairs)], bool)
+
+
 def train_variety_model(out: Path, pairs: list[dict], *, exclude_groups: tuple[str, ...] = (), holdout: float = 0.1,
                         n_features: int = 1 << 20, char_ngrams: tuple[int, int] = (1, 4),
                         word_ngrams: tuple[int, int] = (1, 2), max_chars: int = 5000, c: float = 1.0,
@@ -64,7 +70,7 @@ def train_variety_model(out: Path, pairs: list[dict], *, exclude_groups: tuple[s
         raise AmaliaError(f"no pairs of the group(s) to leave out: {', '.join(missing)}; the pairs' groups: "
                           f"{', '.join(sorted({str(p.get('group')) for p in pairs}))}")
     used = [p for p in pairs if p.get("group") not in exclude_groups]
-    held = np.array([unit_hash(f"{seed}:{p.get('pair', i)}") < holdout for i, p in enumerate(used)])
+    held = held_out(used, holdout, seed)
     train = [p for p, h in zip(used, held) if not h]
     if len(train) < 50:
         raise AmaliaError(f"too few pairs to train on: {len(train)} (50 at least) after leaving out "
