@@ -74,8 +74,9 @@ corpus:
 # The pt-PT / pt-BR variety classifier: Debian packages translated separately by each variety's teams (the list, and
 # how it was drawn from Debian's file index, in amalia_ray/data/variety/debian_packages.txt: ~1,200 packages,
 # ~1.4 GB), downloaded as .deb files (nothing installed; their versions are recorded in
-# runs/variety-corpus/summary.json), turned into aligned pairs and trained on. The model the recipes use by default
-# (models/pt-variety) is this step's output, committed; `variety: {model: runs/variety-model}` uses a fresh one.
+# runs/variety-corpus/summary.json), turned into aligned pairs and trained on, into runs/variety-model. The shipped
+# model (`variety: {model: builtin}`, amalia_ray/core/pt_variety_model/) is that folder copied by hand; a recipe
+# uses a fresh one with `variety: {model: runs/variety-model}` (relative to the recipe).
 VARIETY_PACKAGES := $(shell grep -v '^\#' amalia_ray/data/variety/debian_packages.txt)
 variety-model: install
 	@mkdir -p runs/variety-src/debs

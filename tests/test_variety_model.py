@@ -75,7 +75,8 @@ def langpack(locale: str, messages: dict[str, str]) -> bytes:
 
 
 PT = ["Não foi possível guardar o ficheiro do utilizador no ecrã", "O utilizador está a descarregar o ficheiro agora",
-      "Escreva o carácter que pretende introduzir no registo", "O ficheiro foi guardado na sua área de trabalho"]
+      "Escreva o carácter que pretende introduzir no registo",
+      "O ficheiro foi guardado na sua área de trabalho"]
 BR = ["Não foi possível salvar o arquivo do usuário na tela", "O usuário está baixando o arquivo agora",
       "Digite o caractere que você deseja inserir no registro", "O arquivo foi salvo na sua área de trabalho"]
 
@@ -96,7 +97,8 @@ def test_pairs_come_aligned_from_help_pages_language_packs_and_catalogs_of_real_
         "usr/lib/firefox-esr/browser/extensions/langpack-pt-BR@firefox-esr.mozilla.org.xpi":
             langpack("pt-BR", {"download-now": BR[1] + " { $name }"})})
     deb(debs / "coreutils_9.1_amd64.deb", {
-        "usr/share/locale/pt/LC_MESSAGES/coreutils.mo": mo_file({"type the %s": "_" + PT[2] + " %s", "ok": "Sim"}),
+        "usr/share/locale/pt/LC_MESSAGES/coreutils.mo": mo_file(
+            {"type the %s": "_" + PT[2] + " %s", "ok": "Sim"}, "Portuguese <translation-team-pt@lists.sourceforge.net>"),
         "usr/share/locale/pt_BR/LC_MESSAGES/coreutils.mo": mo_file({"type the %s": "_" + BR[2] + " %s",
                                                                     "ok": "Sim"}),
         "usr/share/locale/pt/LC_MESSAGES/broken.mo": b"\x00 not a catalog"}, zst=True)
@@ -114,8 +116,9 @@ def test_pairs_come_aligned_from_help_pages_language_packs_and_catalogs_of_real_
     assert counts["mo:unreadable"] == 1  # counted and left out; the package's other catalogs are kept
     assert summary["packages"]["coreutils"] == "9.1"
     assert (clean_message("<b>_Guardar</b> %(name)s &amp; %1$s {0} ficheiro\\n") == "Guardar & ficheiro"
-            and group_of("libgtk-3-common") == "gnome" and group_of("vlc-l10n") == "other"
-            and group_of("vlc-l10n", "Portuguese <translation-team-pt@lists.sourceforge.net>") == "gnu")
+            and group_of("vlc-l10n", "mo", "Portuguese <pt@li.org>") == "launchpad"
+            and group_of("sugar", "mo", "LANGUAGE <LL@li.org>") == "other"  # gettext's template, no team
+            and group_of("firefox-esr", "langpack") == "mozilla" and group_of("libreoffice-parlatype", "mo") == "other")
 
     with pytest.raises(AmaliaError, match="not a Debian package"):
         build_pairs([_not_a_deb(tmp_path)])

@@ -204,7 +204,8 @@ def eval_(
     judge_model: Annotated[str | None, typer.Option(help="judge tasks: the served model that grades")] = None,
     judge_base_url: Annotated[str | None, typer.Option(help="judge's base URL (default: --base-url)")] = None,
     variety_model: Annotated[Path | None, typer.Option(help="variety tasks: a variety classifier (`amalia data "
-                                                       "train-variety`); without one, the cue scorer")] = None,
+                                                       "train-variety`), or `builtin` (the one shipped); without "
+                                                       "one, the cue scorer")] = None,
     variety_margin: Annotated[float, typer.Option(help="variety tasks: how far from 0.5 a label needs")] = 0.15,
     contamination_of: Annotated[list[Path] | None, typer.Option(
         "--contamination-of", help="a run folder (its curated corpus) or a jsonl/Parquet corpus the model trained on "

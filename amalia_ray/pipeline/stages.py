@@ -321,7 +321,7 @@ def _train_held(stage, gpu: bool, billable_cpus: float):
 
 def with_variety_model(p: RunContext, section):
     """A config section (a sampled train stage, eval settings) with its variety model's path as the recipe's folder
-    names it: the workers and the eval client run elsewhere than the recipe."""
+    names it: the workers and the eval client run elsewhere than the recipe (`builtin` stays as it is)."""
     if isinstance(section, EvalConfig) and section.variety.model:
         return section.model_copy(update={"variety": section.variety.model_copy(update={
             "model": model_for_workers(section.variety.model, p.loaded.resolve)})})

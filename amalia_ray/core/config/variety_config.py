@@ -12,6 +12,7 @@ class VarietyScoring(Strict):
     """How European vs Brazilian Portuguese is told: a pt_pt_score, and a label when it is far enough from 0.5."""
     margin: float = Field(0.15, ge=0, lt=0.5, description="pt_pt_score must be this far from 0.5 for a label")
     model: str | None = Field(None, description="a variety classifier trained by `amalia data train-variety` "
-                              "(a folder, relative to the recipe; `builtin`: the one shipped with amalia-ray, "
-                              "trained on ~1,200 Debian packages translated by both varieties' teams): "
-                              "pt_pt_score is its P(pt-PT); null = the cue scorer's share of pt-PT cues")
+                              "(a folder, relative to the recipe: `./builtin` for one of that name; `builtin`: "
+                              "the one shipped with amalia-ray, trained on ~1,200 Debian packages translated by "
+                              "both varieties' teams): pt_pt_score is its P(pt-PT); null = the cue scorer's share "
+                              "of pt-PT cues")

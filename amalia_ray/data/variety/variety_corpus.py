@@ -11,8 +11,9 @@ Portuguese and the Brazilian teams of free software projects, read straight from
 
 Both sides are cleaned alike (markup, format placeholders and keyboard accelerators removed); pairs that are
 identical once cleaned, shorter than `min_words`, or not Portuguese on both sides (language ID) are dropped. Each
-pair keeps its package and a project group (`group_of`: its translation team), so a model can be trained without a whole group and
-tested on it: what is learned is then the variety, not one team's wording or one product's vocabulary.
+pair keeps its package and a project group (`group_of`: its Portuguese translation team), so a model can be
+trained without a whole group and tested on it: what is learned is then the variety, not one team's wording or one
+product's vocabulary.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ PT_PT, PT_BR = "pt-PT", "pt-BR"
 _LOCALE = {"pt": PT_PT, "pt_PT": PT_PT, "pt-PT": PT_PT, "pt_BR": PT_BR, "pt-BR": PT_BR}
 # A project group is one translation team (on the Portuguese side): a model trained without a group and tested on
 # it has seen nothing that team wrote. A gettext catalog's team is read from its header (`Language-Team`), which
-# names the team's list or site; help pages and language packs, and catalogs whose header names no known team,
-# go by their package's name.
+# names the team's list or site; a catalog whose header names no known team is "other" (many small teams, or one
+# translator). LibreOffice's help pages and Mozilla's language packs carry no header: their package names the team.
 TEAMS = {
     "kde": r"kde\.org|\bkde\b",
     "gnome": r"gnome",
@@ -48,19 +49,11 @@ TEAMS = {
     "mozilla": r"mozilla",
     "gnu": r"translation-team-pt|translationproject",  # the Translation Project: GNU and many other tools
     "debian": r"debian",
-    "launchpad": r"\bli\.org\b|launchpad",  # Ubuntu's translators (Rosetta)
+    # Ubuntu's translators (Rosetta); gettext's untouched template header says `LANGUAGE <LL@li.org>`
+    "launchpad": r"\bpt(?:_PT)?@li\.org\b|launchpad",
 }
 _TEAM_PATTERNS = {team: re.compile(pattern, re.IGNORECASE) for team, pattern in TEAMS.items()}
-GROUPS = {
-    "libreoffice": ("libreoffice",),
-    "mozilla": ("firefox", "thunderbird"),
-    "gnome": ("libgtk", "libglib", "libgdk-pixbuf", "gsettings-desktop-schemas", "nautilus", "gedit", "evince",
-              "gnome-", "totem", "rhythmbox", "file-roller", "at-spi2", "gucharmap", "eog"),
-    "kde": ("konsole", "dolphin", "okular", "kate", "libkf5", "gwenview", "kdeconnect", "plasma-", "kde"),
-    "gnu": ("coreutils", "tar", "grep", "sed", "diffutils", "findutils", "make", "gettext", "bash", "wget",
-            "libc-l10n", "xz-utils", "gnupg"),
-    "debian": ("apt", "dpkg", "adduser", "libapt-pkg", "python-apt", "man-db", "debconf", "tasksel"),
-}
+HEADERLESS = {"libreoffice": ("libreoffice-help",), "mozilla": ("firefox", "thunderbird")}
 
 
 def team_of(language_team: str) -> str | None:
@@ -68,14 +61,12 @@ def team_of(language_team: str) -> str | None:
     return next((team for team, pattern in _TEAM_PATTERNS.items() if pattern.search(language_team)), None)
 
 
-def group_of(package: str, language_team: str = "") -> str:
-    """The project group of a unit: its catalog's team when the header names a known one, else by package name."""
-    if team := team_of(language_team):
-        return team
-    for group, prefixes in GROUPS.items():
-        if package.startswith(prefixes):
-            return group
-    return "other"
+def group_of(package: str, source: str, language_team: str = "") -> str:
+    """The project group of a unit: a catalog's team as its header names it, a help page's or language pack's by
+    its package; else "other"."""
+    if source == "mo":
+        return team_of(language_team) or "other"
+    return next((group for group, prefixes in HEADERLESS.items() if package.startswith(prefixes)), "other")
 
 
 # what the two teams' strings carry besides words: markup, placeholders, accelerators
@@ -221,8 +212,9 @@ def _unit(name: str, data: bytes) -> tuple[str, str, dict[str, str], str]:
 def package_messages(deb: Path, problems: Counter | None = None, teams: dict | None = None
                      ) -> dict[tuple[str, str], dict[str, dict[str, str]]]:
     """{(package, unit): {variety: {message key: text}}} of one .deb, a unit being a catalog, a help page or a
-    language pack; `teams` gets {(package, unit): the pt-PT side's Language-Team} of each catalog. A member that cannot be parsed (a catalog in a charset Python lacks, a broken zip) or is too
-    large is counted in `problems` and left out; the package's other members are kept."""
+    language pack; `teams` gets {(package, unit): the pt-PT side's Language-Team} of each catalog. A member that
+    cannot be parsed (a catalog in a charset Python lacks, a broken zip) or is too large is counted in `problems`
+    and left out; the package's other members are kept."""
     package = deb.name.split("_", 1)[0]
     problems = Counter() if problems is None else problems
     found: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
@@ -262,7 +254,8 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
     for (family, unit), sides in sorted(units.items()):
         if PT_PT not in sides or PT_BR not in sides:
             continue
-        source, group = unit.split(":", 1)[0], group_of(family, teams.get((family, unit), ""))
+        source = unit.split(":", 1)[0]
+        group = group_of(family, source, teams.get((family, unit), ""))
         for key in sorted(sides[PT_PT].keys() & sides[PT_BR].keys()):
             pt, br = clean_message(sides[PT_PT][key]), clean_message(sides[PT_BR][key])
             counts[f"{source}:aligned"] += 1
