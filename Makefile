@@ -77,7 +77,8 @@ corpus:
 # runs/variety-corpus/summary.json), turned into aligned pairs and trained on, into runs/variety-model. The shipped
 # model (`variety: {model: builtin}`, amalia_ray/core/pt_variety_model/) is that folder copied by hand; a recipe
 # uses a fresh one with `variety: {model: runs/variety-model}` (relative to the recipe).
-VARIETY_PACKAGES := $(shell grep -v '^\#' amalia_ray/data/variety/debian_packages.txt)
+# (`=`: the list is read when the target runs, not at every make)
+VARIETY_PACKAGES = $(shell grep -v '^\#' amalia_ray/data/variety/debian_packages.txt)
 variety-model: install
 	@mkdir -p runs/variety-src/debs
 	@cd runs/variety-src/debs && for p in $(VARIETY_PACKAGES); do \

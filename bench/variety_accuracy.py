@@ -128,10 +128,12 @@ def main() -> None:
         model = VarietyModel(Path(tmp) / "all")
         # the ceiling of the text itself: pairs of teams the model was trained on (a hashed share held out)
         result["within_team_held_out"] = {}
-        held = [p for p, h in zip(pairs, held_out(pairs, HOLDOUT)) if h and len(p[PT_PT].split()) >= args.min_words]
+        held = [p for p, h in zip(pairs, held_out(pairs, HOLDOUT))
+                if h and p["group"] in groups and len(p[PT_PT].split()) >= args.min_words]
+        both = model.score([p[PT_PT] for p in held] + [p[PT_BR] for p in held])  # each text scored once
         for group in [*groups, "pooled"]:
-            mine = [p for p in held if p["group"] == group or (group == "pooled" and p["group"] in groups)]
-            scores = list(model.score([p[PT_PT] for p in mine] + [p[PT_BR] for p in mine]))
+            mine = [i for i, p in enumerate(held) if group in (p["group"], "pooled")]
+            scores = [*both[mine], *both[[len(held) + i for i in mine]]]
             curve = coverage_accuracy(scores, [PT_PT] * len(mine) + [PT_BR] * len(mine))
             result["within_team_held_out"][group] = {"pairs": len(mine), "curve": curve,
                                                      "at_chosen_margin": at_margin(curve, margin) if margin is not None

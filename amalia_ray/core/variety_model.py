@@ -113,8 +113,9 @@ class VarietyModel:
 def load_variety_model(folder: str) -> VarietyModel:
     """One load per process and model (a reward or an eval metric scores many texts, one call each); a model
     trained again into the same folder is loaded again."""
-    weights = variety_model_folder(folder) / WEIGHTS_FILE
-    return _cached_model(str(variety_model_folder(folder)), weights.stat().st_mtime_ns if weights.exists() else 0)
+    folder = variety_model_folder(folder)
+    weights = folder / WEIGHTS_FILE
+    return _cached_model(str(folder), weights.stat().st_mtime_ns if weights.exists() else 0)
 
 
 @lru_cache(maxsize=4)
