@@ -37,6 +37,7 @@ from amalia_ray.core.variety_model import VarietyModel
 from amalia_ray.data.variety.variety_corpus import PT_BR, PT_PT, TEAMS, read_pairs
 from amalia_ray.data.variety.variety_training import coverage_accuracy, held_out, smallest_margin, train_variety_model
 
+LENGTHS = ((8, 15), (15, 30), (30, 10**9))  # words per text
 HOLDOUT = 0.1  # the share of pairs `amalia data train-variety` holds out by default
 PT_FILES = ["/usr/share/debian-reference/debian-reference.pt.txt.gz", "/usr/share/doc/debian/FAQ/debian-faq.pt.txt.gz"]
 BR_FORTUNES = "/usr/share/games/fortunes/brasil"
@@ -102,7 +103,7 @@ def main() -> None:
     groups = sorted({p["group"] for p in pairs} & set(TEAMS))  # "other" (many small teams) is only trained on
     result = {"benchmark": "variety_accuracy", "pairs": len(pairs), "min_words": args.min_words,
               "target_accuracy": args.accuracy, "held_out_groups": {}}
-    pooled_scores, pooled_expected = [], []
+    pooled_scores, pooled_expected, pooled_words = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for group in groups:
             meta = train_variety_model(Path(tmp) / group, pairs, exclude_groups=(group,), holdout=0.0)
@@ -113,6 +114,7 @@ def main() -> None:
             expected = [PT_PT] * len(held) + [PT_BR] * len(held)
             pooled_scores += scores
             pooled_expected += expected
+            pooled_words += [len(p[side].split()) for side in (PT_PT, PT_BR) for p in held]
             result["held_out_groups"][group] = {
                 "train_pairs": meta["train_pairs"], "pairs": len(held),
                 "curve": coverage_accuracy(scores, expected),
@@ -121,10 +123,17 @@ def main() -> None:
                 "same_content_words": measured["same_content_words"]}
         pooled = coverage_accuracy(pooled_scores, pooled_expected)
         margin = smallest_margin(pooled, args.accuracy)
-        result["held_out_pooled"] = {"curve": pooled, "chosen_margin": margin}
+        result["held_out_pooled"] = {"curve": pooled, "chosen_margin": margin, "by_words": {}}
+        for low, high in LENGTHS:  # a document is longer than most catalog messages: what length buys
+            mine = [i for i, n in enumerate(pooled_words) if low <= n < high]
+            curve = coverage_accuracy([pooled_scores[i] for i in mine], [pooled_expected[i] for i in mine])
+            result["held_out_pooled"]["by_words"][f"{low}-{high - 1 if high < 10**9 else ''}"] = {
+                "texts": len(mine), "at_chosen_margin": at_margin(curve, margin) if margin is not None else None,
+                "smallest_margin_at_target": smallest_margin(curve, args.accuracy)}
         started = time.perf_counter()
         meta = train_variety_model(Path(tmp) / "all", pairs, holdout=HOLDOUT)  # as `make variety-model` trains
         result["train_s_all_groups"] = round(time.perf_counter() - started, 1)
+        result["respelled_pt_twins"] = {k: meta[k] for k in ("reform_respellings", "respelled_pt_twins")}
         model = VarietyModel(Path(tmp) / "all")
         # the ceiling of the text itself: pairs of teams the model was trained on (a hashed share held out)
         result["within_team_held_out"] = {}

@@ -20,7 +20,8 @@ from amalia_ray.cli import app
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.variety_model import VarietyModel, label_texts
 from amalia_ray.data.variety.variety_corpus import build_pairs, clean_message, group_of
-from amalia_ray.data.variety.variety_training import coverage_accuracy, smallest_margin, train_variety_model
+from amalia_ray.data.variety.variety_training import (coverage_accuracy, reform_respellings, respelled,
+                                                        smallest_margin, train_variety_model)
 
 
 def mo_file(messages: dict[str, str], team: str = "") -> bytes:
@@ -280,3 +281,25 @@ def test_the_shipped_model_is_named_builtin_anywhere_a_model_is_and_tells_the_va
                              "Se você quiser salvar o arquivo, clique no botão e escolha a pasta na tela."],
                             "builtin", 0.15)
     assert labels == ["pt-PT", "pt-BR"]
+
+
+def test_pt_pt_text_in_the_1990_spelling_is_trained_on_as_a_respelled_twin(tmp_path):
+    """Portugal's catalogs mostly keep the old spelling ("actual", "seleccione"); the twins teach that "atual" is
+    written in Portugal too, so current European text is not read as Brazilian for its spelling alone."""
+    pairs = [{"pair": f"a{i}", "group": "g", "pt-PT": f"Seleccione o ficheiro actual do utilizador número {i}",
+              "pt-BR": f"Selecione o arquivo atual do usuário número {i}"} for i in range(40)]
+    pairs += [{"pair": f"b{i}", "group": "g", "pt-PT": f"A definição atual foi guardada pelo utilizador {i}",
+               "pt-BR": f"A configuração atual foi salva pelo usuário {i}"} for i in range(5)]
+    pairs += [{"pair": f"c{i}", "group": "g", "pt-PT": f"De facto, o ficheiro {i} está no ecrã",
+               "pt-BR": f"De fato, o arquivo {i} está na tela"} for i in range(30)]
+    pt_texts = [p["pt-PT"] for p in pairs]
+    # "selecione" is never written on the pt-PT side, "fato" not at all: only "actual" has an attested new form
+    assert reform_respellings(pt_texts) == {"actual": "atual"}
+    assert respelled(["Actual: o ficheiro actual"], {"actual": "atual"}) == ["Atual: o ficheiro atual"]
+
+    with_twins = train_variety_model(tmp_path / "twins", pairs, holdout=0.0)
+    without = train_variety_model(tmp_path / "plain", pairs, holdout=0.0, respell_reform=False)
+    assert with_twins["respelled_pt_twins"] == 40 and without["respelled_pt_twins"] == 0
+    texts = ["atual", "O ficheiro atual"]  # the new spelling weighs less towards pt-BR with the twins
+    plain, twins = VarietyModel(tmp_path / "plain").score(texts), VarietyModel(tmp_path / "twins").score(texts)
+    assert (twins > plain + 0.04).all(), (plain, twins)
