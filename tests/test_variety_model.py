@@ -288,14 +288,16 @@ def test_pt_pt_text_in_the_1990_spelling_is_trained_on_as_a_respelled_twin(tmp_p
     written in Portugal too, so current European text is not read as Brazilian for its spelling alone."""
     pairs = [{"pair": f"a{i}", "group": "g", "pt-PT": f"Seleccione o ficheiro actual do utilizador número {i}",
               "pt-BR": f"Selecione o arquivo atual do usuário número {i}"} for i in range(40)]
-    pairs += [{"pair": f"b{i}", "group": "g", "pt-PT": f"A definição atual foi guardada pelo utilizador {i}",
-               "pt-BR": f"A configuração atual foi salva pelo usuário {i}"} for i in range(5)]
+    pairs += [{"pair": f"b{i}", "group": "g", "pt-PT": f"Selecione a definição atual do utilizador {i}",
+               "pt-BR": f"Selecione a configuração atual do usuário {i}"} for i in range(5)]
     pairs += [{"pair": f"c{i}", "group": "g", "pt-PT": f"De facto, o ficheiro {i} está no ecrã",
                "pt-BR": f"De fato, o arquivo {i} está na tela"} for i in range(30)]
     pt_texts = [p["pt-PT"] for p in pairs]
-    # "selecione" is never written on the pt-PT side, "fato" not at all: only "actual" has an attested new form
-    assert reform_respellings(pt_texts) == {"actual": "atual"}
-    assert respelled(["Actual: o ficheiro actual"], {"actual": "atual"}) == ["Atual: o ficheiro atual"]
+    # the new forms are written on the pt-PT side 5 times to the old ones' 40; "fato" is not written there at all
+    assert reform_respellings(pt_texts) == {"actual": "atual", "seleccione": "selecione"}
+    assert (respelled(["ACTUAL: Actual, pode-se ver o actual"], {"actual": "atual"})
+            == ["ATUAL: Atual, pode-se ver o atual"])
+    assert respelled(["actoſ"], {"actos": "atos"}) == ["actoſ"]  # matched ignoring case, but no key of the mapping
 
     with_twins = train_variety_model(tmp_path / "twins", pairs, holdout=0.0)
     without = train_variety_model(tmp_path / "plain", pairs, holdout=0.0, respell_reform=False)

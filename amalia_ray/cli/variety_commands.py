@@ -57,6 +57,7 @@ def data_train_variety(
     meta = train_variety_model(output, read_pairs(pairs), exclude_groups=tuple(exclude_group), holdout=holdout,
                                c=c, seed=seed)
     console.print_json(json.dumps({"model": str(output), "train_pairs": meta["train_pairs"],
+                                   "respelled_pt_twins": meta["respelled_pt_twins"],
                                    "measured": {k: {"pairs": v["pairs"], "margin_0": v["curve"][0],
                                                     "same_content_words": v["same_content_words"]}
                                                 for k, v in meta["measured"].items()}}))

@@ -61,21 +61,23 @@ def held_out(pairs: list[dict], holdout: float, seed: int = 0) -> np.ndarray:
 
 # Portugal adopted the 1990 spelling agreement (in force there from 2009; schools and the state from 2011-2012): its
 # silent c and p went, so "acção", "actual", "seleccione" became "ação", "atual", "selecione", which Brazil already
-# wrote. Most pt-PT catalogs still use the old forms, so a model trained on them reads "atual" as pt-BR and fails on
-# current European text (LibreOffice's pt help, today's press and web). Each pt-PT training text with an old form
-# gets a respelled twin: the old forms stay pt-PT evidence and the new ones become shared.
-_SILENT_CONSONANT = re.compile(r"(?<=[aeiouáéíóú])[cp](?=[çt])")
+# wrote. About half the pt-PT catalogs (KDE's, Launchpad's, Debian's, the Translation Project's) keep the old forms,
+# so a model trained on them learns the new ones as pt-BR evidence and fails on current European text (LibreOffice's
+# pt help, today's press and web). Each pt-PT training text with an old form gets a respelled twin: the old forms
+# stay pt-PT evidence and the new ones become shared.
+_SILENT_CONSONANT = re.compile(r"(?<=[aeiouáéíóú])[cp](?=[çtc])")
 
 
 def reform_respellings(pt_texts: list[str], min_count: int = 3, min_share: float = 0.1) -> dict[str, str]:
     """Old pt-PT spellings and their 1990-agreement forms, learned from the pt-PT texts themselves: a word is
-    respelled when dropping a c or p before ç or t gives a word those texts also use, at least `min_count` times
-    and at least `min_share` as often. So "facto" and "secção" keep their c (Portugal still writes them so:
-    "fato" and "seção" are all but absent), and names and acronyms ("dcc", "apt") are left alone."""
+    respelled when dropping a c or p after a vowel and before ç, t or c ("acção", "actual", "seleccione",
+    "excepcional") gives a word those texts also use, at least `min_count` times and at least `min_share` as
+    often. So "facto" and "secção" keep their c (Portugal still writes them so: "fato" and "seção" are all but
+    absent), and names and acronyms ("dcc", "apt") are left alone."""
     counts = Counter(w for text in pt_texts for w in re.findall(r"\w+", text.lower()))
     respell = {}
     for word, n in counts.items():
-        if n < min_count or len(word) < 5:
+        if n < min_count or len(word) < 4:
             continue
         for site in _SILENT_CONSONANT.finditer(word):
             new = word[:site.start()] + word[site.end():]
@@ -85,15 +87,18 @@ def reform_respellings(pt_texts: list[str], min_count: int = 3, min_share: float
 
 
 def respelled(texts: list[str], respell: dict[str, str]) -> list[str]:
-    """Each text with the words of `respell` replaced (a capital first letter kept)."""
+    """Each text with the words of `respell` replaced (a capital first letter or an all-capital word kept)."""
     if not respell:
         return list(texts)
     words = re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, respell), key=len, reverse=True)) + r")\b",
                        re.IGNORECASE)
 
     def new(match: re.Match) -> str:
-        word = respell[match.group(0).lower()]
-        return word[0].upper() + word[1:] if match.group(0)[0].isupper() else word
+        old = match.group(0)
+        word = respell.get(old.lower(), old)  # a case-insensitive match that lower() does not map back stays
+        if old.isupper() and len(old) > 1:
+            return word.upper()
+        return word[0].upper() + word[1:] if old[0].isupper() else word
     return [words.sub(new, t) for t in texts]
 
 
@@ -102,8 +107,8 @@ def train_variety_model(out: Path, pairs: list[dict], *, exclude_groups: tuple[s
                         word_ngrams: tuple[int, int] = (1, 2), max_chars: int = 5000, c: float = 1.0,
                         respell_reform: bool = True, seed: int = 0) -> dict:
     """Fit on the pairs outside `exclude_groups` less a `holdout` share of them (chosen by a hash of the pair's
-    id), with a respelled twin of each pt-PT text in the pre-1990 spelling (`respell_reform`); measure on the held-out share and on each excluded group; write the model folder. Returns what
-    variety_model.json records."""
+    id), with a respelled twin of each pt-PT text in the pre-1990 spelling (`respell_reform`); measure on the
+    held-out share and on each excluded group; write the model folder. Returns what variety_model.json records."""
     from sklearn.linear_model import LogisticRegression
 
     if missing := sorted(set(exclude_groups) - {p.get("group") for p in pairs}):
