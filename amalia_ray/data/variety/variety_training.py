@@ -121,9 +121,9 @@ def train_variety_model(out: Path, pairs: list[dict], *, exclude_groups: tuple[s
         raise AmaliaError(f"too few pairs to train on: {len(train)} (50 at least) after leaving out "
                           f"{', '.join(exclude_groups) or 'nothing'} and a {holdout:.0%} held-out share")
     texts, labels = _sides(train)
-    respell = reform_respellings([p[PT_PT] for p in train]) if respell_reform else {}
-    twins = [new for new, old in zip(respelled([p[PT_PT] for p in train], respell), (p[PT_PT] for p in train))
-             if new != old]
+    pt_texts = texts[:len(train)]  # _sides puts the pt-PT sides first
+    respell = reform_respellings(pt_texts) if respell_reform else {}
+    twins = [new for new, old in zip(respelled(pt_texts, respell), pt_texts) if new != old]
     texts, labels = texts + twins, np.concatenate([labels, np.ones(len(twins), labels.dtype)])
     x = featurize(texts, n_features, char_ngrams, word_ngrams, max_chars)
     clf = LogisticRegression(C=c, max_iter=3000, solver="liblinear", random_state=seed)
