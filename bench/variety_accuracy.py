@@ -2,11 +2,11 @@
 (`amalia data train-variety`) beside the cue scorer. Prints JSON.
 
     .venv/bin/python bench/variety_accuracy.py --pairs runs/variety-corpus/pairs.jsonl [--udhr DIR] [--accuracy 0.97]
-        [--plot curves.png] [--no-respell-reform]
+        [--plot curves.png] [--no-respell-reform] [--c 3]
     .venv/bin/python bench/variety_accuracy.py --replot bench/results/variety_accuracy.json --plot curves.png
 
 Training text: the aligned pairs `amalia data variety-corpus` extracts from Debian's separately translated packages
-(LibreOffice help, Firefox/Thunderbird, gettext catalogs). Measured on:
+(LibreOffice help, Firefox/Thunderbird, gettext catalogs, GNOME/MATE help and KDE handbooks). Measured on:
 - each project group (one translation team: `group_of`) held out in turn: a model trained without it, scored on
   both sides of its pairs (the "other" group, many small teams, is only trained on);
 - with the model trained on every group (less a hashed 10% of the pairs, as `make variety-model` trains): those
@@ -17,8 +17,9 @@ Training text: the aligned pairs `amalia data variety-corpus` extracts from Debi
 Paragraphs with fewer than --min-words words, and UDHR paragraphs identical in both varieties, are left out.
 The margin is chosen on the held-out groups, pooled: the smallest at which both varieties are labelled at least
 --accuracy right. Reported at that margin: coverage (share labelled) and accuracy per variety and set, and the whole
-coverage/accuracy curve of each set; `same_content_words`: accuracy (margin 0) on held-out pairs whose two sides
-use the same content words.
+coverage/accuracy curve of each set; the held-out groups' figures by text length and by kind of source
+(`by_source`: `mo` catalogs, `help` LibreOffice's help, `langpack` Mozilla's, `doc` manuals); `same_content_words`:
+accuracy (margin 0) on held-out pairs whose two sides use the same content words.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from pathlib import Path
 from amalia_ray.core.variety import score_variety
 from amalia_ray.core.variety_model import VarietyModel
 from amalia_ray.data.variety.variety_corpus import PT_BR, PT_PT, TEAMS, read_pairs
-from amalia_ray.data.variety.variety_training import coverage_accuracy, held_out, smallest_margin, train_variety_model
+from amalia_ray.data.variety.variety_training import (DEFAULT_C, coverage_accuracy, held_out, smallest_margin,
+                                                        train_variety_model)
 
 LENGTHS = ((0, 15), (15, 30), (30, 10**9))  # words per text (a pair's pt-BR side may be under --min-words)
 HOLDOUT = 0.1  # the share of pairs `amalia data train-variety` holds out by default
@@ -92,6 +94,8 @@ def main() -> None:
     parser.add_argument("--udhr", type=Path, help="folder with por_PT.html and por_BR.html")
     parser.add_argument("--min-words", type=int, default=8)
     parser.add_argument("--accuracy", type=float, default=0.97, help="the accuracy the margin is chosen for")
+    parser.add_argument("--c", type=float, default=DEFAULT_C, help="the logistic regression's inverse "
+                        "regularization (train_variety_model's c)")
     parser.add_argument("--no-respell-reform", action="store_true",
                         help="train without the pt-PT texts' respelled twins (train_variety_model's respell_reform)")
     args = parser.parse_args()
@@ -104,12 +108,13 @@ def main() -> None:
     pairs = read_pairs(args.pairs)
     groups = sorted({p["group"] for p in pairs} & set(TEAMS))  # "other" (many small teams) is only trained on
     result = {"benchmark": "variety_accuracy", "pairs": len(pairs), "min_words": args.min_words,
-              "target_accuracy": args.accuracy, "respell_reform": not args.no_respell_reform, "held_out_groups": {}}
-    pooled_scores, pooled_expected, pooled_words = [], [], []
+              "target_accuracy": args.accuracy, "c": args.c, "respell_reform": not args.no_respell_reform,
+              "held_out_groups": {}}
+    pooled_scores, pooled_expected, pooled_words, pooled_sources = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for group in groups:
             meta = train_variety_model(Path(tmp) / group, pairs, exclude_groups=(group,), holdout=0.0,
-                                       respell_reform=not args.no_respell_reform)
+                                       respell_reform=not args.no_respell_reform, c=args.c)
             measured = meta["measured"][f"group:{group}"]
             model = VarietyModel(Path(tmp) / group)
             held = [p for p in pairs if p["group"] == group and len(p[PT_PT].split()) >= args.min_words]
@@ -118,6 +123,7 @@ def main() -> None:
             pooled_scores += scores
             pooled_expected += expected
             pooled_words += [len(p[side].split()) for side in (PT_PT, PT_BR) for p in held]
+            pooled_sources += [p["source"] for _ in (PT_PT, PT_BR) for p in held]
             result["held_out_groups"][group] = {
                 "train_pairs": meta["train_pairs"], "pairs": len(held),
                 "curve": coverage_accuracy(scores, expected),
@@ -126,16 +132,22 @@ def main() -> None:
                 "same_content_words": measured["same_content_words"]}
         pooled = coverage_accuracy(pooled_scores, pooled_expected)
         margin = smallest_margin(pooled, args.accuracy)
-        result["held_out_pooled"] = {"curve": pooled, "chosen_margin": margin, "by_words": {}}
-        for low, high in LENGTHS:  # a document is longer than most catalog messages: what length buys
-            mine = [i for i, n in enumerate(pooled_words) if low <= n < high]
-            curve = coverage_accuracy([pooled_scores[i] for i in mine], [pooled_expected[i] for i in mine])
-            result["held_out_pooled"]["by_words"][f"{low}-{high - 1 if high < 10**9 else ''}"] = {
-                "texts": len(mine), "at_chosen_margin": at_margin(curve, margin) if margin is not None else None,
-                "smallest_margin_at_target": smallest_margin(curve, args.accuracy)}
+        result["held_out_pooled"] = {"curve": pooled, "chosen_margin": margin, "by_words": {}, "by_source": {}}
+        subsets = {  # a document is longer than most catalog messages: what length buys; and each kind of source
+            "by_words": {f"{low}-{high - 1 if high < 10**9 else ''}": [low <= n < high for n in pooled_words]
+                         for low, high in LENGTHS},
+            "by_source": {source: [s == source for s in pooled_sources] for source in sorted(set(pooled_sources))}}
+        subsets["by_source"]["all_but_manuals"] = [s != "doc" for s in pooled_sources]
+        for by, named in subsets.items():
+            for name, chosen in named.items():
+                mine = [i for i, keep in enumerate(chosen) if keep]
+                curve = coverage_accuracy([pooled_scores[i] for i in mine], [pooled_expected[i] for i in mine])
+                result["held_out_pooled"][by][name] = {
+                    "texts": len(mine), "at_chosen_margin": at_margin(curve, margin) if margin is not None else None,
+                    "smallest_margin_at_target": smallest_margin(curve, args.accuracy)}
         started = time.perf_counter()
         meta = train_variety_model(Path(tmp) / "all", pairs, holdout=HOLDOUT,  # as `make variety-model` trains
-                                   respell_reform=not args.no_respell_reform)
+                                   respell_reform=not args.no_respell_reform, c=args.c)
         result["train_s_all_groups"] = round(time.perf_counter() - started, 1)
         result["respelled_pt_twins"] = {k: meta[k] for k in ("reform_respellings", "respelled_pt_twins")}
         model = VarietyModel(Path(tmp) / "all")

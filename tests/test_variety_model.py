@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from amalia_ray.cli import app
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.variety_model import VarietyModel, label_texts
-from amalia_ray.data.variety.variety_corpus import build_pairs, clean_message, group_of
+from amalia_ray.data.variety.variety_corpus import _doc_paragraphs, build_pairs, clean_message, group_of
 from amalia_ray.data.variety.variety_training import (coverage_accuracy, reform_respellings, respelled,
                                                         smallest_margin, train_variety_model)
 
@@ -123,6 +123,46 @@ def test_pairs_come_aligned_from_help_pages_language_packs_and_catalogs_of_real_
 
     with pytest.raises(AmaliaError, match="not a Debian package"):
         build_pairs([_not_a_deb(tmp_path)])
+
+
+def docbook(paragraphs: list[str], credits: list[str]) -> bytes:
+    """A KDE handbook page: entities, a comment, a terminal listing and nested paragraphs, translator credits."""
+    paras = "".join(f"<para>{p}</para>" for p in paragraphs)
+    listing = "<screen><userinput>make install</userinput> # não é prosa</screen>"
+    thanks = "".join(f"<para>{c} <email>tradutor@example.org</email></para>" for c in credits)
+    return (f'<?xml version="1.0" ?>\n<!-- &kapp; -->\n<book><chapter><title>O &kapp; e o &Linux;</title>{paras}'
+            f"<para>Antes da lista: <itemizedlist><listitem><para>{paragraphs[-1]}</para></listitem></itemizedlist>"
+            f"</para>{listing}{thanks}</chapter></book>").encode()
+
+
+def test_a_manuals_paragraphs_pair_by_their_markup_even_where_one_side_has_one_more(tmp_path):
+    # KDE's handbook of an application in both varieties (the pt-BR side has a paragraph more at its start and one
+    # more translator credit), and a
+    # GNOME Mallard page; the package's catalogs name the team the manuals are counted in
+    pt_page = [PT[0], f"Carregue em <guibutton>OK</guibutton> 2 vezes: {PT[1]}", PT[3]]
+    br_page = ["Este manual foi adaptado para o Brasil pela equipe de tradução.", BR[0],
+               f"Clique em <guibutton>OK</guibutton> 2 vezes: {BR[1]}", BR[3]]
+    mallard = '<page xmlns="http://projectmallard.org/1.0/"><title>{}</title><p>{}</p><p><code>ls -l</code> {}</p></page>'
+    deb(tmp_path / "someapp_2.0_amd64.deb", {
+        "usr/share/locale/pt/LC_MESSAGES/someapp.mo": mo_file({"ok": "Sim"}, "Portuguese <kde-i18n-pt@kde.org>"),
+        "usr/share/doc/HTML/pt/someapp/index.docbook": docbook(pt_page, ["Tradução de Ana"]),
+        "usr/share/doc/HTML/pt_BR/someapp/index.docbook": docbook(br_page, ["Tradução de Bia", "Revisão de Caio"]),
+        "usr/share/help/pt/someapp/index.page": mallard.format("Como guardar a sua aplicação", PT[2], PT[1]).encode(),
+        "usr/share/help/pt_BR/someapp/index.page": mallard.format("Como salvar o seu aplicativo", BR[2], BR[1]).encode()})
+    pairs, summary = build_pairs([tmp_path / "someapp_2.0_amd64.deb"])
+    got = [(p["pair"], p["group"], p["pt-PT"], p["pt-BR"]) for p in pairs]
+    assert got == [
+        ("someapp/doc:doc/HTML/someapp/index.docbook#1", "kde", PT[0], BR[0]),
+        ("someapp/doc:doc/HTML/someapp/index.docbook#2", "kde", f"Carregue em OK 2 vezes: {PT[1]}",
+         f"Clique em OK 2 vezes: {BR[1]}"),
+        ("someapp/doc:doc/HTML/someapp/index.docbook#3", "kde", PT[3], BR[3]),  # again, inside a list: a repeat
+        ("someapp/doc:help/someapp/index.page#0", "kde", "Como guardar a sua aplicação", "Como salvar o seu aplicativo"),
+        ("someapp/doc:help/someapp/index.page#1", "kde", PT[2], BR[2]),
+        ("someapp/doc:help/someapp/index.page#2", "kde", PT[1], BR[1])], got
+    # the title once its entities are gone ("O e o"), and the credits, emptied on both sides
+    assert summary["counts"]["doc:identical"] == 2
+    # an unclosed listing or comment drops the rest of the page: nothing of it is read as prose
+    assert list(_doc_paragraphs(b"<p>um dois</p><screen><p>rm -rf</p><!-- <p>tr\xc3\xaas</p>").values()) == ["um dois"]
 
 
 def _not_a_deb(tmp_path: Path) -> Path:

@@ -19,7 +19,7 @@ def data_variety_corpus(
     debs: Annotated[Path, typer.Argument(help="a folder of Debian packages (.deb, as `apt-get download` fetches them) "
                                          "translated into both varieties: libreoffice-help-pt and -pt-br, "
                                          "firefox-esr-l10n-pt-pt and -pt-br, any package with pt and pt_BR "
-                                         "message catalogs")],
+                                         "message catalogs or manuals (GNOME/MATE help, KDE handbooks)")],
     output: Annotated[Path, typer.Argument(help="writes OUTPUT/pairs.jsonl and OUTPUT/summary.json")],
     min_words: Annotated[int, typer.Option(help="pairs with a side of fewer words are left out")] = 3,
 ) -> None:
@@ -40,22 +40,22 @@ def data_train_variety(
     exclude_group: Annotated[list[str], typer.Option(help="leave a project group out of training and measure on "
                                                      "it (repeatable)")] = [],  # noqa: B006 - typer's way
     holdout: Annotated[float, typer.Option(help="share of the other pairs held back to measure on")] = 0.1,
-    c: Annotated[float, typer.Option("--c", help="inverse regularization strength of the logistic regression")
-                 ] = 1.0,
+    c: Annotated[float | None, typer.Option("--c", help="inverse regularization strength of the logistic "
+                                            "regression (default: variety_training.DEFAULT_C, 3)")] = None,
     seed: int = 0,
 ) -> None:
     """Train the pt-PT / pt-BR classifier that `variety: {model: PATH}` applies in the data stage, the eval
     stage's variety metric and the pt_variety reward."""
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.data.variety.variety_corpus import read_pairs
-    from amalia_ray.data.variety.variety_training import train_variety_model
+    from amalia_ray.data.variety.variety_training import DEFAULT_C, train_variety_model
 
     if not pairs.is_file():
         raise AmaliaError(f"pairs not found: {pairs}")
     if not 0 <= holdout < 1:
         raise AmaliaError(f"--holdout must be within [0, 1), got {holdout}")
     meta = train_variety_model(output, read_pairs(pairs), exclude_groups=tuple(exclude_group), holdout=holdout,
-                               c=c, seed=seed)
+                               c=DEFAULT_C if c is None else c, seed=seed)
     console.print_json(json.dumps({"model": str(output), "train_pairs": meta["train_pairs"],
                                    "respelled_pt_twins": meta["respelled_pt_twins"],
                                    "measured": {k: {"pairs": v["pairs"], "margin_0": v["curve"][0],

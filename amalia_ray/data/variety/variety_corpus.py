@@ -8,6 +8,8 @@ Portuguese and the Brazilian teams of free software projects, read straight from
   strings aligned by file and message id.
 - gettext message catalogs (`usr/share/locale/{pt,pt_PT,pt_BR}/LC_MESSAGES/*.mo` of any package, LibreOffice's
   own UI catalogs too): messages aligned by their msgid.
+- Manuals (`usr/share/help/{pt,pt_BR}/APP/` of GNOME and MATE applications, Mallard or DocBook, and KDE's
+  handbooks under `usr/share/doc/HTML/{pt,pt_BR}/APP/`): prose, paragraphs aligned by file and position.
 
 Both sides are cleaned alike (markup, format placeholders and keyboard accelerators removed); pairs that are
 identical once cleaned, shorter than `min_words`, or not Portuguese on both sides (language ID) are dropped. Each
@@ -18,6 +20,7 @@ product's vocabulary.
 
 from __future__ import annotations
 
+import difflib
 import gettext
 import html
 import io
@@ -62,9 +65,9 @@ def team_of(language_team: str) -> str | None:
 
 
 def group_of(package: str, source: str, language_team: str = "") -> str:
-    """The project group of a unit: a catalog's team as its header names it, a help page's or language pack's by
-    its package; else "other"."""
-    if source == "mo":
+    """The project group of a unit: a catalog's team as its header names it (a manual's, as its package's catalogs
+    name it), a help page's or language pack's by its package; else "other"."""
+    if source in ("mo", "doc"):
         return team_of(language_team) or "other"
     return next((group for group, prefixes in HEADERLESS.items() if package.startswith(prefixes)), "other")
 
@@ -122,7 +125,14 @@ def _deb_members(path: Path, wanted: re.Pattern) -> Iterator[tuple[str, bytes | 
 
 
 _WANTED = re.compile(r"/(?:pt|pt_PT|pt_BR)/LC_MESSAGES/[^/]+\.mo$|/help/(?:pt|pt-BR)/text/.+\.html$|"
-                     r"langpack-pt-(?:PT|BR)@[^/]+\.xpi$")
+                     r"langpack-pt-(?:PT|BR)@[^/]+\.xpi$|/share/(?:help|doc/HTML)/(?:pt|pt_PT|pt_BR)/.+\.(?:page|docbook|xml)$")
+_DOC_PATH = re.compile(r"/share/(help|doc/HTML)/([^/]+)/(.+)$")
+# what a manual's paragraphs hold besides prose: comments, code and terminal listings (dropped whole)
+_DOC_DROP_EDGE = re.compile(r"<!--|-->|<(/?)(screen|programlisting|synopsis|literallayout|code)\b[^<>]{0,1000}>", re.I)
+_DOC_EDGE = re.compile(r"<(/?)(p|para|simpara|title|subtitle|term|desc|entry)\b([^<>]{0,1000})>", re.I)
+_DOC_ENTITY = re.compile(r"&(?!(?:amp|lt|gt|quot|apos|#\d+|#x[0-9a-fA-F]+);)[A-Za-z][\w.:-]{0,100};")
+_DOC_MARKUP = re.compile(r"<[A-Za-z][\w:-]{0,50}|&[A-Za-z][\w.:-]{0,100};|\d+")
+_EMAIL = re.compile(r"<email\b|\b[\w.+-]+@[\w-]+\.[\w.-]+")
 _ELEMENT_EDGE = re.compile(r"<(/?)(p|h[1-6]|td)\b([^<>]{0,1000})>", re.I)
 _ID = re.compile(r"\bid=\"([^\"]{1,200})\"")
 _FTL_MESSAGE = re.compile(r"^(-?[A-Za-z][\w-]*)\s*=(.*)$")
@@ -154,6 +164,73 @@ def _help_paragraphs(data: bytes) -> dict[str, str]:
             out[opened[1]] = text[opened[2]:m.start()]
             opened = None
     return out
+
+
+def _without_code(text: str) -> str:
+    """`text` less its comments and code or terminal listings (with what they hold), in one pass: an unclosed one
+    drops the rest of the text, and no input costs more than its length."""
+    kept, start, dropping, depth = [], 0, None, 0  # dropping: "comment", a listing's tag, or None
+    for m in _DOC_DROP_EDGE.finditer(text):
+        token, closing, tag = m.group(0), m.group(1), (m.group(2) or "").lower()
+        if dropping is None:
+            if token == "<!--" or (tag and not closing):
+                kept.append(text[start:m.start()])
+                dropping, depth = ("comment", 1) if token == "<!--" else (tag, 1)
+        elif dropping == "comment":
+            if token == "-->":
+                dropping, start = None, m.end()
+        elif tag == dropping:
+            depth += -1 if closing else 1
+            if depth == 0:
+                dropping, start = None, m.end()
+    if dropping is None:
+        kept.append(text[start:])
+    return " ".join(kept)
+
+
+def _doc_paragraphs(data: bytes) -> dict[str, str]:
+    """The innermost paragraphs, titles, terms and table cells of a manual page (DocBook, as KDE's handbooks and
+    older GNOME help are written, or Mallard, as GNOME's and MATE's are), in document order, keyed
+    "position|signature": the signature (the element, the markup, entities and numbers inside it) is the same in
+    both varieties' translations of a paragraph, so `aligned_keys` pairs them even where one translation has a
+    paragraph more. A paragraph naming an e-mail (translator credits) is left empty; entities (`&kappname;`) are
+    removed from the text."""
+    text = _without_code(data.decode("utf-8", "replace"))
+    blocks, open_blocks = [], []  # [tag, where its content starts, whether a block opened inside it]
+    for m in _DOC_EDGE.finditer(text):
+        closing, tag = m.group(1), m.group(2).lower()
+        if m.group(3).rstrip().endswith("/"):  # <p/>: an empty element
+            continue
+        if not closing:
+            if open_blocks:
+                open_blocks[-1][2] = True
+            open_blocks.append([tag, m.end(), False])
+            continue
+        while open_blocks and open_blocks[-1][0] != tag:  # an unclosed element inside: given up
+            open_blocks.pop()
+        if open_blocks:
+            _, start, has_block_inside = open_blocks.pop()
+            if not has_block_inside:
+                content = text[start:m.start()]
+                signature = ",".join([tag, *_DOC_MARKUP.findall(content)])[:200]
+                blocks.append((signature, "" if _EMAIL.search(content) else _DOC_ENTITY.sub(" ", content)))
+    return {f"{i}|{signature}": block for i, (signature, block) in enumerate(blocks)}
+
+
+MAX_DIFFED_PARAGRAPHS = 5000  # a manual page's paragraphs aligned by their signatures (more: only equal counts)
+
+
+def aligned_keys(source: str, pt_keys, br_keys) -> list[tuple[str, str]]:
+    """The (pt-PT key, pt-BR key) of each message both sides have: the same id, or for a manual page the longest
+    matching runs of paragraph signatures in document order (difflib)."""
+    if source != "doc":
+        return [(key, key) for key in sorted(pt_keys & br_keys)]
+    pt, br = (sorted(keys, key=lambda k: int(k.split("|", 1)[0])) for keys in (pt_keys, br_keys))
+    if max(len(pt), len(br)) > MAX_DIFFED_PARAGRAPHS:
+        return list(zip(pt, br)) if len(pt) == len(br) else []
+    matcher = difflib.SequenceMatcher(None, [k.split("|", 1)[1] for k in pt], [k.split("|", 1)[1] for k in br],
+                                      autojunk=False)
+    return [(pt[i + k], br[j + k]) for i, j, n in matcher.get_matching_blocks() for k in range(n)]
 
 
 def _ftl_messages(text: str) -> dict[str, str]:
@@ -202,6 +279,8 @@ def _unit(name: str, data: bytes) -> tuple[str, str, dict[str, str], str]:
     if name.endswith(".mo"):
         return (name.split("/LC_MESSAGES/")[0].rsplit("/", 1)[1], "mo:" + name.rsplit("/", 1)[1],
                 *_mo_messages(data))
+    if doc := _DOC_PATH.search(name):
+        return doc.group(2), f"doc:{doc.group(1)}/{doc.group(3)}", _doc_paragraphs(data), ""
     if name.endswith(".html"):
         return (name.split("/help/")[1].split("/", 1)[0], "help:" + name.split("/text/", 1)[1],
                 _help_paragraphs(data), "")
@@ -251,13 +330,16 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
             for variety, messages in sides.items():
                 units.setdefault(key, {}).setdefault(variety, {}).update(messages)
     pairs, counts, seen = [], Counter(), set()
+    # a manual has no header: its team is the one its package's catalogs name
+    family_teams = {family: team for (family, _), team in sorted(teams.items()) if team_of(team)}
     for (family, unit), sides in sorted(units.items()):
         if PT_PT not in sides or PT_BR not in sides:
             continue
         source = unit.split(":", 1)[0]
-        group = group_of(family, source, teams.get((family, unit), ""))
-        for key in sorted(sides[PT_PT].keys() & sides[PT_BR].keys()):
-            pt, br = clean_message(sides[PT_PT][key]), clean_message(sides[PT_BR][key])
+        group = group_of(family, source, teams.get((family, unit)) or family_teams.get(family, ""))
+        for key, br_key in aligned_keys(source, sides[PT_PT].keys(), sides[PT_BR].keys()):
+            pt, br = clean_message(sides[PT_PT][key]), clean_message(sides[PT_BR][br_key])
+            key = key.split("|", 1)[0] if source == "doc" else key  # a manual's paragraph: its position
             counts[f"{source}:aligned"] += 1
             if pt.lower() == br.lower():
                 counts[f"{source}:identical"] += 1
