@@ -74,10 +74,10 @@ corpus:
 # The pt-PT / pt-BR variety classifier: Debian packages translated separately by each variety's teams (the list, and
 # how it was drawn from Debian's file index, in amalia_ray/data/variety/debian_packages.txt: ~1,200 packages,
 # ~1.4 GB), downloaded as .deb files (nothing installed; their versions are recorded in
-# runs/variety-corpus/summary.json), their catalogs, help pages and manuals turned into aligned pairs and trained on,
-# into runs/variety-model. The shipped
-# model (`variety: {model: builtin}`, amalia_ray/core/pt_variety_model/) is that folder copied by hand; a recipe
-# uses a fresh one with `variety: {model: runs/variety-model}` (relative to the recipe).
+# runs/variety-corpus/summary.json); their catalogs, help pages and manuals are turned into aligned pairs and
+# trained on, into runs/variety-model. The shipped model (`variety: {model: builtin}`,
+# amalia_ray/core/pt_variety_model/) is that folder copied by hand; a recipe uses a fresh one with
+# `variety: {model: runs/variety-model}` (relative to the recipe).
 # (`=`: the list is read when the target runs, not at every make)
 VARIETY_PACKAGES = $(shell grep -v '^\#' amalia_ray/data/variety/debian_packages.txt)
 variety-model: install

@@ -163,6 +163,8 @@ def test_a_manuals_paragraphs_pair_by_their_markup_even_where_one_side_has_one_m
     assert summary["counts"]["doc:identical"] == 2
     # an unclosed listing or comment drops the rest of the page: nothing of it is read as prose
     assert list(_doc_paragraphs(b"<p>um dois</p><screen><p>rm -rf</p><!-- <p>tr\xc3\xaas</p>").values()) == ["um dois"]
+    page = b"<p>um <code/>dois</p><screen>ls <!-- </screen> --> <p>rm</p></screen><CODE>x</CODE><p>tr\xc3\xaas</p>"
+    assert [clean_message(p) for p in _doc_paragraphs(page).values()] == ["um dois", "três"]
 
 
 def _not_a_deb(tmp_path: Path) -> Path:

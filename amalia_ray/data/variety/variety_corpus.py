@@ -9,7 +9,8 @@ Portuguese and the Brazilian teams of free software projects, read straight from
 - gettext message catalogs (`usr/share/locale/{pt,pt_PT,pt_BR}/LC_MESSAGES/*.mo` of any package, LibreOffice's
   own UI catalogs too): messages aligned by their msgid.
 - Manuals (`usr/share/help/{pt,pt_BR}/APP/` of GNOME and MATE applications, Mallard or DocBook, and KDE's
-  handbooks under `usr/share/doc/HTML/{pt,pt_BR}/APP/`): prose, paragraphs aligned by file and position.
+  handbooks under `usr/share/doc/HTML/{pt,pt_BR}/APP/`): prose, paragraphs aligned by file and by a longest
+  common subsequence of their markup (`aligned_keys`), a pair of very unlike lengths dropped as misaligned.
 
 Both sides are cleaned alike (markup, format placeholders and keyboard accelerators removed); pairs that are
 identical once cleaned, shorter than `min_words`, or not Portuguese on both sides (language ID) are dropped. Each
@@ -20,7 +21,6 @@ product's vocabulary.
 
 from __future__ import annotations
 
-import difflib
 import gettext
 import html
 import io
@@ -42,7 +42,8 @@ _LOCALE = {"pt": PT_PT, "pt_PT": PT_PT, "pt-PT": PT_PT, "pt_BR": PT_BR, "pt-BR":
 # A project group is one translation team (on the Portuguese side): a model trained without a group and tested on
 # it has seen nothing that team wrote. A gettext catalog's team is read from its header (`Language-Team`), which
 # names the team's list or site; a catalog whose header names no known team is "other" (many small teams, or one
-# translator). LibreOffice's help pages and Mozilla's language packs carry no header: their package names the team.
+# translator). LibreOffice's help pages and Mozilla's language packs carry no header: their package names the team;
+# a manual has none either: its team is the one its package's catalogs name (`manual_team`).
 TEAMS = {
     "kde": r"kde\.org|\bkde\b",
     "gnome": r"gnome",
@@ -74,7 +75,7 @@ def group_of(package: str, source: str, language_team: str = "") -> str:
 
 # what the two teams' strings carry besides words: markup, placeholders, accelerators
 _TAG = re.compile(r"<[^>]{0,200}>")
-_PLACEHOLDER = re.compile(r"\{[^{}]{0,80}\}|%(?:\([A-Za-z_]\w*\)|\d+\$)?[-+ #0]*\d*(?:\.\d+)?(?:hh|ll|[hlLqjzt])?"
+_PLACEHOLDER = re.compile(r"\{[^{}]{0,80}\}|%(?:\([A-Za-z_]\w*\)|\d+\$)?[-+#0]*\d*(?:\.\d+)?(?:hh|ll|[hlLqjzt])?"
                           r"[diouxXeEfFgGcsSpn%]|%\d+|\$[A-Z_]+\$?|&[a-z]+;|&#\d+;")
 _ACCEL = re.compile(r"(?<![\w&])[_&~](?=\w)")
 
@@ -128,11 +129,14 @@ _WANTED = re.compile(r"/(?:pt|pt_PT|pt_BR)/LC_MESSAGES/[^/]+\.mo$|/help/(?:pt|pt
                      r"langpack-pt-(?:PT|BR)@[^/]+\.xpi$|/share/(?:help|doc/HTML)/(?:pt|pt_PT|pt_BR)/.+\.(?:page|docbook|xml)$")
 _DOC_PATH = re.compile(r"/share/(help|doc/HTML)/([^/]+)/(.+)$")
 # what a manual's paragraphs hold besides prose: comments, code and terminal listings (dropped whole)
-_DOC_DROP_EDGE = re.compile(r"<!--|-->|<(/?)(screen|programlisting|synopsis|literallayout|code)\b[^<>]{0,1000}>", re.I)
+_DOC_DROP_EDGE = re.compile(r"<!--|-->|<(/?)(screen|programlisting|\w*synopsis|literallayout|code)\b[^<>]{0,1000}>",
+                            re.I)
 _DOC_EDGE = re.compile(r"<(/?)(p|para|simpara|title|subtitle|term|desc|entry)\b([^<>]{0,1000})>", re.I)
 _DOC_ENTITY = re.compile(r"&(?!(?:amp|lt|gt|quot|apos|#\d+|#x[0-9a-fA-F]+);)[A-Za-z][\w.:-]{0,100};")
 _DOC_MARKUP = re.compile(r"<[A-Za-z][\w:-]{0,50}|&[A-Za-z][\w.:-]{0,100};|\d+")
-_EMAIL = re.compile(r"<email\b|\b[\w.+-]+@[\w-]+\.[\w.-]+")
+MAX_MANUAL_PARAGRAPHS = 20_000  # of one manual page (KDE's largest handbook pages hold a few thousand)
+MAX_ALIGNED_CELLS = 4_000_000  # pt-PT paragraphs x pt-BR paragraphs of a page aligned by common subsequence
+_EMAIL = re.compile(r"<email\b|(?<![\w.+-])[\w.+-]{1,64}@[\w-]{1,63}\.[\w.-]{1,253}")
 _ELEMENT_EDGE = re.compile(r"<(/?)(p|h[1-6]|td)\b([^<>]{0,1000})>", re.I)
 _ID = re.compile(r"\bid=\"([^\"]{1,200})\"")
 _FTL_MESSAGE = re.compile(r"^(-?[A-Za-z][\w-]*)\s*=(.*)$")
@@ -169,21 +173,29 @@ def _help_paragraphs(data: bytes) -> dict[str, str]:
 def _without_code(text: str) -> str:
     """`text` less its comments and code or terminal listings (with what they hold), in one pass: an unclosed one
     drops the rest of the text, and no input costs more than its length."""
-    kept, start, dropping, depth = [], 0, None, 0  # dropping: "comment", a listing's tag, or None
+    kept, start = [], 0
+    listing, depth, comment = None, 0, False  # the listing being dropped and its nesting; inside a comment
     for m in _DOC_DROP_EDGE.finditer(text):
         token, closing, tag = m.group(0), m.group(1), (m.group(2) or "").lower()
-        if dropping is None:
-            if token == "<!--" or (tag and not closing):
-                kept.append(text[start:m.start()])
-                dropping, depth = ("comment", 1) if token == "<!--" else (tag, 1)
-        elif dropping == "comment":
+        if comment:
             if token == "-->":
-                dropping, start = None, m.end()
-        elif tag == dropping:
+                comment = False
+                start = m.end() if listing is None else start
+        elif token == "<!--":
+            if listing is None:
+                kept.append(text[start:m.start()])
+            comment = True
+        elif token == "-->" or token.endswith("/>"):  # a stray end of comment; an empty <code/>
+            continue
+        elif listing is None:
+            if not closing:
+                kept.append(text[start:m.start()])
+                listing, depth = tag, 1
+        elif tag == listing:
             depth += -1 if closing else 1
             if depth == 0:
-                dropping, start = None, m.end()
-    if dropping is None:
+                listing, start = None, m.end()
+    if listing is None and not comment:
         kept.append(text[start:])
     return " ".join(kept)
 
@@ -191,9 +203,9 @@ def _without_code(text: str) -> str:
 def _doc_paragraphs(data: bytes) -> dict[str, str]:
     """The innermost paragraphs, titles, terms and table cells of a manual page (DocBook, as KDE's handbooks and
     older GNOME help are written, or Mallard, as GNOME's and MATE's are), in document order, keyed
-    "position|signature": the signature (the element, the markup, entities and numbers inside it) is the same in
-    both varieties' translations of a paragraph, so `aligned_keys` pairs them even where one translation has a
-    paragraph more. A paragraph naming an e-mail (translator credits) is left empty; entities (`&kappname;`) are
+    "position|signature": the signature (the element, the markup, entities and numbers inside it) is mostly the same
+    in both varieties' translations of a paragraph, so `aligned_keys` pairs them even where one translation has a
+    paragraph more (one whose markup a team changed stays unpaired). A paragraph naming an e-mail (translator credits) is left empty; entities (`&kappname;`) are
     removed from the text."""
     text = _without_code(data.decode("utf-8", "replace"))
     blocks, open_blocks = [], []  # [tag, where its content starts, whether a block opened inside it]
@@ -211,26 +223,56 @@ def _doc_paragraphs(data: bytes) -> dict[str, str]:
         if open_blocks:
             _, start, has_block_inside = open_blocks.pop()
             if not has_block_inside:
+                if len(blocks) == MAX_MANUAL_PARAGRAPHS:  # a crafted page of empty elements: the rest unread
+                    break
                 content = text[start:m.start()]
                 signature = ",".join([tag, *_DOC_MARKUP.findall(content)])[:200]
                 blocks.append((signature, "" if _EMAIL.search(content) else _DOC_ENTITY.sub(" ", content)))
     return {f"{i}|{signature}": block for i, (signature, block) in enumerate(blocks)}
 
 
-MAX_DIFFED_PARAGRAPHS = 5000  # a manual page's paragraphs aligned by their signatures (more: only equal counts)
-
-
-def aligned_keys(source: str, pt_keys, br_keys) -> list[tuple[str, str]]:
-    """The (pt-PT key, pt-BR key) of each message both sides have: the same id, or for a manual page the longest
-    matching runs of paragraph signatures in document order (difflib)."""
+def aligned_keys(source: str, pt: dict[str, str], br: dict[str, str]) -> list[tuple[str, str]]:
+    """The (pt-PT key, pt-BR key) of each message both sides have: the same id, or, for a manual page, the pairs of
+    paragraphs of the same signature, in document order, that share the most words (one translation may have a
+    paragraph more; among paragraphs of the same markup, the words they share, names, numbers, the words both
+    varieties write alike, say which is which). A page whose two sides hold more than MAX_ALIGNED_CELLS paragraph
+    pairs is aligned only where their signatures are the same all through."""
     if source != "doc":
-        return [(key, key) for key in sorted(pt_keys & br_keys)]
-    pt, br = (sorted(keys, key=lambda k: int(k.split("|", 1)[0])) for keys in (pt_keys, br_keys))
-    if max(len(pt), len(br)) > MAX_DIFFED_PARAGRAPHS:
-        return list(zip(pt, br)) if len(pt) == len(br) else []
-    matcher = difflib.SequenceMatcher(None, [k.split("|", 1)[1] for k in pt], [k.split("|", 1)[1] for k in br],
-                                      autojunk=False)
-    return [(pt[i + k], br[j + k]) for i, j, n in matcher.get_matching_blocks() for k in range(n)]
+        return [(key, key) for key in sorted(pt.keys() & br.keys())]
+    pt_keys, br_keys = (sorted(side, key=lambda k: int(k.split("|", 1)[0])) for side in (pt, br))
+    a, b = [k.split("|", 1)[1] for k in pt_keys], [k.split("|", 1)[1] for k in br_keys]
+    if a == b:
+        return list(zip(pt_keys, br_keys))
+    if len(a) * len(b) > MAX_ALIGNED_CELLS:
+        return []
+    words = [[frozenset(re.findall(r"\w+", side[k].lower())) for k in keys] for side, keys in ((pt, pt_keys),
+                                                                                                (br, br_keys))]
+    return [(pt_keys[i], br_keys[j]) for i, j in _best_alignment(a, b, *words)]
+
+
+def _best_alignment(a: list[str], b: list[str], a_words: list[frozenset], b_words: list[frozenset]
+                    ) -> list[tuple[int, int]]:
+    """(i, j) pairs, in order, of equal signatures a[i] == b[j], maximizing the sum of 1 + the pair's word overlap
+    (Jaccard): the most pairs, and of those the most alike. The textbook O(len(a) * len(b)) table."""
+    def gain(i: int, j: int) -> float:
+        union = len(a_words[i] | b_words[j])
+        return 1 + (len(a_words[i] & b_words[j]) / union if union else 0)
+
+    best = [[0.0] * (len(b) + 1) for _ in range(len(a) + 1)]  # best[i][j]: of a[i:] and b[j:]
+    for i in range(len(a) - 1, -1, -1):
+        row, below = best[i], best[i + 1]
+        for j in range(len(b) - 1, -1, -1):
+            row[j] = max(below[j], row[j + 1], below[j + 1] + gain(i, j) if a[i] == b[j] else 0.0)
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] == b[j] and best[i][j] == best[i + 1][j + 1] + gain(i, j):
+            out.append((i, j))
+            i, j = i + 1, j + 1
+        elif best[i + 1][j] >= best[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def _ftl_messages(text: str) -> dict[str, str]:
@@ -309,10 +351,43 @@ def package_messages(deb: Path, problems: Counter | None = None, teams: dict | N
             continue
         # a language pack or help package holds one variety; both sides meet under the project's name
         family = re.sub(r"-(?:l10n-)?pt(?:-pt|-br)?$", "", package)
-        found.setdefault((family, unit), {}).setdefault(_LOCALE[locale], {}).update(messages)
+        if not _merge(found, (family, unit), _LOCALE[locale], messages):
+            problems["doc:duplicate"] += 1
         if teams is not None and _LOCALE[locale] == PT_PT and team:
             teams[(family, unit)] = team
     return found
+
+
+def _unlike_lengths(pt: str, br: str) -> bool:
+    """Over 2.5 times as many words on one side: two paragraphs of a manual paired by their markup but not
+    translations of each other."""
+    a, b = len(pt.split()), len(br.split())
+    return max(a, b) > 2.5 * min(a, b)
+
+
+def _merge(units: dict, key: tuple[str, str], variety: str, messages: dict[str, str]) -> bool:
+    """Add a unit's messages of one variety (a unit's catalogs in several folders or packages add up); a manual
+    page's paragraphs are positions of one file, so a second copy of it (help/pt and help/pt_PT, two packages) is
+    left out: False."""
+    sides = units.setdefault(key, {})
+    if key[1].startswith("doc:") and variety in sides:
+        return False
+    sides.setdefault(variety, {}).update(messages)
+    return True
+
+
+def manual_team(unit: str, catalogs: dict[str, str]) -> str:
+    """The Language-Team a manual goes by ({catalog unit: team} of its package): its application's catalog's
+    (`help/APP/...`, `doc/HTML/APP/...` and `mo:APP.mo`), else the known team most of the package's catalogs
+    name (ties: the first by name); "" if none."""
+    app = re.sub(r"^doc:(?:help|doc/HTML)/", "", unit).split("/", 1)[0]
+    if team_of(catalogs.get(f"mo:{app}.mo", "")):
+        return catalogs[f"mo:{app}.mo"]
+    known = Counter(team_of(t) for t in catalogs.values() if team_of(t))
+    if not known:
+        return ""
+    best = min(known, key=lambda team: (-known[team], team))
+    return next(t for _, t in sorted(catalogs.items()) if team_of(t) == best)
 
 
 def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list[dict], dict]:
@@ -328,16 +403,19 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
         versions[deb.name.split("_", 1)[0]] = deb.name.split("_")[1] if deb.name.count("_") >= 2 else None
         for key, sides in package_messages(deb, problems, teams).items():
             for variety, messages in sides.items():
-                units.setdefault(key, {}).setdefault(variety, {}).update(messages)
+                if not _merge(units, key, variety, messages):
+                    problems["doc:duplicate"] += 1
     pairs, counts, seen = [], Counter(), set()
-    # a manual has no header: its team is the one its package's catalogs name
-    family_teams = {family: team for (family, _), team in sorted(teams.items()) if team_of(team)}
+    catalog_teams: dict[str, dict[str, str]] = {}  # family -> {catalog unit: its pt-PT Language-Team}
+    for (family, unit), team in teams.items():
+        catalog_teams.setdefault(family, {})[unit] = team
     for (family, unit), sides in sorted(units.items()):
         if PT_PT not in sides or PT_BR not in sides:
             continue
         source = unit.split(":", 1)[0]
-        group = group_of(family, source, teams.get((family, unit)) or family_teams.get(family, ""))
-        for key, br_key in aligned_keys(source, sides[PT_PT].keys(), sides[PT_BR].keys()):
+        team = manual_team(unit, catalog_teams.get(family, {})) if source == "doc" else teams.get((family, unit), "")
+        group = group_of(family, source, team)
+        for key, br_key in aligned_keys(source, sides[PT_PT], sides[PT_BR]):
             pt, br = clean_message(sides[PT_PT][key]), clean_message(sides[PT_BR][br_key])
             key = key.split("|", 1)[0] if source == "doc" else key  # a manual's paragraph: its position
             counts[f"{source}:aligned"] += 1
@@ -345,6 +423,8 @@ def build_pairs(debs: list[Path], min_words: int = 3, detect=None) -> tuple[list
                 counts[f"{source}:identical"] += 1
             elif min(len(pt.split()), len(br.split())) < min_words:
                 counts[f"{source}:short"] += 1
+            elif source == "doc" and _unlike_lengths(pt, br):
+                counts[f"{source}:unlike"] += 1
             elif (pt, br) in seen:
                 counts[f"{source}:repeated"] += 1
             elif detect(pt)[0] != "pt" or detect(br)[0] != "pt":
