@@ -142,13 +142,15 @@ def test_a_manuals_paragraphs_pair_by_their_markup_even_where_one_side_has_one_m
     pt_page = [PT[0], f"Carregue em <guibutton>OK</guibutton> 2 vezes: {PT[1]}", PT[3]]
     br_page = ["Este manual foi adaptado para o Brasil pela equipe de tradução.", BR[0],
                f"Clique em <guibutton>OK</guibutton> 2 vezes: {BR[1]}", BR[3]]
-    mallard = '<page xmlns="http://projectmallard.org/1.0/"><title>{}</title><p>{}</p><p><code>ls -l</code> {}</p></page>'
+    mallard = ('<page xmlns="http://projectmallard.org/1.0/"><title>{}</title><p>{}</p><p><code>ls -l</code> {}</p>'
+               "</page>")
     deb(tmp_path / "someapp_2.0_amd64.deb", {
         "usr/share/locale/pt/LC_MESSAGES/someapp.mo": mo_file({"ok": "Sim"}, "Portuguese <kde-i18n-pt@kde.org>"),
         "usr/share/doc/HTML/pt/someapp/index.docbook": docbook(pt_page, ["Tradução de Ana"]),
         "usr/share/doc/HTML/pt_BR/someapp/index.docbook": docbook(br_page, ["Tradução de Bia", "Revisão de Caio"]),
         "usr/share/help/pt/someapp/index.page": mallard.format("Como guardar a sua aplicação", PT[2], PT[1]).encode(),
-        "usr/share/help/pt_BR/someapp/index.page": mallard.format("Como salvar o seu aplicativo", BR[2], BR[1]).encode()})
+        "usr/share/help/pt_BR/someapp/index.page": mallard.format("Como salvar o seu aplicativo", BR[2],
+                                                                  BR[1]).encode()})
     pairs, summary = build_pairs([tmp_path / "someapp_2.0_amd64.deb"])
     got = [(p["pair"], p["group"], p["pt-PT"], p["pt-BR"]) for p in pairs]
     assert got == [
@@ -156,7 +158,8 @@ def test_a_manuals_paragraphs_pair_by_their_markup_even_where_one_side_has_one_m
         ("someapp/doc:doc/HTML/someapp/index.docbook#2", "kde", f"Carregue em OK 2 vezes: {PT[1]}",
          f"Clique em OK 2 vezes: {BR[1]}"),
         ("someapp/doc:doc/HTML/someapp/index.docbook#3", "kde", PT[3], BR[3]),  # again, inside a list: a repeat
-        ("someapp/doc:help/someapp/index.page#0", "kde", "Como guardar a sua aplicação", "Como salvar o seu aplicativo"),
+        ("someapp/doc:help/someapp/index.page#0", "kde", "Como guardar a sua aplicação",
+         "Como salvar o seu aplicativo"),
         ("someapp/doc:help/someapp/index.page#1", "kde", PT[2], BR[2]),
         ("someapp/doc:help/someapp/index.page#2", "kde", PT[1], BR[1])], got
     # the title once its entities are gone ("O e o"), and the credits, emptied on both sides

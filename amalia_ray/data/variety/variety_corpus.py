@@ -9,8 +9,8 @@ Portuguese and the Brazilian teams of free software projects, read straight from
 - gettext message catalogs (`usr/share/locale/{pt,pt_PT,pt_BR}/LC_MESSAGES/*.mo` of any package, LibreOffice's
   own UI catalogs too): messages aligned by their msgid.
 - Manuals (`usr/share/help/{pt,pt_BR}/APP/` of GNOME and MATE applications, Mallard or DocBook, and KDE's
-  handbooks under `usr/share/doc/HTML/{pt,pt_BR}/APP/`): prose, paragraphs aligned by file and by a longest
-  common subsequence of their markup (`aligned_keys`), a pair of very unlike lengths dropped as misaligned.
+  handbooks under `usr/share/doc/HTML/{pt,pt_BR}/APP/`): prose, paragraphs aligned by file and by their markup,
+  preferring pairs that share words (`aligned_keys`), a pair of very unlike lengths dropped as misaligned.
 
 Both sides are cleaned alike (markup, format placeholders and keyboard accelerators removed); pairs that are
 identical once cleaned, shorter than `min_words`, or not Portuguese on both sides (language ID) are dropped. Each
@@ -126,7 +126,8 @@ def _deb_members(path: Path, wanted: re.Pattern) -> Iterator[tuple[str, bytes | 
 
 
 _WANTED = re.compile(r"/(?:pt|pt_PT|pt_BR)/LC_MESSAGES/[^/]+\.mo$|/help/(?:pt|pt-BR)/text/.+\.html$|"
-                     r"langpack-pt-(?:PT|BR)@[^/]+\.xpi$|/share/(?:help|doc/HTML)/(?:pt|pt_PT|pt_BR)/.+\.(?:page|docbook|xml)$")
+                     r"langpack-pt-(?:PT|BR)@[^/]+\.xpi$|"
+                     r"/share/(?:help|doc/HTML)/(?:pt|pt_PT|pt_BR)/.+\.(?:page|docbook|xml)$")
 _DOC_PATH = re.compile(r"/share/(help|doc/HTML)/([^/]+)/(.+)$")
 # what a manual's paragraphs hold besides prose: comments, code and terminal listings (dropped whole)
 _DOC_DROP_EDGE = re.compile(r"<!--|-->|<(/?)(screen|programlisting|\w*synopsis|literallayout|code)\b[^<>]{0,1000}>",
@@ -205,8 +206,9 @@ def _doc_paragraphs(data: bytes) -> dict[str, str]:
     older GNOME help are written, or Mallard, as GNOME's and MATE's are), in document order, keyed
     "position|signature": the signature (the element, the markup, entities and numbers inside it) is mostly the same
     in both varieties' translations of a paragraph, so `aligned_keys` pairs them even where one translation has a
-    paragraph more (one whose markup a team changed stays unpaired). A paragraph naming an e-mail (translator credits) is left empty; entities (`&kappname;`) are
-    removed from the text."""
+    paragraph more (one whose markup a team changed stays unpaired). A paragraph naming an e-mail (translator
+    credits) is left empty; entities (`&kappname;`) are removed from the text. (LibreOffice's help pages key their
+    paragraphs by id instead: `_help_paragraphs`.)"""
     text = _without_code(data.decode("utf-8", "replace"))
     blocks, open_blocks = [], []  # [tag, where its content starts, whether a block opened inside it]
     for m in _DOC_EDGE.finditer(text):
@@ -253,7 +255,8 @@ def aligned_keys(source: str, pt: dict[str, str], br: dict[str, str]) -> list[tu
 def _best_alignment(a: list[str], b: list[str], a_words: list[frozenset], b_words: list[frozenset]
                     ) -> list[tuple[int, int]]:
     """(i, j) pairs, in order, of equal signatures a[i] == b[j], maximizing the sum of 1 + the pair's word overlap
-    (Jaccard): the most pairs, and of those the most alike. The textbook O(len(a) * len(b)) table."""
+    (Jaccard): the most pairs, and of those the most alike. The textbook O(len(a) * len(b)) table (at
+    MAX_ALIGNED_CELLS, about 130 MB of Python floats for a few seconds; a real handbook page: ~0.1 M cells)."""
     def gain(i: int, j: int) -> float:
         union = len(a_words[i] | b_words[j])
         return 1 + (len(a_words[i] & b_words[j]) / union if union else 0)
