@@ -13,18 +13,22 @@ Variants (each a logistic regression over hashed n-grams, as `core/variety_model
   what both sides share cancels and only what the teams wrote differently is learned; calibrated on the training
   texts (Platt);
 - `cross_team_calibration`: `shipped`, its scores calibrated (Platt) on out-of-team scores: the training teams
-  split in two halves (the many small teams of "other" by package), each half scored by a model of the other;
+  split in two halves (the many small teams of "other" by package), each half scored by a model of the other (the
+  calibration is fitted on those half-size models' scores and applied to the model of all the training teams);
 - `confident_learning`: `shipped`, retrained without the training pairs either of whose sides the out-of-team
   models above score at least 0.4 away from 0.5 on the wrong side (a side copied from the other variety's
   translation, a catalog in the wrong folder);
 - `self_training`: `shipped`, then twice retrained with the held-out texts it labels at margin 0.4 as extra
-  examples (one side of each held-out pair, so no parallel text; no held-out label is used);
-- `no_letter_unigrams`: no character unigrams, no one-letter or function-word unigrams (bigrams keep them): the
-  frequency of "a", "à", "se" differs with the register (interface strings against prose), not only the variety.
+  examples (one side of each held-out pair, so no parallel text; no held-out label is used); scored on the other
+  sides only;
+- `no_letter_unigrams`: no character unigrams, and one-letter and function words left out of the word unigrams and
+  of the character n-grams (word bigrams keep them): the frequency of "a", "à", "se" differs with the register
+  (interface strings against prose), not only the variety.
 
 Measured on the held-out teams' texts of at least --min-words words: `symmetric`, the smallest margin at which both
-varieties are labelled >= --accuracy right and the share labelled then; `best_threshold`, per variety, the largest
-share labelled >= --accuracy right by any one-sided threshold (how well the scores rank, calibration aside); and
+varieties are labelled >= --accuracy right and the share of each variety's texts labelled then; `best_threshold`,
+per variety, the largest share of its texts one threshold labels as it while >= --accuracy of all the texts so
+labelled are of it (how well the scores rank, calibration aside); and
 at the symmetric margin, the UDHR pair, Debian's pt-PT manuals and fortunes-br (bench/variety_accuracy.py's sets).
 For `shipped`, `confidently_wrong`: the held-out texts scored at least 0.4 away from 0.5 on the wrong side, by group
 and source, and a few of them (reading them shows how many are the label's fault: a pt-BR text that is a pt-PT
@@ -55,12 +59,16 @@ VARIANTS = ("shipped", "presence", "pair_difference", "cross_team_calibration", 
             "self_training", "no_letter_unigrams")
 N_FEATURES = 1 << 20
 _TOKEN = re.compile(r"(?u)\b\w+(?:-\w+)*\b")
+# a one-letter or function word standing alone (not "se" in "pode-se")
+_SHORT_OR_FUNCTION_WORD = re.compile(r"(?<![\w-])(?:\w|" + "|".join(sorted(_FUNCTION_WORDS, key=len, reverse=True))
+                                     + r")(?![\w-])", re.IGNORECASE)
 
 
 def features(texts: list[str], *, presence: bool = False, letter_unigrams: bool = True):
     """Hashed character n-grams (within words), word n-grams and the cue counts, as the shipped model's
-    `featurize`; `presence`: 0/1 n-grams, not normalized; `letter_unigrams=False`: no character unigrams and no
-    one-letter or function-word unigrams."""
+    `featurize`; `presence`: 0/1 n-grams, not normalized; `letter_unigrams=False`: no character unigrams, and
+    one-letter and function words neither as word unigrams nor in the character n-grams (`char_wb` pads each word
+    with spaces, so " a " and " se " would carry them); word bigrams keep them."""
     from scipy.sparse import csr_matrix, hstack
     from sklearn.feature_extraction.text import HashingVectorizer
 
@@ -76,14 +84,16 @@ def features(texts: list[str], *, presence: bool = False, letter_unigrams: bool 
     word = HashingVectorizer(analyzer=words, n_features=N_FEATURES, alternate_sign=False, norm=norm,
                              binary=presence, dtype=np.float32)
     cues = np.array([[math.log1p(s.pt_cues), math.log1p(s.br_cues)] for s in map(score_variety, texts)], np.float32)
-    return hstack([chars.transform(texts), word.transform(texts), csr_matrix(cues.reshape(len(texts), 2))],
+    spelled = texts if letter_unigrams else [_SHORT_OR_FUNCTION_WORD.sub(" ", t) for t in texts]
+    return hstack([chars.transform(spelled), word.transform(texts), csr_matrix(cues.reshape(len(texts), 2))],
                   format="csr")
 
 
 def logistic(x, y, c: float, weights=None, intercept: bool = True):
     from sklearn.linear_model import LogisticRegression
 
-    return LogisticRegression(C=c, max_iter=3000, solver="liblinear", fit_intercept=intercept).fit(x, y, weights)
+    return LogisticRegression(C=c, max_iter=3000, solver="liblinear", fit_intercept=intercept,
+                              random_state=0).fit(x, y, weights)  # as train_variety_model (seed 0)
 
 
 def platt(z: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -95,15 +105,18 @@ def sigmoid(z: np.ndarray) -> np.ndarray:
     return 1 / (1 + np.exp(-z))
 
 
-def best_threshold(scores: np.ndarray, truth: np.ndarray, accuracy: float) -> dict:
-    """Per variety: the largest share of its texts labelled at least `accuracy` right by one threshold on its
-    side of the scores."""
+def best_threshold(z: np.ndarray, truth: np.ndarray, accuracy: float) -> dict:
+    """Per variety: the largest share of its texts that one threshold on the decision values `z` labels as it
+    while at least `accuracy` of all the texts so labelled are of it. Ranked on `z`, not on probabilities (which
+    round to exactly 1.0 far from 0), and cut only between unequal values, as a threshold can."""
     out = {}
     for variety, side in ((PT_PT, 1), (PT_BR, 0)):
-        order = np.argsort(-scores if side else scores, kind="stable")  # most confident for this side first
+        ranked = -z if side else z
+        order = np.argsort(ranked, kind="stable")  # most confident for this side first
         right = np.cumsum(truth[order] == side)
         precision = right / np.arange(1, len(order) + 1)
-        ok = np.flatnonzero(precision >= accuracy)
+        run_ends = np.r_[np.diff(ranked[order]) != 0, True]  # the last text of each run of equal values
+        ok = np.flatnonzero((precision >= accuracy) & run_ends)
         out[variety] = round(float(right[ok[-1]] / max(1, (truth == side).sum())), 4) if len(ok) else 0.0
     return out
 
@@ -167,6 +180,7 @@ def main() -> None:
               "held_out_texts": len(test_texts), "min_words": args.min_words, "target_accuracy": args.accuracy,
               "variants": {}}
     cache: dict[tuple, object] = {}
+    out_of_team = None  # shared by the two variants that use it
 
     def x_of(part: str, texts: list[str], **kind):
         key = (part, *sorted(kind.items()))
@@ -186,10 +200,12 @@ def main() -> None:
             model = logistic(vstack([diff, -diff]).tocsr(), np.r_[np.ones(diff.shape[0]), np.zeros(diff.shape[0])],
                              0.1, intercept=False)
             a, b = platt(model.decision_function(x), y)
-        else:
+        elif variant != "confident_learning":
             model = logistic(x, y, 0.1 if variant == "presence" else DEFAULT_C)
         if variant in ("cross_team_calibration", "confident_learning"):
-            z = out_of_team_scores(train, twin_of, x, y)
+            if out_of_team is None:
+                out_of_team = out_of_team_scores(train, twin_of, x, y)
+            z = out_of_team
             if variant == "cross_team_calibration":
                 a, b = platt(z, y)
             else:
@@ -209,12 +225,16 @@ def main() -> None:
                 notes[f"round_{round_}_pseudo_labelled"] = int(sure.sum())
                 notes[f"round_{round_}_pseudo_label_accuracy"] = round(float((labels == truth[pool][sure]).mean()), 4)
                 model = logistic(vstack([x, x_test[pool][sure]]).tocsr(), np.r_[y, labels], DEFAULT_C)
-        scores = sigmoid(a * model.decision_function(x_test) + b)
-        expected = [PT_PT if t else PT_BR for t in truth]
-        curve = coverage_accuracy(list(scores), expected)
+        z_test = a * model.decision_function(x_test) + b
+        scored = np.arange(len(truth))
+        if variant == "self_training":  # only the sides it was not retrained on
+            scored = np.setdiff1d(scored, pool)
+            notes["scored_texts"] = len(scored)
+        scores = sigmoid(z_test[scored])
+        curve = coverage_accuracy(list(scores), [PT_PT if t else PT_BR for t in truth[scored]])
         margin = smallest_margin(curve, args.accuracy)
         row = {"symmetric": at_margin(curve, margin) if margin is not None else None,
-               "best_threshold": best_threshold(scores, truth, args.accuracy),
+               "best_threshold": best_threshold(z_test[scored], truth[scored], args.accuracy),
                "accuracy_at_margin_0": {v: curve[0][v]["accuracy"] for v in (PT_PT, PT_BR)},
                "platt": [round(a, 4), round(b, 4)], **notes, "evaluation": {}}
         for name, (texts, wanted) in evaluation.items():
