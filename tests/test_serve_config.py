@@ -324,3 +324,34 @@ def test_the_config_writer_writes_gpu_replicas_when_asked(checkpoint, tmp_path):
     result = runner.invoke(app, ["serve", str(checkpoint), "--config-out", str(out), "--gpus-per-replica", "3",
                                  "--pipeline-parallel-size", "2"])
     assert result.exit_code == 1 and "not a multiple of pipeline_parallel_size" in result.output
+
+
+def test_an_adapters_first_requests_at_once_load_it_once(monkeypatch):
+    """Ray checks whether an adapter is loaded, then awaits vLLM's load: two first requests for one adapter at once
+    would both load it, and the second fail ("has already been loaded"). The server resolves adapters one at a
+    time, so the second finds it loaded."""
+    import asyncio
+
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+    from amalia_ray.serve.ingress import llm_server_class
+
+    loaded, loads = set(), []
+
+    async def resolve(self):  # Ray's check-then-load, with the load taking a while
+        if "pre:sft" in loaded:
+            return
+        loads.append("pre:sft")
+        await asyncio.sleep(0.05)
+        if "pre:sft" in loaded:
+            raise ValueError("Failed to load lora model: The lora adapter 'pre:sft' has already been loaded.")
+        loaded.add("pre:sft")
+
+    monkeypatch.setattr(LLMServer, "_maybe_resolve_lora_from_multiplex", resolve)
+    server = object.__new__(llm_server_class({"sft": "/nowhere"}))
+
+    async def three_at_once():
+        await asyncio.gather(*(server._maybe_resolve_lora_from_multiplex() for _ in range(3)))
+
+    asyncio.run(three_at_once())
+    assert loads == ["pre:sft"] and loaded == {"pre:sft"}

@@ -262,6 +262,16 @@ def llm_server_class(adapters: dict[str, str] | None = None):
 
     class AmaliaLLMServer(LLMServer):
         failure: str | None = None  # why the engine could not answer its first request
+        _adapter_lock: asyncio.Lock | None = None
+
+        async def _maybe_resolve_lora_from_multiplex(self) -> None:
+            # Ray's "is this adapter loaded?" and vLLM's load are two awaits apart: two first requests for one
+            # adapter at once both load it, and the second fails with HTTP 500 ("has already been loaded").
+            # One at a time; once loaded, the check returns at once.
+            if self._adapter_lock is None:
+                self._adapter_lock = asyncio.Lock()
+            async with self._adapter_lock:
+                await super()._maybe_resolve_lora_from_multiplex()
 
         def _init_multiplex_loader(self, model_downloader_cls=None):
             super()._init_multiplex_loader(model_downloader_cls or loader)
