@@ -348,6 +348,7 @@ def test_an_adapters_first_requests_at_once_load_it_once(monkeypatch):
         loaded.add("pre:sft")
 
     monkeypatch.setattr(LLMServer, "_maybe_resolve_lora_from_multiplex", resolve)
+    monkeypatch.setattr("ray.serve.get_multiplexed_model_id", lambda: "pre:sft")  # each request names the adapter
     server = object.__new__(llm_server_class({"sft": "/nowhere"}))
 
     async def three_at_once():

@@ -267,7 +267,11 @@ def llm_server_class(adapters: dict[str, str] | None = None):
         async def _maybe_resolve_lora_from_multiplex(self) -> None:
             # Ray's "is this adapter loaded?" and vLLM's load are two awaits apart: two first requests for one
             # adapter at once both load it, and the second fails with HTTP 500 ("has already been loaded").
-            # One at a time; once loaded, the check returns at once.
+            # One at a time; once loaded, the check returns at once. A base-model request never waits on it.
+            from ray import serve
+
+            if not serve.get_multiplexed_model_id():
+                return await super()._maybe_resolve_lora_from_multiplex()
             if self._adapter_lock is None:
                 self._adapter_lock = asyncio.Lock()
             async with self._adapter_lock:
