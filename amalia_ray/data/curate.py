@@ -242,7 +242,7 @@ def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, 
     each split into `seq_len` sequences."""
     configure_data_context()
     tmp = fresh_dir(out_dir)
-    docs = ray.data.read_parquet(str(corpus_dir / "kept"), columns=["id", "source", "text"]).map_batches(
+    docs = ray.data.read_parquet(str(corpus_dir / "kept")).select_columns(["id", "source", "text"]).map_batches(
         _mark_split(cfg.validation_fraction), batch_format="pyarrow"
     ).materialize()
     stats = {"seq_len": cfg.seq_len, "source_weights": weights}
