@@ -83,6 +83,11 @@ def run(mode: str, engines: int, base: Path, tasks: Path, work: Path, args) -> d
             "steps": len(history), "mean_reward": round(sum(h["reward"] for h in history) / len(history), 4)}
 
 
+def phase(what: str) -> None:
+    """On stderr as each phase starts: where a run that is stopped got to."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
@@ -118,8 +123,13 @@ def main() -> None:
         write_tasks(arithmetic_tasks(max(args.steps * args.prompts * 2, args.rollout_prompts), seed=0), tasks)
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
         try:
-            rollout = {f"{n}_engines": rollout_rate(base, tasks, n, args) for n in fleets}
-            modes = {f"{mode}_{n}_engines": run(mode, n, base, tasks, work, args) for mode, n in grpo}
+            rollout, modes = {}, {}
+            for n in fleets:
+                phase(f"sampling on {n} engine(s)")
+                rollout[f"{n}_engines"] = rollout_rate(base, tasks, n, args)
+            for mode, n in grpo:
+                phase(f"GRPO, {mode}, {n} engine(s)")
+                modes[f"{mode}_{n}_engines"] = run(mode, n, base, tasks, work, args)
         finally:
             ray.shutdown()
     ratio = lambda a, b, key: round(a[key] / b[key], 3)  # noqa: E731

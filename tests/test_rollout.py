@@ -78,6 +78,22 @@ def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatc
     rollout.start_engine("m", RolloutConfig(max_model_len=512, placement="separate"), seed=0, use_gpu=True, sizing=greedy)
     assert seen["args"][6] == int(0.9 * 70 * GiB) - GiB - rollout.ENGINE_WORKSPACE_BYTES
 
+    # sharded, the engine's process holds no GPU yet must run where GPUs are: vLLM picks its platform from the
+    # devices it sees, and on a CPU-only node would plan its GPU workers as CPU ones
+    nodes = [{"NodeID": "c" * 56, "Alive": True, "Resources": {"CPU": 64}},
+             {"NodeID": "b" * 56, "Alive": True, "Resources": {"CPU": 64, "GPU": 8}},
+             {"NodeID": "d" * 56, "Alive": False, "Resources": {"GPU": 8}},
+             {"NodeID": "e" * 56, "Alive": True, "Resources": {"GPU": 2}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    assert rollout.gpu_nodes(4) == ["b" * 56] and rollout.gpu_nodes(2) == ["b" * 56, "e" * 56]
+    with pytest.raises(ValueError, match="no node of the cluster has 16 GPUs"):
+        rollout.gpu_nodes(16)
+    seen.clear()
+    rollout.start_engine("m", RolloutConfig(placement="separate", tensor_parallel=4, gpu_memory_utilization=0.8),
+                         seed=0, use_gpu=True)
+    assert (seen["num_gpus"], seen["scheduling_strategy"].node_id, seen["scheduling_strategy"].soft) == (0, "b" * 56,
+                                                                                                       False)
+
 
 def test_a_fleet_splits_prompts_in_order_and_seeds_each_by_its_place_in_the_stream():
     """Contiguous, near-equal shares (no empty engine call); a prompt's seed depends on the stage's seed and its
@@ -111,6 +127,52 @@ def test_fleet_shapes_that_cannot_run_are_refused_before_an_engine_starts():
     assert weight_transport(RolloutConfig(engines=2), use_gpu=True) == "gloo"
     assert weight_transport(RolloutConfig(placement="separate"), use_gpu=True) == "nccl"
     assert weight_transport(RolloutConfig(placement="separate"), use_gpu=False) == "gloo"
+
+
+def test_nccl_members_join_on_the_trainers_id_through_the_communicators_constructor(monkeypatch):
+    """Every member, rank 0 included, builds vLLM's communicator on the id the trainer minted, through the
+    constructor every vLLM version has (the GPU extra's has no `from_unique_id_bytes`), with nothing pickled; a
+    process without NCCL says so rather than leave the others waiting in the rendezvous."""
+    import base64
+
+    from vllm.distributed.device_communicators import pynccl
+    from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
+
+    from amalia_ray.train.weight_sync import nccl_group
+
+    class Nccl:  # what the constructor asks of the library before it creates the communicator
+        def __init__(self, library_path=None):
+            pass
+
+        def ncclGetRawVersion(self):
+            return 22900
+
+        def ncclGetVersion(self):
+            return "2.29.0"
+
+        def ncclGetUniqueId(self):  # what rank 0 would otherwise mint and share itself
+            other = ncclUniqueId()
+            other.internal[0] = 1
+            return other
+
+    built = []
+    monkeypatch.delattr(pynccl.PyNcclCommunicator, "from_unique_id_bytes", raising=False)  # as in vLLM 0.29
+    monkeypatch.setattr(pynccl, "NCCLLibrary", Nccl)
+    monkeypatch.setattr(pynccl.PyNcclCommunicator, "_init_comm", lambda self, device: built.append(
+        (self.rank, self.world_size, bytes(self.unique_id.internal))))
+    minted = bytes((i * 37 + 11) % 256 for i in range(128))
+    for rank in range(3):
+        nccl_group(base64.b64encode(minted).decode(), rank, 3, torch.device("cpu"))
+    assert built == [(rank, 3, minted) for rank in range(3)]
+    with pytest.raises(ValueError, match="unique id is 128 bytes, not 5"):
+        nccl_group(base64.b64encode(b"short").decode(), 1, 3, torch.device("cpu"))
+
+    def no_library(library_path=None):
+        raise OSError("libnccl.so.2: cannot open shared object file")
+
+    monkeypatch.setattr(pynccl, "NCCLLibrary", no_library)
+    with pytest.raises(RuntimeError, match="NCCL is not available in this process \\(rank 1 of 3"):
+        nccl_group(base64.b64encode(minted).decode(), 1, 3, torch.device("cpu"))
 
 
 class AnonPeak:

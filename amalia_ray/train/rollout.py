@@ -150,17 +150,27 @@ def this_worker(use_gpu: bool) -> tuple[str, str | None]:
     return node, visible.split(",")[index] if visible else str(index)
 
 
+def gpu_nodes(least: int) -> list[str]:
+    """The ids of the live nodes with at least `least` GPUs: where a sharded engine's own process may run."""
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU", 0) >= least)
+    if not nodes:
+        raise ValueError(f"rollout.tensor_parallel {least}: no node of the cluster has {least} GPUs; a sharded "
+                         "engine's GPUs are on one node")
+    return nodes
+
+
 def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, sizing: dict | None = None,
-                 beside: tuple[str, str | None] | None = None):
+                 beside: tuple[str, str | None] | None = None, sharded_on: str | None = None):
     """A rollout engine on `model_dir`. Colocated (the default), it is pinned to the node of the training worker
     `beside` (`this_worker()`; default: the calling one), takes no resource of its own and sees that worker's GPU.
-    Separate, it holds `tensor_parallel` GPUs of its own. `sizing` (weights, KV per token, sequences per step,
-    tokens per sequence, trainer bytes) sizes its memory when the recipe does not."""
+    Separate, it holds `tensor_parallel` GPUs of its own; sharded on GPUs, its process runs on node `sharded_on`
+    (default: the first of `gpu_nodes`). `sizing` (weights, KV per token, sequences per step, tokens per sequence,
+    trainer bytes) sizes its memory when the recipe does not."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     colocated = cfg.placement == "colocated"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if colocated:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         node, gpu = beside or this_worker(use_gpu)
         options = {"num_cpus": 0, "num_gpus": 0,
                    "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
@@ -168,6 +178,11 @@ def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, s
             env["CUDA_VISIBLE_DEVICES"] = gpu
     else:  # sharded, vLLM places the engine's workers on GPUs of their own; the actor holds none
         options = {"num_cpus": 1, "num_gpus": int(use_gpu and cfg.tensor_parallel == 1)}
+        if use_gpu and cfg.tensor_parallel > 1:
+            # holding no GPU, Ray could place it on a CPU-only node, where vLLM would take the CPU platform (it
+            # picks one from the devices its process sees) and plan its GPU workers from there
+            node = sharded_on or gpu_nodes(cfg.tensor_parallel)[0]
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
     utilization, kv = cfg.gpu_memory_utilization, None
     if sizing is not None and not colocated:  # the trainer is not on the engine's GPU
         sizing = {**sizing, "trainer_bytes": 0}

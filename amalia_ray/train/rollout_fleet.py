@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from amalia_ray.core.config import RolloutConfig
 from amalia_ray.train.reward_scoring import RewardScorer
-from amalia_ray.train.rollout import kv_bytes_per_token, start_engine, this_worker
+from amalia_ray.train.rollout import gpu_nodes, kv_bytes_per_token, start_engine, this_worker
 from amalia_ray.train.weight_sync import Bucket, WeightSender
 
 log = logging.getLogger("amalia_ray.train")
@@ -135,8 +135,10 @@ def start_fleet(model_dir: str, config: RolloutConfig, seed: int, use_gpu: bool,
         kv_heads = sizing.pop("kv_heads", tp)
         sizing |= {"sequences": -(-sizing["sequences"] // n), "weight_bytes": sizing["weight_bytes"] // tp,
                    "kv_per_token": sizing["kv_per_token"] * -(-kv_heads // tp) // kv_heads}
-    engines = [start_engine(model_dir, config, seed, use_gpu, sizing, beside=workers[i % len(workers)])
-               for i in range(n)]
+    # sharded engines spread over the nodes with GPUs enough for one, in turn
+    homes = gpu_nodes(config.tensor_parallel) if use_gpu and config.tensor_parallel > 1 else [None]
+    engines = [start_engine(model_dir, config, seed, use_gpu, sizing, beside=workers[i % len(workers)],
+                            sharded_on=homes[i % len(homes)]) for i in range(n)]
     try:
         return RolloutFleet(engines, config, use_gpu, weight_sync)
     except BaseException:

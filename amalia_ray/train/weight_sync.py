@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ctypes
 import json
 import math
 import time
@@ -250,10 +251,27 @@ def gloo_group(store_name: str, host: str, rank: int, world: int):
 
 
 def nccl_group(unique_id_b64: str, rank: int, world: int, device: torch.device):
+    """vLLM's NCCL communicator on the id the trainer minted. Built through its constructor, which every vLLM
+    version has (the GPU extra's 0.29 has no `from_unique_id_bytes`), with a group whose one broadcast, the id's,
+    hands each rank that id: no store to reach and nothing pickled."""
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
+    from vllm.distributed.utils import StatelessProcessGroup
 
-    return PyNcclCommunicator.from_unique_id_bytes(base64.b64decode(unique_id_b64), rank=rank, world_size=world,
-                                                   device=device)
+    raw = base64.b64decode(unique_id_b64)
+    if len(raw) != ctypes.sizeof(ncclUniqueId):
+        raise ValueError(f"weight sync: an NCCL unique id is {ctypes.sizeof(ncclUniqueId)} bytes, not {len(raw)}")
+    agreed = ncclUniqueId.from_buffer_copy(raw)
+
+    class AgreedId(StatelessProcessGroup):
+        def broadcast_obj(self, obj, src):
+            return agreed
+
+    comm = PyNcclCommunicator(AgreedId(rank=rank, world_size=world, store=None), device=device)
+    if not comm.available:  # no NCCL library here, or VLLM_DISABLE_PYNCCL: the others would wait for this rank
+        raise RuntimeError(f"weight sync: NCCL is not available in this process (rank {rank} of {world}, {device}); "
+                           "engines on GPUs of their own need it (VLLM_DISABLE_PYNCCL unset, NCCL installed)")
+    return comm
 
 
 def open_channel(info: dict, rank: int, device: torch.device) -> Channel:

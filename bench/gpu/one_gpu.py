@@ -1,4 +1,4 @@
-"""The GPU checks for one H100 / H200, in one script of about 8 minutes (estimated), printing JSON (a line per part,
+"""The GPU checks for one H100 / H200, in one script of 8 to 10 minutes (estimated), printing JSON (a line per part,
 then a summary): what a lent device is for.
 
 1. `train`: step MFU and tokens/s of pretraining random models with the shapes of two public configs (Qwen2.5-0.5B and
@@ -10,8 +10,9 @@ then a summary): what a lent device is for.
 3. `serve`: `bench/serve_overhead.py`: Ray Serve against a bare `vllm serve` on that GPU, tokens/s.
 
 Goals: MFU >= 40% at 1.5 B / 4 k; serve >= 0.9x bare vLLM. A part that fails prints its error and the rest still
-run; the rollout and serve parts have 150 s each on a GPU. The time is an estimate: this script has not run on a
-GPU yet. One checkpoint at a time is kept on disk (a 1.5 B model's, with its AdamW state, is ~18 GB).
+run; the rollout part has 300 s on a GPU (two engine starts, each compiling and capturing CUDA graphs, and a Ray
+Train stage), the serve part 150 s. The time is an estimate: this script has not run on a GPU yet. One GPU cannot
+check the weight push over NCCL or tensor-parallel engines (both need engines on GPUs of their own). One checkpoint at a time is kept on disk (a 1.5 B model's, with its AdamW state, is ~18 GB).
 
     .venv/bin/python bench/gpu/one_gpu.py          # one CUDA GPU (the GPU extra installed)
     .venv/bin/python bench/gpu/one_gpu.py --cpu    # the plumbing here: tiny shapes, a few steps
@@ -110,7 +111,12 @@ def script(args: list[str], timeout_s: int) -> dict:
     """Another benchmark of ours, run whole, and the JSON it prints last."""
     from bench.run import last_json
 
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:  # how far it got: the scripts print each phase as it starts
+        tail = lambda out: (out.decode(errors="replace") if isinstance(out, bytes) else out or "")[-1500:]  # noqa: E731
+        raise RuntimeError(f"{' '.join(args)} ran past {timeout_s} s; its output ends: {tail(e.stdout)} | "
+                           f"{tail(e.stderr)}") from None
     if done.returncode:
         errors = [ln for ln in done.stderr.splitlines() if "Error" in ln or "error:" in ln]
         raise RuntimeError(f"{' '.join(args)} exited {done.returncode}: {' | '.join(errors[-6:])[-2000:]}")
@@ -137,7 +143,7 @@ def main() -> None:
             ray.shutdown()  # the other parts start their own
         rollout = ["bench/rollout_scaling.py", "--steps", "3"] + (
             ["--hidden", "128", "--layers", "2", "--rollout-prompts", "8"] if args.cpu else ["--gpu"])
-        results["rollout"] = run_part("rollout", lambda: script(rollout, 150 if not args.cpu else 900))
+        results["rollout"] = run_part("rollout", lambda: script(rollout, 300 if not args.cpu else 900))
         served = work / ("base-tiny" if args.cpu else "base-0.5b")
         results["serve"] = run_part("serve", lambda: script(
             ["bench/serve_overhead.py", "--checkpoint", str(served), "--requests", "16" if args.cpu else "256",
