@@ -97,15 +97,17 @@ def main() -> None:
     from amalia_ray.core.config import ServeConfig
     from amalia_ray.serve import app as serve_app
 
-    cfg = ServeConfig(port=args.ports[0], **({"gpus_per_replica": 1, "engine": {"gpu_memory_utilization": 0.4}}
+    # on GPU, eager in both (no CUDA graphs to capture: both engines start within the one-GPU check's time)
+    cfg = ServeConfig(port=args.ports[0], **({"gpus_per_replica": 1, "engine": {"gpu_memory_utilization": 0.4,
+                                                                                "enforce_eager": True}}
                                              if args.gpu else {}))
     engine = cfg.engine
     bare_url = f"http://127.0.0.1:{args.ports[1]}/v1"
     bare = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.checkpoint),
          "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(args.ports[1]),
-         "--max-model-len", str(engine.max_model_len), "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
-         "--dtype", engine.resolved_dtype(use_gpu=args.gpu), *(["--enforce-eager"] if engine.enforce_eager else [])],
+         "--max-model-len", str(engine.max_model_len), "--gpu-memory-utilization", str(engine.memory_share(args.gpu)),
+         "--dtype", engine.resolved_dtype(use_gpu=args.gpu), *(["--enforce-eager"] if engine.eager(args.gpu) else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:

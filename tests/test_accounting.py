@@ -24,6 +24,24 @@ def test_eight_gpus_for_half_an_hour():
     assert c["usd"] == pytest.approx(8.0)
 
 
+def test_gpus_held_count_sharded_replicas_and_rollout_engines_of_their_own():
+    """What a stage is billed for on GPUs: each served replica's GPUs (tensor or pipeline parallel), and a
+    training stage's workers, reward-model replicas and rollout engines placed apart from the workers (colocated
+    ones share the workers' GPUs); on CPU no GPU at all."""
+    from amalia_ray.core.config import ServeConfig, train_stage
+    from amalia_ray.pipeline.stages import _serve_held, _train_held
+
+    assert _serve_held(ServeConfig(gpus_per_replica=4), 3, True, 999) == {"CPU": 6, "GPU": 12}
+    assert _serve_held(ServeConfig(), 3, True, 999)["GPU"] == 3 and _serve_held(ServeConfig(), 3, False, 4) == {
+        "CPU": 4, "GPU": 0}
+    grpo = {"name": "rl", "objective": "grpo", "dataset": "t.jsonl", "steps": 10, "num_workers": 8}
+    apart = train_stage({**grpo, "rollout": {"engines": 2, "tensor_parallel": 4, "placement": "separate"}})
+    assert _train_held(apart, True, 999)({"mean_world_size": 8})["GPU"] == 8 + 2 * 4
+    assert _train_held(train_stage({**grpo, "rollout": {"engines": 2}}), True, 999)({"mean_world_size": 8})[
+        "GPU"] == 8
+    assert _train_held(apart, False, 999)({"mean_world_size": 8})["GPU"] == 0
+
+
 def test_no_tokens_no_rates_and_unpriced_resources_count_hours_only():
     c = stage_cost({"CPU": 2, "TPU": 4, "GPU": 0}, 3600, tokens=None, cfg=AccountingConfig())
     assert c["device_hours"] == {"CPU": 2.0, "TPU": 4.0} and c["held"] == {"CPU": 2, "TPU": 4}

@@ -250,3 +250,18 @@ def test_a_checkpoint_written_in_the_background_holds_the_step_it_was_taken_at(t
         assert got["step"] == 1 and got["weights_saved"] and got["moments_saved"] and got["moved_on"], got
         assert got["seconds"] > 0 and {"checksums_rank0.json", "checksums_rank1.json", ".metadata",
                                        "train_state.json"} <= set(got["files"]), got
+
+
+def test_a_ranks_random_state_comes_back_as_saved_and_from_a_bare_host_state(tmp_path):
+    """The file holds the host's generator and, on a GPU, the device's; it loads without unpickling code, and a
+    checkpoint holding only the host's state (an earlier version's) still resumes it."""
+    from amalia_ray.train.checkpoint import rng_state, set_rng_state
+
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    ahead = torch.rand(4)
+    saved = torch.load(tmp_path / "rng.pt", weights_only=True)
+    assert set(saved) == ({"cpu", "cuda"} if torch.cuda.is_available() else {"cpu"})
+    set_rng_state(saved)
+    assert torch.equal(torch.rand(4), ahead)
+    set_rng_state(saved["cpu"])
+    assert torch.equal(torch.rand(4), ahead)

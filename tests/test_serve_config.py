@@ -51,6 +51,13 @@ def test_serve_config_is_a_valid_serve_deploy_file(checkpoint, monkeypatch):
     assert serve_app.llm_config("m", checkpoint, cfg, use_gpu=True)["engine_kwargs"]["dtype"] == "bfloat16"
     pinned = ServeConfig.model_validate({"engine": {"dtype": "bfloat16"}})
     assert serve_app.llm_config("m", checkpoint, pinned, use_gpu=False)["engine_kwargs"]["dtype"] == "bfloat16"
+    # unset, a GPU engine takes vLLM's 0.9 of the GPU with CUDA graphs (a 9B model's weights alone are 0.2 of an
+    # H100), a CPU engine 0.1 of RAM, eager; set, as set
+    on_gpu = serve_app.llm_config("m", checkpoint, cfg, use_gpu=True)["engine_kwargs"]
+    assert (on_gpu["gpu_memory_utilization"], on_gpu["enforce_eager"]) == (0.9, False)
+    assert (llm[0].engine_kwargs["gpu_memory_utilization"], llm[0].engine_kwargs["enforce_eager"]) == (0.1, True)
+    set_ = ServeConfig.model_validate({"engine": {"gpu_memory_utilization": 0.5, "enforce_eager": True}})
+    assert serve_app.llm_config("m", checkpoint, set_, use_gpu=True)["engine_kwargs"]["gpu_memory_utilization"] == 0.5
 
 
 def test_node_initialization_is_skipped_only_for_a_folder_on_one_node(checkpoint, tmp_path, monkeypatch):

@@ -28,6 +28,10 @@ def serve(
     gpus_per_replica: Annotated[int, typer.Option(help="GPUs per replica, the model split over them (tensor "
                                                   "parallel; 0: one GPU where the cluster has GPUs)")] = 0,
     pipeline_parallel_size: Annotated[int, typer.Option(help="pipeline stages per replica (GPUs)")] = 1,
+    max_model_len: Annotated[int, typer.Option(help="longest prompt + completion in tokens")] = 512,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        help="the share of a GPU's memory each replica's engine may take (default 0.9 on GPU, 0.1 of RAM on "
+        "CPU)")] = None,
     device: Annotated[str, typer.Option(help="auto (GPU when the cluster has one; for --config-out: GPU when "
                                         "--gpus-per-replica is set), cpu or cuda")] = "auto",
     api_key_env: Annotated[str, typer.Option(help="env var holding the API key: when set, requests need "
@@ -76,7 +80,8 @@ def serve(
     cfg = ServeConfig(host=host, port=port, min_replicas=min_replicas, max_replicas=max_replicas,
                       target_ongoing_requests=target_ongoing_requests, api_key_env=api_key_env,
                       gpus_per_replica=gpus_per_replica, pipeline_parallel_size=pipeline_parallel_size,
-                      allow_no_auth=allow_no_auth)
+                      allow_no_auth=allow_no_auth,
+                      engine={"max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization})
     if not on_cluster or config_out:  # on a cluster, the running Serve's own address is checked as it is joined
         serve_app.check_auth(cfg)
     models = dict(zip(names, checkpoints))

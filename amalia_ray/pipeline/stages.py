@@ -228,9 +228,7 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         tasks = {f"task:{t.name}": p.loaded.resolve(t.path) for t in r.eval.tasks}
         tasks |= {f"fewshot:{t.name}": p.loaded.resolve(t.fewshot_path) for t in r.eval.tasks if t.fewshot_path}
         replicas = len(models) * r.serve.min_replicas  # adapters add no replica: they run on their base's engine
-        # a vLLM replica holds its actor's CPUs and its engine's (or one GPU)
-        serve_held = {"CPU": min(2 * replicas * r.serve.cpus_per_replica, p.cluster_info["billable_cpus"]),
-                      "GPU": replicas if use_gpu(p) else 0}
+        serve_held = _serve_held(r.serve, replicas, use_gpu(p), p.cluster_info["billable_cpus"])
         served = {**models, **{serve_app.adapter_id(m, a): path for m, named in adapters.items()
                                for a, path in named.items()}}
         inputs, named = by_content({**{f"model:{k}": v for k, v in served.items()}, **tasks,
@@ -309,14 +307,22 @@ def benchmark_items(p: RunContext, tasks: list) -> dict[str, list[tuple[str, str
 
 
 def _train_held(stage, gpu: bool, billable_cpus: float):
-    # each reward model's replica holds a GPU (on GPU clusters) or a CPU while the stage trains
+    # each reward model's replica holds a GPU (on GPU clusters) or a CPU while the stage trains, and rollout engines
+    # placed apart from the workers their own GPUs (colocated ones share the workers')
     scorers = len(reward_models_named(stage))
+    engines = stage.rollout.gpus(gpu) if getattr(stage, "rollout", None) else 0
 
     def held(metrics: dict) -> dict[str, float]:
         workers = metrics.get("mean_world_size") or stage.worker_range[1]  # a failed attempt: what it asked for
         return {"CPU": min(workers * stage.cpus_per_worker + (0 if gpu else scorers), billable_cpus),
-                "GPU": workers + scorers if gpu else 0}
+                "GPU": workers + scorers + engines if gpu else 0}
     return held
+
+
+def _serve_held(serve, replicas: int, gpu: bool, billable_cpus: float) -> dict[str, float]:
+    # a vLLM replica holds its actor's CPUs and its engine's (on GPUs, gpus_per_replica of them: 0 means one)
+    return {"CPU": min(2 * replicas * serve.cpus_per_replica, billable_cpus),
+            "GPU": replicas * max(1, serve.gpus_per_replica) if gpu else 0}
 
 
 def with_variety_model(p: RunContext, section):

@@ -163,7 +163,7 @@ def replica_placement(cfg: ServeConfig, use_gpu: bool) -> dict:
     (STRICT_PACK), pipeline stages allowed across nodes (PACK)."""
     engine = cfg.engine
     kwargs = {"dtype": engine.resolved_dtype(use_gpu), "max_model_len": engine.max_model_len,
-              "enforce_eager": engine.enforce_eager, "gpu_memory_utilization": engine.gpu_memory_utilization}
+              "enforce_eager": engine.eager(use_gpu), "gpu_memory_utilization": engine.memory_share(use_gpu)}
     if not use_gpu:
         return {"placement_group_config": {"bundles": [{"CPU": cfg.cpus_per_replica}]}, "engine_kwargs": kwargs}
     gpus, stages = max(1, cfg.gpus_per_replica), cfg.pipeline_parallel_size

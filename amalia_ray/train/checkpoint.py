@@ -79,10 +79,24 @@ def _state(model, optimizer) -> dict:
 
 def save(folder: Path, model, optimizer, train_state: dict, key: str) -> None:
     dcp.save(_state(model, optimizer), checkpoint_id=str(folder))
-    _write_rest(folder, train_state, key, torch.get_rng_state())
+    _write_rest(folder, train_state, key, rng_state())
 
 
-def _write_rest(folder: Path, train_state: dict, key: str, rng: torch.Tensor) -> None:
+def rng_state() -> dict[str, torch.Tensor]:
+    """This rank's random generators: the host's and, on a GPU, its device's (dropout, sampling on the device)."""
+    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available()
+                                             else {})}
+
+
+def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor) -> None:
+    if isinstance(state, torch.Tensor):  # a checkpoint of an earlier version: the host's generator only
+        state = {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_rest(folder: Path, train_state: dict, key: str, rng: dict[str, torch.Tensor]) -> None:
     """What follows the DCP shard in a rank's folder: its RNG state, rank 0's train state, the signed checksums of
     every file (so after the shard is complete)."""
     rank = dist.get_rank()
@@ -102,7 +116,7 @@ class BackgroundSave:
 
     def __init__(self, folder: Path, model, optimizer, train_state: dict, key: str, group) -> None:
         self.folder, self.train_state, self.key = folder, train_state, key
-        self.rng = torch.get_rng_state()  # the step's, as a save that does not wait would take it
+        self.rng = rng_state()  # the step's, as a save that does not wait would take it
         self.started = time.perf_counter()
         self.written: float | None = None
         self.future = dcp.async_save(_state(model, optimizer), checkpoint_id=str(folder), process_group=group)
@@ -288,7 +302,7 @@ def restore(candidates: list, model, optimizer, device: torch.device, key: str) 
                            options=loading_options(model))
             rng = files.get(RNG.format(rank=rank))
             if rng is not None:
-                torch.set_rng_state(torch.load(rng, weights_only=True))
+                set_rng_state(torch.load(rng, weights_only=True))
             return json.loads(files.get(TRAIN_STATE).read_text())
         finally:
             files.close()

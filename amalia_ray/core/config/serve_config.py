@@ -15,10 +15,11 @@ class EngineConfig(Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="auto: bf16 on GPU, fp32 on CPU (see resolved_dtype)")
     max_model_len: int = Field(512, ge=16, description="longest prompt + completion in tokens")
-    gpu_memory_utilization: float = Field(
-        0.1, gt=0, le=1, description="on CPU vLLM reads this as the share of RAM it reserves: keep it small"
-    )
-    enforce_eager: bool = Field(True, description="no CUDA graphs: faster start, slower decoding")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="the share of the device's memory vLLM may take for weights, activations and "
+        "KV cache (on CPU: of RAM, reserved at start); null: 0.9 on GPU (vLLM's default), 0.1 on CPU")
+    enforce_eager: bool | None = Field(None, description="no CUDA graphs (faster start, slower decoding); null: "
+                                       "eager on CPU only")
 
     def resolved_dtype(self, use_gpu: bool) -> str:
         """What vLLM is asked for. `auto` is bf16 on GPU and fp32 on CPU, as in training: vLLM's own `auto` runs
@@ -27,6 +28,16 @@ class EngineConfig(Strict):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if use_gpu else "float32"
+
+    def memory_share(self, use_gpu: bool) -> float:
+        """What vLLM is given as gpu_memory_utilization. On a GPU it is the whole budget of a replica's engine
+        (weights, activations, KV cache): a small share starts nothing but the smallest models."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 0.9 if use_gpu else 0.1
+
+    def eager(self, use_gpu: bool) -> bool:
+        return (not use_gpu) if self.enforce_eager is None else self.enforce_eager
 
 
 class ServeConfig(Strict):
