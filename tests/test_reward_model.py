@@ -411,3 +411,27 @@ def test_a_reward_replica_given_a_gpu_that_torch_cannot_use_says_so(tmp_path):
         pytest.skip("CUDA is available here")
     with pytest.raises(AmaliaError, match="given a GPU that torch .* cannot use"):
         RewardModel(str(tmp_path), use_gpu=True)
+
+
+def test_a_bf16_reward_models_scores_keep_fp32_resolution():
+    """On a GPU the reward model runs in bf16 but its score head in fp32: scores closer than bf16's step near their
+    value stay apart (a GRPO group's advantages need them to)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from amalia_ray.serve.reward_server import score_head_in_fp32
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    model = LlamaForSequenceClassification(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    ids = torch.randint(1, 64, (64, 12))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits[:, 0]
+        score_head_in_fp32(model)
+        after = model(input_ids=ids).logits[:, 0]
+    assert before.dtype == torch.bfloat16 and after.dtype == torch.float32
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16, "only the head is upcast"
+    assert (after.to(torch.bfloat16).float() != after).float().mean() > 0.9, "finer than bf16's steps"
+    assert torch.allclose(after, before.float(), atol=0.1 * after.abs().max().item())

@@ -24,6 +24,17 @@ def app_name(run_label: str, index: int) -> str:
     return f"amalia-{run_label}-reward-{index}"
 
 
+def score_head_in_fp32(model) -> None:
+    """The classifier's last layer in fp32 on the bf16 model's final hidden states: a score computed in bf16 keeps
+    8 bits (steps of 0.03 near 4), so completions of one GRPO group that differ a little would tie."""
+    import torch
+
+    head = getattr(model, "score", None)  # the head's name in transformers' decoder classifiers
+    if isinstance(head, torch.nn.Linear) and head.weight.dtype != torch.float32:
+        head.float()
+        head.register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
+
+
 class RewardModel:
     """One replica: the tokenizer and the classifier of a checkpoint folder, on the replica's GPU when it has one."""
 
@@ -39,6 +50,7 @@ class RewardModel:
         dtype = torch.bfloat16 if use_gpu else torch.float32
         self.model = AutoModelForSequenceClassification.from_pretrained(checkpoint, dtype=dtype).to(self.device)
         self.model.eval()
+        score_head_in_fp32(self.model)
         if self.model.config.num_labels != 1:
             raise AmaliaError(f"{checkpoint}: a sequence classifier with {self.model.config.num_labels} outputs; a "
                               "reward model has one (a reward stage's export, or num_labels: 1)")
