@@ -26,8 +26,8 @@ def test_eight_gpus_for_half_an_hour():
 
 def test_gpus_held_count_sharded_replicas_and_rollout_engines_of_their_own():
     """What a stage is billed for on GPUs: each served replica's GPUs (tensor or pipeline parallel), and a
-    training stage's workers, reward-model replicas and rollout engines placed apart from the workers (colocated
-    ones share the workers' GPUs); on CPU no GPU at all."""
+    training stage's workers, reward-model replicas, judges' engines and rollout engines placed apart from the
+    workers (colocated ones share the workers' GPUs); on CPU no GPU at all."""
     from amalia_ray.core.config import ServeConfig, train_stage
     from amalia_ray.pipeline.stages import _serve_held, _train_held
 
@@ -40,6 +40,8 @@ def test_gpus_held_count_sharded_replicas_and_rollout_engines_of_their_own():
     assert _train_held(train_stage({**grpo, "rollout": {"engines": 2}}), True, 999)({"mean_world_size": 8})[
         "GPU"] == 8
     assert _train_held(apart, False, 999)({"mean_world_size": 8})["GPU"] == 0
+    judges = _serve_held(ServeConfig(gpus_per_replica=2, cpus_per_replica=3), 2, True, 999)  # two judge engines
+    assert _train_held(apart, True, 999, judges)({"mean_world_size": 8}) == {"CPU": 8 + 12, "GPU": 8 + 8 + 4}
 
 
 def test_no_tokens_no_rates_and_unpriced_resources_count_hours_only():

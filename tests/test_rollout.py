@@ -78,21 +78,32 @@ def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatc
     rollout.start_engine("m", RolloutConfig(max_model_len=512, placement="separate"), seed=0, use_gpu=True, sizing=greedy)
     assert seen["args"][6] == int(0.9 * 70 * GiB) - GiB - rollout.ENGINE_WORKSPACE_BYTES
 
-    # sharded, the engine's process holds no GPU yet must run where GPUs are: vLLM picks its platform from the
-    # devices it sees, and on a CPU-only node would plan its GPU workers as CPU ones
-    nodes = [{"NodeID": "c" * 56, "Alive": True, "Resources": {"CPU": 64}},
-             {"NodeID": "b" * 56, "Alive": True, "Resources": {"CPU": 64, "GPU": 8}},
-             {"NodeID": "d" * 56, "Alive": False, "Resources": {"GPU": 8}},
-             {"NodeID": "e" * 56, "Alive": True, "Resources": {"GPU": 2}}]
-    monkeypatch.setattr(ray, "nodes", lambda: nodes)
-    assert rollout.gpu_nodes(4) == ["b" * 56] and rollout.gpu_nodes(2) == ["b" * 56, "e" * 56]
-    with pytest.raises(ValueError, match="no node of the cluster has 16 GPUs"):
-        rollout.gpu_nodes(16)
+    # sharded, the engine's process holds no GPU and starts in the first bundle of its own placement group, whose
+    # GPU bundles vLLM's Ray executor fills with its workers: GPUs free on one node, the process on that node
     seen.clear()
+    group = object()
     rollout.start_engine("m", RolloutConfig(placement="separate", tensor_parallel=4, gpu_memory_utilization=0.8),
-                         seed=0, use_gpu=True)
-    assert (seen["num_gpus"], seen["scheduling_strategy"].node_id, seen["scheduling_strategy"].soft) == (0, "b" * 56,
-                                                                                                       False)
+                         seed=0, use_gpu=True, group=group)
+    strategy = seen["scheduling_strategy"]
+    assert (seen["num_gpus"], strategy.placement_group, strategy.placement_group_bundle_index) == (0, group, 0)
+    with pytest.raises(ValueError, match="starts in a placement group"):
+        rollout.start_engine("m", RolloutConfig(placement="separate", tensor_parallel=4, gpu_memory_utilization=0.8),
+                             seed=0, use_gpu=True)
+
+
+def test_a_sharded_engines_gpus_are_free_ones_of_one_node_or_the_fleet_says_so(ray_cluster):
+    """One placement group per sharded engine: a bundle for its process, one per GPU, packed on one node; where no
+    node has them free the fleet does not wait for ever, and the group is given back."""
+    from ray.util.placement_group import placement_group_table
+
+    from amalia_ray.train.rollout import sharded_engine_group
+
+    before = set(placement_group_table())
+    with pytest.raises(RuntimeError, match="tensor_parallel 2: no node had 2 GPUs free for an engine within 1 s"):
+        sharded_engine_group(2, timeout_s=1)
+    (made,) = [v for k, v in placement_group_table().items() if k not in before]
+    assert made["strategy"] == "STRICT_PACK" and made["state"] == "REMOVED"
+    assert list(made["bundles"].values()) == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
 
 
 def test_a_fleet_splits_prompts_in_order_and_seeds_each_by_its_place_in_the_stream():
@@ -140,7 +151,10 @@ def test_nccl_members_join_on_the_trainers_id_through_the_communicators_construc
 
     from amalia_ray.train.weight_sync import nccl_group
 
-    class Nccl:  # what the constructor asks of the library before it creates the communicator
+    class Created(Exception):
+        pass
+
+    class Nccl:  # what the constructor asks of the library, up to creating the communicator
         def __init__(self, library_path=None):
             pass
 
@@ -155,14 +169,17 @@ def test_nccl_members_join_on_the_trainers_id_through_the_communicators_construc
             other.internal[0] = 1
             return other
 
+        def ncclCommInitRank(self, world_size, unique_id, rank):
+            built.append((rank, world_size, bytes(unique_id.internal)))
+            raise Created  # the warm-up collective after it needs the other members
+
     built = []
     monkeypatch.delattr(pynccl.PyNcclCommunicator, "from_unique_id_bytes", raising=False)  # as in vLLM 0.29
     monkeypatch.setattr(pynccl, "NCCLLibrary", Nccl)
-    monkeypatch.setattr(pynccl.PyNcclCommunicator, "_init_comm", lambda self, device: built.append(
-        (self.rank, self.world_size, bytes(self.unique_id.internal))))
     minted = bytes((i * 37 + 11) % 256 for i in range(128))
     for rank in range(3):
-        nccl_group(base64.b64encode(minted).decode(), rank, 3, torch.device("cpu"))
+        with pytest.raises(Created):
+            nccl_group(base64.b64encode(minted).decode(), rank, 3, torch.device("cpu"))
     assert built == [(rank, 3, minted) for rank in range(3)]
     with pytest.raises(ValueError, match="unique id is 128 bytes, not 5"):
         nccl_group(base64.b64encode(b"short").decode(), 1, 3, torch.device("cpu"))

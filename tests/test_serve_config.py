@@ -336,8 +336,9 @@ def test_the_config_writer_writes_gpu_replicas_when_asked(checkpoint, tmp_path):
 def test_an_adapters_first_requests_at_once_load_it_once(monkeypatch):
     """Ray checks whether an adapter is loaded, then awaits vLLM's load: two first requests for one adapter at once
     would both load it, and the second fail ("has already been loaded"). The server resolves adapters one at a
-    time, so the second finds it loaded."""
+    time, so the second finds it loaded; a request for the base model does not wait behind an adapter's load."""
     import asyncio
+    import contextvars
 
     from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
@@ -346,7 +347,7 @@ def test_an_adapters_first_requests_at_once_load_it_once(monkeypatch):
     loaded, loads = set(), []
 
     async def resolve(self):  # Ray's check-then-load, with the load taking a while
-        if "pre:sft" in loaded:
+        if not requested.get() or "pre:sft" in loaded:
             return
         loads.append("pre:sft")
         await asyncio.sleep(0.05)
@@ -355,11 +356,19 @@ def test_an_adapters_first_requests_at_once_load_it_once(monkeypatch):
         loaded.add("pre:sft")
 
     monkeypatch.setattr(LLMServer, "_maybe_resolve_lora_from_multiplex", resolve)
-    monkeypatch.setattr("ray.serve.get_multiplexed_model_id", lambda: "pre:sft")  # each request names the adapter
+    requested = contextvars.ContextVar("model_id")  # each request's own, as Serve's multiplexed model id
+    monkeypatch.setattr("ray.serve.get_multiplexed_model_id", lambda: requested.get())
     server = object.__new__(llm_server_class({"sft": "/nowhere"}))
+    finished = []
 
-    async def three_at_once():
-        await asyncio.gather(*(server._maybe_resolve_lora_from_multiplex() for _ in range(3)))
+    async def request(model_id: str):
+        requested.set(model_id)
+        await server._maybe_resolve_lora_from_multiplex()
+        finished.append(model_id or "base")
 
-    asyncio.run(three_at_once())
+    async def at_once():
+        await asyncio.gather(request("pre:sft"), request("pre:sft"), request(""), request("pre:sft"))
+
+    asyncio.run(at_once())
     assert loads == ["pre:sft"] and loaded == {"pre:sft"}
+    assert finished[0] == "base", "the base model's request waited for the adapter's load"

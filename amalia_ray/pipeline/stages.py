@@ -220,7 +220,8 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
             _train_body(p, stage, init, gpu),
             {"workers": stage.num_workers, "CPU_per_worker": stage.cpus_per_worker, "GPU_per_worker": int(gpu),
              "placement": stage.placement},
-            held=_train_held(stage, gpu, p.cluster_info["billable_cpus"]), tokens=lambda m: m.get("tokens_trained"),
+            held=_train_held(stage, gpu, p.cluster_info["billable_cpus"], _judges_held(p, stage, gpu)),
+            tokens=lambda m: m.get("tokens_trained"),
             metrics_file=d(stage.name) / "metrics.jsonl",
         )
     if "eval" in names and r.eval.tasks:
@@ -306,17 +307,26 @@ def benchmark_items(p: RunContext, tasks: list) -> dict[str, list[tuple[str, str
             for t in tasks}
 
 
-def _train_held(stage, gpu: bool, billable_cpus: float):
-    # each reward model's replica holds a GPU (on GPU clusters) or a CPU while the stage trains, and rollout engines
-    # placed apart from the workers their own GPUs (colocated ones share the workers')
+def _train_held(stage, gpu: bool, billable_cpus: float, judges: dict[str, float] | None = None):
+    # each reward model's replica holds a GPU (on GPU clusters) or a CPU while the stage trains, the judges' engines
+    # what their replicas hold (`judges`), and rollout engines placed apart from the workers their own GPUs
+    # (colocated ones share the workers')
     scorers = len(reward_models_named(stage))
     engines = stage.rollout.gpus(gpu) if getattr(stage, "rollout", None) else 0
+    judges = judges or {"CPU": 0, "GPU": 0}
 
     def held(metrics: dict) -> dict[str, float]:
         workers = metrics.get("mean_world_size") or stage.worker_range[1]  # a failed attempt: what it asked for
-        return {"CPU": min(workers * stage.cpus_per_worker + (0 if gpu else scorers), billable_cpus),
-                "GPU": workers + scorers + engines if gpu else 0}
+        return {"CPU": min(workers * stage.cpus_per_worker + (0 if gpu else scorers) + judges["CPU"], billable_cpus),
+                "GPU": workers + scorers + engines + judges["GPU"] if gpu else 0}
     return held
+
+
+def _judges_held(p: RunContext, stage, gpu: bool) -> dict[str, float]:
+    """What the engines serving a stage's judges hold while it trains (one application, as the eval stage's)."""
+    judged_by = judge_stages(stage)
+    engines = len(judge_engines(p, judged_by)[0]) if judged_by else 0
+    return _serve_held(p.recipe.serve, engines * p.recipe.serve.min_replicas, gpu, p.cluster_info["billable_cpus"])
 
 
 def _serve_held(serve, replicas: int, gpu: bool, billable_cpus: float) -> dict[str, float]:

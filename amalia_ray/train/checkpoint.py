@@ -83,8 +83,9 @@ def save(folder: Path, model, optimizer, train_state: dict, key: str) -> None:
 
 
 def rng_state() -> dict[str, torch.Tensor]:
-    """This rank's random generators: the host's and, on a GPU, its device's (dropout, sampling on the device)."""
-    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available()
+    """This rank's random generators: the host's and, on a GPU, its device's (dropout, sampling on the device). A
+    worker that has not used CUDA (training on the CPU of a GPU node) does not start it here."""
+    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_initialized()
                                              else {})}
 
 
@@ -92,7 +93,7 @@ def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor) -> None:
     if isinstance(state, torch.Tensor):  # a checkpoint of an earlier version: the host's generator only
         state = {"cpu": state}
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda"])
 
 

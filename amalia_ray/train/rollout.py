@@ -150,23 +150,31 @@ def this_worker(use_gpu: bool) -> tuple[str, str | None]:
     return node, visible.split(",")[index] if visible else str(index)
 
 
-def gpu_nodes(least: int) -> list[str]:
-    """The ids of the live nodes with at least `least` GPUs: where a sharded engine's own process may run."""
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU", 0) >= least)
-    if not nodes:
-        raise ValueError(f"rollout.tensor_parallel {least}: no node of the cluster has {least} GPUs; a sharded "
-                         "engine's GPUs are on one node")
-    return nodes
+def sharded_engine_group(tensor_parallel: int, timeout_s: float = 300.0):
+    """The placement group of one sharded engine: a bundle for its own process, then one per GPU, all on one node
+    (STRICT_PACK). vLLM's Ray executor puts its workers in the GPU bundles of the group its process runs in, so the
+    engine's GPUs are free ones of one node, and its process is on that node (vLLM picks its platform from the
+    devices that process sees: on a CPU-only node it would plan GPU workers as CPU ones)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([{"CPU": 1}] + [{"GPU": 1}] * tensor_parallel, strategy="STRICT_PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(f"rollout.tensor_parallel {tensor_parallel}: no node had {tensor_parallel} GPUs free for "
+                           f"an engine within {timeout_s:.0f} s (the training workers hold theirs): use fewer or "
+                           "smaller engines, or a cluster with nodes of more GPUs")
+    return group
 
 
 def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, sizing: dict | None = None,
-                 beside: tuple[str, str | None] | None = None, sharded_on: str | None = None):
+                 beside: tuple[str, str | None] | None = None, group=None):
     """A rollout engine on `model_dir`. Colocated (the default), it is pinned to the node of the training worker
     `beside` (`this_worker()`; default: the calling one), takes no resource of its own and sees that worker's GPU.
-    Separate, it holds `tensor_parallel` GPUs of its own; sharded on GPUs, its process runs on node `sharded_on`
-    (default: the first of `gpu_nodes`). `sizing` (weights, KV per token, sequences per step, tokens per sequence,
-    trainer bytes) sizes its memory when the recipe does not."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    Separate, it holds `tensor_parallel` GPUs of its own: sharded on GPUs, those of its placement group `group`
+    (`sharded_engine_group`), its process in the group's first bundle. `sizing` (weights, KV per token, sequences
+    per step, tokens per sequence, trainer bytes) sizes its memory when the recipe does not."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     colocated = cfg.placement == "colocated"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -179,10 +187,10 @@ def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, s
     else:  # sharded, vLLM places the engine's workers on GPUs of their own; the actor holds none
         options = {"num_cpus": 1, "num_gpus": int(use_gpu and cfg.tensor_parallel == 1)}
         if use_gpu and cfg.tensor_parallel > 1:
-            # holding no GPU, Ray could place it on a CPU-only node, where vLLM would take the CPU platform (it
-            # picks one from the devices its process sees) and plan its GPU workers from there
-            node = sharded_on or gpu_nodes(cfg.tensor_parallel)[0]
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+            if group is None:
+                raise ValueError("a sharded engine on GPUs starts in a placement group of its GPUs "
+                                 "(sharded_engine_group)")
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
     utilization, kv = cfg.gpu_memory_utilization, None
     if sizing is not None and not colocated:  # the trainer is not on the engine's GPU
         sizing = {**sizing, "trainer_bytes": 0}

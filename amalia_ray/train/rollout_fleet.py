@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from amalia_ray.core.config import RolloutConfig
 from amalia_ray.train.reward_scoring import RewardScorer
-from amalia_ray.train.rollout import gpu_nodes, kv_bytes_per_token, start_engine, this_worker
+from amalia_ray.train.rollout import kv_bytes_per_token, sharded_engine_group, start_engine, this_worker
 from amalia_ray.train.weight_sync import Bucket, WeightSender
 
 log = logging.getLogger("amalia_ray.train")
@@ -63,8 +63,9 @@ def weight_transport(config: RolloutConfig, use_gpu: bool) -> str:
 class RolloutFleet:
     """The engines of one stage, held by its first training worker, and the weight group joining them to it."""
 
-    def __init__(self, engines: list, config: RolloutConfig, use_gpu: bool, weight_sync: bool = True):
-        self.engines, self.config = engines, config
+    def __init__(self, engines: list, config: RolloutConfig, use_gpu: bool, weight_sync: bool = True,
+                 groups: list | None = None):
+        self.engines, self.config, self.groups = engines, config, list(groups or [])  # sharded engines' GPUs
         transport = weight_transport(config, use_gpu)
         self.sender = WeightSender(engines, config.tensor_parallel, transport) if weight_sync else None
         log.info(f"rollout fleet: {len(engines)} engine(s), {config.placement}"
@@ -112,8 +113,11 @@ class RolloutFleet:
         for engine in self.engines:  # first: a send still waiting on an engine then fails instead of waiting
             ray.kill(engine)
         self._sending.shutdown(wait=False, cancel_futures=True)
-        if self.sender is not None:
-            self.sender.close()
+        try:
+            if self.sender is not None:
+                self.sender.close()
+        finally:
+            remove_groups(self.groups)
 
 
 def start_fleet(model_dir: str, config: RolloutConfig, seed: int, use_gpu: bool, sizing: dict | None,
@@ -135,16 +139,26 @@ def start_fleet(model_dir: str, config: RolloutConfig, seed: int, use_gpu: bool,
         kv_heads = sizing.pop("kv_heads", tp)
         sizing |= {"sequences": -(-sizing["sequences"] // n), "weight_bytes": sizing["weight_bytes"] // tp,
                    "kv_per_token": sizing["kv_per_token"] * -(-kv_heads // tp) // kv_heads}
-    # sharded engines spread over the nodes with GPUs enough for one, in turn
-    homes = gpu_nodes(config.tensor_parallel) if use_gpu and config.tensor_parallel > 1 else [None]
-    engines = [start_engine(model_dir, config, seed, use_gpu, sizing, beside=workers[i % len(workers)],
-                            sharded_on=homes[i % len(homes)]) for i in range(n)]
+    engines, groups = [], []
     try:
-        return RolloutFleet(engines, config, use_gpu, weight_sync)
+        for i in range(n):
+            if use_gpu and config.tensor_parallel > 1:
+                groups.append(sharded_engine_group(config.tensor_parallel))
+            engines.append(start_engine(model_dir, config, seed, use_gpu, sizing, beside=workers[i % len(workers)],
+                                        group=groups[-1] if groups else None))
+        return RolloutFleet(engines, config, use_gpu, weight_sync, groups)
     except BaseException:
         for engine in engines:
             ray.kill(engine)
+        remove_groups(groups)
         raise
+
+
+def remove_groups(groups: list) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
+        remove_placement_group(group)
 
 
 def push_weights(model, fleet: RolloutFleet | None, dtype: torch.dtype, bucket_bytes: int = PUSH_BUCKET_BYTES) -> None:

@@ -1,5 +1,5 @@
-"""The GPU checks for one H100 / H200, in one script of 8 to 10 minutes (estimated), printing JSON (a line per part,
-then a summary): what a lent device is for.
+"""The GPU checks for one H100 / H200, in one script of at most 570 s, printing JSON (a line per part, then a
+summary): what a lent device is for.
 
 1. `train`: step MFU and tokens/s of pretraining random models with the shapes of two public configs (Qwen2.5-0.5B and
    Qwen2.5-1.5B; built here, nothing downloaded) on packed rows of 4,096 and 16,384 tokens: one FSDP2 worker, bf16,
@@ -10,9 +10,12 @@ then a summary): what a lent device is for.
 3. `serve`: `bench/serve_overhead.py`: Ray Serve against a bare `vllm serve` on that GPU, tokens/s.
 
 Goals: MFU >= 40% at 1.5 B / 4 k; serve >= 0.9x bare vLLM. A part that fails prints its error and the rest still
-run; the rollout part has 300 s on a GPU (two engine starts, each compiling and capturing CUDA graphs, and a Ray
-Train stage), the serve part 150 s. The time is an estimate: this script has not run on a GPU yet. One GPU cannot
-check the weight push over NCCL or tensor-parallel engines (both need engines on GPUs of their own). One checkpoint at a time is kept on disk (a 1.5 B model's, with its AdamW state, is ~18 GB).
+run. The whole check keeps within --budget (570 s on a GPU: one device command): a train run starts only while
+the rollout part (up to 300 s: two engine starts, each compiling and capturing CUDA graphs, and a Ray Train stage)
+and the serve part (up to 150 s) have 390 s left, and each gets what remains. The times are estimates: this script
+has not run on a GPU yet. One GPU cannot check the weight push over NCCL or tensor-parallel engines (both need
+engines on GPUs of their own). One checkpoint at a time is kept on disk (a 1.5 B model's, with its AdamW state, is
+~18 GB).
 
     .venv/bin/python bench/gpu/one_gpu.py          # one CUDA GPU (the GPU extra installed)
     .venv/bin/python bench/gpu/one_gpu.py --cpu    # the plumbing here: tiny shapes, a few steps
@@ -33,6 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the tests' model and data makers
+
+# the later parts' most seconds on a GPU (two engine starts compiling and capturing CUDA graphs and a Ray Train
+# stage; two eager engines), and the least the rollout part is left by the train part
+ROLLOUT_S, SERVE_S, ROLLOUT_LEAST_S = 300, 150, 240
 
 # public configs' shapes (Qwen2.5-0.5B and -1.5B), vocabulary included; the weights are random
 SHAPES = {
@@ -61,7 +68,7 @@ def make_model(folder: Path, dims: dict, max_len: int) -> Path:
     return folder
 
 
-def train(work: Path, on_cpu: bool) -> dict:
+def train(work: Path, on_cpu: bool, stop_at: float) -> dict:
     from amalia_ray.core.config import ModelConfig, PretrainStage
     from amalia_ray.train.train_stage import run_train_stage
     from tests.test_shards import write_packed_split
@@ -72,6 +79,9 @@ def train(work: Path, on_cpu: bool) -> dict:
         base = make_model(work / f"base-{name}", dims, max(lengths))
         for seq_len in lengths:
             key, batch = f"{name}@{seq_len}", max(1, 16384 // seq_len) if not on_cpu else 2
+            if time.monotonic() > stop_at:  # the later parts keep their time
+                out[key] = {"skipped": "past the train part's share of --budget"}
+                continue
             data = work / f"packed-{key}"
             for split, rows in (("train", batch * (steps + 1)), ("validation", batch)):
                 write_packed_split(data / split, rows, seq_len, rows_per_group=batch, files=1, vocab=min(
@@ -111,6 +121,9 @@ def script(args: list[str], timeout_s: int) -> dict:
     """Another benchmark of ours, run whole, and the JSON it prints last."""
     from bench.run import last_json
 
+    if timeout_s < 30:
+        raise RuntimeError(f"{' '.join(args)} not run: {timeout_s} s of --budget left")
+
     try:
         done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:  # how far it got: the scripts print each phase as it starts
@@ -126,7 +139,12 @@ def script(args: list[str], timeout_s: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cpu", action="store_true", help="the plumbing here: tiny shapes, a few steps")
+    parser.add_argument("--budget", type=float, help="seconds for the whole check (default: 570 on a GPU, within "
+                        "a lent device's 600-s command; 3600 with --cpu): a train run starts only while the later "
+                        "parts' time (240 s + 150 s) is left, and each later part gets what remains")
     args = parser.parse_args()
+    deadline = time.monotonic() + (args.budget or (3600 if args.cpu else 570))
+    left = lambda keep=0: int(deadline - time.monotonic() - keep)  # noqa: E731
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     import torch
@@ -138,16 +156,16 @@ def main() -> None:
         work = Path(tmp)
         ray.init(num_cpus=8, num_gpus=0 if args.cpu else 1, include_dashboard=False, log_to_driver=False)
         try:
-            results["train"] = run_part("train", lambda: train(work, args.cpu))
+            results["train"] = run_part("train", lambda: train(work, args.cpu, deadline - SERVE_S - ROLLOUT_LEAST_S))
         finally:
             ray.shutdown()  # the other parts start their own
         rollout = ["bench/rollout_scaling.py", "--steps", "3"] + (
             ["--hidden", "128", "--layers", "2", "--rollout-prompts", "8"] if args.cpu else ["--gpu"])
-        results["rollout"] = run_part("rollout", lambda: script(rollout, 300 if not args.cpu else 900))
+        results["rollout"] = run_part("rollout", lambda: script(rollout, min(ROLLOUT_S, left(SERVE_S))))
         served = work / ("base-tiny" if args.cpu else "base-0.5b")
         results["serve"] = run_part("serve", lambda: script(
             ["bench/serve_overhead.py", "--checkpoint", str(served), "--requests", "16" if args.cpu else "256",
-             "--rounds", "1" if args.cpu else "2", *([] if args.cpu else ["--gpu"])], 150 if not args.cpu else 900))
+             "--rounds", "1" if args.cpu else "2", *([] if args.cpu else ["--gpu"])], min(SERVE_S, left())))
     print(json.dumps({"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
                       "ok": all(r["ok"] for r in results.values())}))
 
