@@ -31,7 +31,8 @@ def test_gpus_held_count_sharded_replicas_and_rollout_engines_of_their_own():
     from amalia_ray.core.config import ServeConfig, train_stage
     from amalia_ray.pipeline.stages import _serve_held, _train_held
 
-    assert _serve_held(ServeConfig(gpus_per_replica=4), 3, True, 999) == {"CPU": 6, "GPU": 12}
+    # a replica's placement group: its actor's CPUs and a GPU, then a CPU and a GPU per further GPU
+    assert _serve_held(ServeConfig(gpus_per_replica=4), 3, True, 999) == {"CPU": 12, "GPU": 12}
     assert _serve_held(ServeConfig(), 3, True, 999)["GPU"] == 3 and _serve_held(ServeConfig(), 3, False, 4) == {
         "CPU": 4, "GPU": 0}
     grpo = {"name": "rl", "objective": "grpo", "dataset": "t.jsonl", "steps": 10, "num_workers": 8}
@@ -41,7 +42,7 @@ def test_gpus_held_count_sharded_replicas_and_rollout_engines_of_their_own():
         "GPU"] == 8
     assert _train_held(apart, False, 999)({"mean_world_size": 8})["GPU"] == 0
     judges = _serve_held(ServeConfig(gpus_per_replica=2, cpus_per_replica=3), 2, True, 999)  # two judge engines
-    assert _train_held(apart, True, 999, judges)({"mean_world_size": 8}) == {"CPU": 8 + 12, "GPU": 8 + 8 + 4}
+    assert _train_held(apart, True, 999, judges)({"mean_world_size": 8}) == {"CPU": 8 + 8, "GPU": 8 + 8 + 4}
 
 
 def test_no_tokens_no_rates_and_unpriced_resources_count_hours_only():

@@ -122,6 +122,20 @@ def test_a_multi_node_stage_is_told_its_hsdp_group_and_warned_off_tcp(tmp_path):
     assert "pretrain (32 nodes): WARNING: 32 nodes linked by TCP" in " ".join(result.output.split())
 
 
+def test_a_stage_with_rollout_engines_of_their_own_is_told_what_its_gpu_hours_leave_out():
+    from amalia_ray.core.config import train_stage
+
+    r, dims = _dims(AMALIA_9B)
+    grpo = {"name": "rl", "objective": "grpo", "dataset": "tasks.jsonl", "steps": 100, "num_workers": 8,
+            "seq_len": 4096, "activation_checkpointing": True}
+    apart = plan_stage(train_stage({**grpo, "rollout": {"engines": 2, "tensor_parallel": 4,
+                                                        "placement": "separate"}}), r, dims)
+    assert apart.fits and apart.notes == ("its rollout engines hold 8 more GPU(s) for the whole stage (placement: "
+                                          "separate), which the GPU-hours, cost and energy above leave out, as they "
+                                          "leave out generation time",)
+    assert plan_stage(train_stage({**grpo, "rollout": {"engines": 2}}), r, dims).notes == ()
+
+
 def test_plan_and_the_training_loop_count_the_same_model_flops():
     from transformers import LlamaConfig
 

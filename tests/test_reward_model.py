@@ -398,7 +398,7 @@ def test_a_stage_judged_by_an_earlier_stage_serves_it_first_and_reaches_it_with_
                                                                                         "adapter"}}
     assert calls[2:] == [("stop", rm_app), ("stop", judge_app)]
     p.cluster_info = {"billable_cpus": 999}  # billed while the stage trains: the one engine the adapter rides on
-    assert stages._judges_held(p, rl, gpu=True) == {"CPU": 2, "GPU": 1}
+    assert stages._judges_held(p, rl, gpu=True) == {"CPU": 1, "GPU": 1}
     with pytest.raises(AmaliaError, match="stage 'chat' is not served"):
         RewardScorer(rl.reward_sources, reward_apps=apps)
 

@@ -21,7 +21,7 @@ Step time = tokens per step × model FLOPs per token / (N · peak · MFU), model
 (core/flops.py, torchtitan's: 6 × matmul parameters + 12·L·attention width·s). Recomputation under activation
 checkpointing is not model FLOPs: it shows as a lower MFU, so state the MFU you expect with it. DPO adds its reference
 pass (a forward: a third of the training FLOPs, over the same pairs). GRPO's generation time depends on the rollout
-engine and is not included.
+engine and is not included, nor are the GPUs of rollout engines placed apart from the workers (a note says how many).
 
 A stage on more GPUs than one node has (`plan.gpus_per_node`) gets notes: HSDP's smallest shard group of whole nodes
 that fits, when the stage shards over every GPU; and a warning when the nodes are linked by TCP only
@@ -159,7 +159,18 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
                      gpu_hours * hw.usd_per_gpu_hour, energy_kwh, tokens / (energy_kwh * 3.6e6),
                      tokens / gpu_hours, implied,
                      checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9),  # fp32 weights + 2 moments
-                     nodes=nodes, notes=_multi_node_notes(stage, recipe, m, nodes) if advise and fits else ())
+                     nodes=nodes, notes=(_multi_node_notes(stage, recipe, m, nodes) + _rollout_notes(stage)
+                                         if advise and fits else ()))
+
+
+def _rollout_notes(stage: TrainStageConfig) -> tuple[str, ...]:
+    """A stage whose rollout engines hold GPUs of their own: what its GPU-hours leave out."""
+    rollout = getattr(stage, "rollout", None)
+    engines = rollout.gpus(True) if rollout is not None else 0
+    if not engines:
+        return ()
+    return (f"its rollout engines hold {engines} more GPU(s) for the whole stage (placement: separate), which the "
+            "GPU-hours, cost and energy above leave out, as they leave out generation time",)
 
 
 def _multi_node_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, nodes: int) -> tuple[str, ...]:

@@ -330,9 +330,13 @@ def _judges_held(p: RunContext, stage, gpu: bool) -> dict[str, float]:
 
 
 def _serve_held(serve, replicas: int, gpu: bool, billable_cpus: float) -> dict[str, float]:
-    # a vLLM replica holds its actor's CPUs and its engine's (on GPUs, gpus_per_replica of them: 0 means one)
-    return {"CPU": min(2 * replicas * serve.cpus_per_replica, billable_cpus),
-            "GPU": replicas * max(1, serve.gpus_per_replica) if gpu else 0}
+    # on GPUs a vLLM replica holds its placement group's bundles (a GPU each); on CPU its actor's CPUs and as many
+    # for its engine
+    if not gpu:
+        return {"CPU": min(2 * replicas * serve.cpus_per_replica, billable_cpus), "GPU": 0}
+    bundles = serve_app.replica_placement(serve, use_gpu=True)["placement_group_config"]["bundles"]
+    return {"CPU": min(replicas * sum(b.get("CPU", 0) for b in bundles), billable_cpus),
+            "GPU": replicas * sum(b.get("GPU", 0) for b in bundles)}
 
 
 def with_variety_model(p: RunContext, section):
