@@ -89,6 +89,10 @@ def _check_cluster_spec(spec: dict, where: str) -> None:
         _check_efa_container(container, f"{where}: {group['groupName']}")
     for params in [head["rayStartParams"], *(g["rayStartParams"] for g in groups)]:
         assert all(isinstance(v, str) for v in params.values()), f"{where}: rayStartParams values are strings"
+    # the head takes no work and, placed on a GPU node, must not count (or see) the GPUs a worker pod holds
+    (head_container,) = head["template"]["spec"]["containers"]
+    assert head["rayStartParams"]["num-cpus"] == head["rayStartParams"]["num-gpus"] == "0", where
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in head_container["env"], where
     assert spec["enableInTreeAutoscaling"] is True and spec["rayVersion"] == ray.__version__
     # token auth through authOptions, so KubeRay also gives the token to the autoscaler sidecar it injects
     auth = spec["authOptions"]

@@ -41,6 +41,11 @@ def test_the_batch_script_follows_rays_slurm_pattern(tmp_path):
     assert re.search(r"ray start --head --node-ip-address=\"\$head_ip\" --port=6379 .*--num-gpus=4 .*--block &",
                      script.replace("\\\n", ""))
     assert 'ray start --address="$ray_address"' in script and "--until sft" in script
+    # each Ray node's step holds the node's CPUs (srun does not inherit them); without --gpus-per-node, Ray takes
+    # the GPUs the site's own request (--gres) gave the node
+    assert script.count('srun --nodes=1 --ntasks=1 --overlap --cpus-per-task="$cpus"') == 2
+    gres = batch_script(SlurmJob(recipe=job.recipe, run_dir=job.run_dir, nodes=2, sbatch_args=["--gres=gpu:4"]))
+    assert gres.count('--num-gpus="${SLURM_GPUS_ON_NODE:-0}"') == 2
     assert "trap " in script and "USR1" in script and "stop_requested" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert seconds_of("2-00:00:00") == 172800 and seconds_of("90") == 5400 and seconds_of("1:30:00") == 5400

@@ -191,7 +191,8 @@ def batch_script(job: SlurmJob) -> str:
         setup.append(f"source {q(str(job.setup))}")
     if job.venv:
         setup.append(f"source {q(str(job.venv / 'bin' / 'activate'))}")
-    gpus = f" --num-gpus={job.gpus_per_node}" if job.gpus_per_node else " --num-gpus=0"
+    # without --gpus-per-node, what the site's own request (--sbatch-arg=--gres=gpu:G) gave the node, else none
+    gpus = f" --num-gpus={job.gpus_per_node}" if job.gpus_per_node else ' --num-gpus="${SLURM_GPUS_ON_NODE:-0}"'
     # other users of the allocation's nodes can reach Ray's ports: every Ray process, and each client, holds the
     # token (a file only this user can read); --allow-no-auth turns that off by name
     auth = (f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={q(str(job.token_path))}" if job.token_path else
@@ -210,13 +211,14 @@ ray_tmp={job.scratch}/ray-$SLURM_JOB_ID
 cpus=${{SLURM_CPUS_ON_NODE:-$(nproc)}}
 say "job $SLURM_JOB_ID on ${{#nodes[@]}} node(s): Ray head on $head_node ($ray_address)"
 
-# Ray's head on the first node, a worker on each of the others; --block keeps each one a job step
-srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \\
+# Ray's head on the first node, a worker on each of the others; --block keeps each one a job step, given the
+# node's CPUs (a step without --cpus-per-task is bound to one CPU: srun does not inherit sbatch's since Slurm 22.05)
+srun --nodes=1 --ntasks=1 --overlap --cpus-per-task="$cpus" -w "$head_node" \\
   ray start --head --node-ip-address="$head_ip" --port={job.ray_port} --dashboard-port={job.dashboard_port} \\
   --num-cpus="$cpus"{gpus} --temp-dir="$ray_tmp" --block &
 sleep 5
 for node in "${{nodes[@]:1}}"; do
-  srun --nodes=1 --ntasks=1 --overlap -w "$node" \\
+  srun --nodes=1 --ntasks=1 --overlap --cpus-per-task="$cpus" -w "$node" \\
     ray start --address="$ray_address" --num-cpus="$cpus"{gpus} --temp-dir="$ray_tmp" --block &
 done
 if ! python -c "from amalia_ray.cluster.slurm import wait_for_nodes; wait_for_nodes('$ray_address', ${{#nodes[@]}}, {job.join_timeout_s})"; then
