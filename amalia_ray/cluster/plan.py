@@ -165,8 +165,7 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
 
 def _rollout_notes(stage: TrainStageConfig) -> tuple[str, ...]:
     """A stage whose rollout engines hold GPUs of their own: what its GPU-hours leave out."""
-    rollout = getattr(stage, "rollout", None)
-    engines = rollout.gpus(True) if rollout is not None else 0
+    engines = stage.engine_gpus(True)
     if not engines:
         return ()
     return (f"its rollout engines hold {engines} more GPU(s) for the whole stage (placement: separate), which the "

@@ -312,7 +312,7 @@ def _train_held(stage, gpu: bool, billable_cpus: float, judges: dict[str, float]
     # what their replicas hold (`judges`), and rollout engines placed apart from the workers their own GPUs
     # (colocated ones share the workers')
     scorers = len(reward_models_named(stage))
-    engines = stage.rollout.gpus(gpu) if getattr(stage, "rollout", None) else 0
+    engines = stage.engine_gpus(gpu)
     judges = judges or {"CPU": 0, "GPU": 0}
 
     def held(metrics: dict) -> dict[str, float]:
@@ -414,13 +414,11 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
     judge_servers: dict[str, dict] = {}
     rms, judged_by = reward_models(p, stage), judge_stages(stage)
     engines, adapters, ids = judge_engines(p, judged_by) if judged_by else ({}, {}, {})
-    separate_rollout = getattr(stage, "rollout", None) is not None and stage.rollout.gpus(True) > 0
-    if gpu and (rms or engines or separate_rollout):
+    if gpu and (rms or engines or stage.engine_gpus(True)):
         import ray
 
-        gpus_per_engine = max(r.serve.gpus_per_replica, 1) * r.serve.min_replicas
-        check_gpus_beside_workers(stage, len(rms) + len(engines) * gpus_per_engine,
-                                     int(ray.cluster_resources().get("GPU", 0)))
+        judges = _serve_held(r.serve, len(engines) * r.serve.min_replicas, True, float("inf"))["GPU"]
+        check_gpus_beside_workers(stage, len(rms) + judges, int(ray.cluster_resources().get("GPU", 0)))
     try:
         if engines:  # first: where it starts Serve, it starts it with the HTTP proxy the judges are reached by
             stage_line(stage.name, f"serving the judge(s) {escape(', '.join(judged_by))}")
@@ -443,8 +441,7 @@ def check_gpus_beside_workers(stage, served: int, cluster_gpus: int) -> None:
     """On GPUs each reward model's replica and judge's engine holds GPUs of its own (`served` in all) beside the
     stage's workers (and separate rollout engines'): a cluster without that many would leave a replica, or the
     workers after it, waiting forever."""
-    rollout = getattr(stage, "rollout", None)
-    engines = rollout.gpus(True) if rollout is not None else 0
+    engines = stage.engine_gpus(True)
     needed = stage.worker_range[0] + served + engines
     if cluster_gpus < needed:
         raise AmaliaError(f"train stage '{stage.name}': {stage.worker_range[0]} training worker(s)"

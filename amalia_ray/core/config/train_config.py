@@ -237,6 +237,10 @@ class TrainStageConfig(Strict):
         """The stage's own sequence length; None: the packed corpus's (pretraining) or the model's positions."""
         return None
 
+    def engine_gpus(self, use_gpu: bool) -> int:
+        """GPUs the stage's rollout engines hold beside its workers: none for a stage that samples nothing."""
+        return 0
+
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainStageConfig:
         low, high = self.worker_range
@@ -363,6 +367,9 @@ class _SampledStage(_DatasetStage):
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the rollouts")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the vLLM rollout engine "
                                    "(max_model_len is the stage's seq_len)")
+
+    def engine_gpus(self, use_gpu: bool) -> int:
+        return self.rollout.gpus(use_gpu)
 
     @model_validator(mode="after")
     def _weights_match(self) -> _SampledStage:
