@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+from amalia_ray.cluster.local import ray_session, resolve_use_gpu
 from amalia_ray.core import secrets
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.recipe import load_recipe
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             name = serve_app.app_name(f"{pipeline.run_name}-serve")
             cfg = pipeline.recipe.serve.model_copy(update={"allow_no_auth": True}) if args.allow_no_auth \
                 else pipeline.recipe.serve
-            url = serve_app.start(models, cfg, cluster_has_gpu(), name, adapters).base_url
+            url = serve_app.start(models, cfg, resolve_use_gpu(pipeline.recipe.resources.device), name,
+                                  adapters).base_url
         served = [*models, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]
     except Exception as e:  # noqa: BLE001 - the job's log is where a user reads why it failed
         return failed(e)

@@ -24,6 +24,25 @@ def test_cluster_yaml_validates_against_the_launcher_schema():
     assert any("pip install" in c and ".[gpu]" in c for c in config["setup_commands"])
 
 
+def test_device_auto_counts_the_gpu_nodes_the_autoscaler_may_start(monkeypatch, tmp_path):
+    """cluster.yaml's GPU workers start at 0: a job on its head sees no GPU up, yet `device: auto` must train on the
+    GPU nodes the autoscaler will start (the launcher leaves its config on the head), not on the head's CPUs."""
+    from amalia_ray.cluster import local
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
+    monkeypatch.setattr(local, "LAUNCHER_CONFIG", tmp_path / "absent.yaml")
+    assert not local.resolve_use_gpu("auto") and local.resolve_use_gpu("cuda"), "no GPU up, none to start"
+    monkeypatch.setattr(local, "LAUNCHER_CONFIG", ROOT / "cluster.yaml")
+    assert local.launcher_gpus(ROOT / "cluster.yaml") == 32 * 8
+    assert local.resolve_use_gpu("auto") and not local.resolve_use_gpu("cpu")
+    for broken in ("available_node_types: [", "available_node_types: {gpu: {resources: {GPU: 8}}}\nmax_workers: 0",
+                   "[1, 2]", "available_node_types: {a: {resources: {GPU: x}, max_workers: 2}}"):
+        (tmp_path / "launcher.yaml").write_text(broken)
+        assert local.launcher_gpus(tmp_path / "launcher.yaml") == 0, broken
+    (tmp_path / "launcher.yaml").write_text("max_workers: 3\navailable_node_types: {gpu: {resources: {GPU: 2}}}")
+    assert local.launcher_gpus(tmp_path / "launcher.yaml") == 6, "a type without max_workers: the cluster's"
+
+
 def test_cluster_yaml_is_sized_for_the_9b_recipe_and_runs_ray_from_its_python_311_venv():
     import re
     import tomllib
@@ -50,6 +69,27 @@ def test_cluster_yaml_is_sized_for_the_9b_recipe_and_runs_ray_from_its_python_31
     (version,) = {v for c in commands for v in re.findall(r"--python (3\.\d+)", c)}
     required = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
     assert version in SpecifierSet(required)
+
+
+def test_the_9b_recipe_reads_and_writes_where_every_cluster_file_mounts_the_shared_filesystem():
+    """One path for the shared filesystem in every cluster file, and the 9B recipe's run folder, corpus and datasets
+    under it: a path only one node has would leave checkpoints where the other nodes cannot read them."""
+    recipe = yaml.safe_load((ROOT / "recipes" / "amalia-9b.yaml").read_text())
+    paths = [recipe["run"]["output_dir"], *(p for s in recipe["data"]["sources"] for p in s["paths"]),
+             *(s["dataset"] for s in recipe["train"] if isinstance(s.get("dataset"), str))]
+    launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    (checked,) = [c for c in launcher["setup_commands"] if "mountpoint -q" in c]
+    mounts = {"cluster.yaml": checked.split("mountpoint -q ")[1].split()[0]}
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        spec = yaml.safe_load((ROOT / "deploy" / "kuberay" / name).read_text())["spec"]
+        spec = spec.get("rayClusterSpec", spec)
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            for container in group["template"]["spec"]["containers"]:
+                (mount,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "shared"]
+                mounts[f"{name} {container['name']}"] = mount
+    assert len(set(mounts.values())) == 1, mounts
+    (shared,) = set(mounts.values())
+    assert all(p.startswith(shared + "/") for p in paths), [p for p in paths if not p.startswith(shared + "/")]
 
 
 def test_a_broken_cluster_yaml_is_caught_by_the_same_check():

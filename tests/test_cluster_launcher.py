@@ -32,6 +32,8 @@ alive = [n for n in ray.nodes() if n["Alive"]]
 assert len(alive) == 2, alive
 import amalia_ray, boto3, torch
 print("nodes", len(alive), "cpus", ray.cluster_resources()["CPU"], "torch", torch.__version__)
+from amalia_ray.cluster.local import resolve_use_gpu
+print("device auto on the head:", "GPU" if resolve_use_gpu("auto") else "CPU")
 """
 
 
@@ -65,7 +67,8 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
     - uv is already in ~/.local/bin (its installer's host is out of reach here), so `command -v` skips the curl;
     - `.[gpu]` installs as `.`: vLLM's CUDA build has no use on a machine without a GPU;
     - `sudo` is a shim that runs its command (root here), and /mnt is a private tmpfs, so /mnt/shared is created
-      out of this machine's sight;
+      out of this machine's sight, and a tmpfs mounted there stands in for the shared filesystem (without one the
+      first setup command stops the node, which is checked first);
     - Ray starts in its own PID, mount and network namespaces: `ray stop` sees only these nodes, /tmp/ray is its
       own, and ports 6379 and 8265 are free whatever else runs here; the worker joins the head at
       RAY_HEAD_IP=127.0.0.1;
@@ -73,7 +76,8 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
       this test, judges `ulimit …; ray start …` by `ray start`).
     Then the Jobs API refuses a request without the token (token auth is on), a driver with the token connects,
     finds both nodes alive, imports the project, boto3 (the autoscaler's, installed by the head setup into the venv)
-    and torch from the venv, and `ray stop` from the venv stops them."""
+    and torch from the venv, resolves `device: auto` to GPU (no GPU node is up, but the launcher's config on the head
+    says the autoscaler may start some), and `ray stop` from the venv stops them."""
     if not _namespaces_work():
         pytest.skip("unshare cannot make PID, mount and network namespaces here")
     local_wheels = os.environ.get("PIP_FIND_LINKS", "/opt/wheels")
@@ -108,7 +112,10 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
            **{k: v for k, v in os.environ.items() if k.startswith(("UV_", "SSL_", "http_", "https_", "HTTP", "NO_"))}}
     setup = [c.replace(".[gpu]", ".") for c in config["setup_commands"] + config["head_setup_commands"]
              + config["worker_setup_commands"]]
-    done = _in_namespaces("mount -t tmpfs none /mnt\ncd ~\n" + _checked(setup), env, ["--mount"], timeout=900)
+    unshared = _in_namespaces("mount -t tmpfs none /mnt\ncd ~\n" + _checked(setup[:1]), env, ["--mount"], timeout=60)
+    assert unshared.returncode == 1 and "nothing is mounted at /mnt/shared" in unshared.stdout, unshared.stdout
+    shared = "mount -t tmpfs none /mnt && mkdir /mnt/shared && mount -t tmpfs none /mnt/shared"
+    done = _in_namespaces(f"{shared}\ncd ~\n" + _checked(setup), env, ["--mount"], timeout=900)
     assert done.returncode == 0, done.stdout[-6000:]
     assert (home / "venv" / "bin" / "ray").exists() and not (home / "venv" / "bin" / "pip").is_symlink()
     token = subprocess.run([str(home / "venv" / "bin" / "ray"), "get-auth-token", "--generate"], env=env,
@@ -129,3 +136,4 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
     assert ran.returncode == 0, ran.stdout[-6000:]
     assert "nodes 2" in ran.stdout, ran.stdout[-2000:]
     assert "jobs api without the token: 401" in ran.stdout, ran.stdout[-2000:]
+    assert "device auto on the head: GPU" in ran.stdout, ran.stdout[-2000:]

@@ -122,18 +122,50 @@ def test_a_multi_node_stage_is_told_its_hsdp_group_and_warned_off_tcp(tmp_path):
     assert "pretrain (32 nodes): WARNING: 32 nodes linked by TCP" in " ".join(result.output.split())
 
 
-def test_a_stage_with_rollout_engines_of_their_own_is_told_what_its_gpu_hours_leave_out():
+def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold():
+    """GRPO's rollouts are in its step time: each at most a prefill at the stage's MFU and one decoding step per
+    completion token bounded by reading the weights and KV cache at the stated bandwidth; engines of their own add
+    their GPUs for the whole stage; an asynchronous rollout overlaps the steps before it. On-policy DPO's one
+    sampling pass and served reward models are named in notes, not counted."""
     from amalia_ray.core.config import train_stage
 
     r, dims = _dims(AMALIA_9B)
+    params = parameter_count(dims)[0]
     grpo = {"name": "rl", "objective": "grpo", "dataset": "tasks.jsonl", "steps": 100, "num_workers": 8,
-            "seq_len": 4096, "activation_checkpointing": True}
-    apart = plan_stage(train_stage({**grpo, "rollout": {"engines": 2, "tensor_parallel": 4,
-                                                        "placement": "separate"}}), r, dims)
-    assert apart.fits and apart.notes == ("its rollout engines hold 8 more GPU(s) for the whole stage (placement: "
-                                          "separate), which the GPU-hours, cost and energy above leave out, as they "
-                                          "leave out generation time",)
-    assert plan_stage(train_stage({**grpo, "rollout": {"engines": 2}}), r, dims).notes == ()
+            "seq_len": 4096, "activation_checkpointing": True, "global_batch_size": 64, "max_completion_length": 512}
+    sft_like = plan_stage(train_stage({**{k: v for k, v in grpo.items() if k != "max_completion_length"},
+                                       "objective": "sft"}), r, dims)  # the same steps without rollouts
+    one = plan_stage(train_stage(grpo), r, dims)
+    # by hand, one engine on one GPU, 64 sequences of 3,584 prompt tokens and 512 completion tokens: the prefill at
+    # 40% of 989 TFLOP/s, then 512 steps each reading 2 bytes per parameter and the KV cache (2 · 42 layers · 8 KV
+    # heads · 128 · 2 bytes a token, 3,840 tokens on average) at 60% of 3.35 TB/s
+    prefill = 2 * params * 64 * 3584 / (989e12 * 0.4)
+    decode = 512 * (2 * params + 64 * 3840 * 2 * 42 * 8 * 128 * 2) / (3.35e12 * 0.6)
+    assert one.rollout_s == pytest.approx(prefill + decode)
+    assert one.step_time_s == pytest.approx(sft_like.step_time_s + one.rollout_s)
+    assert one.gpu_hours == pytest.approx(100 * one.step_time_s * 8 / 3600)
+    assert one.notes[0].startswith(f"rollouts: at most {one.rollout_s:,.1f} s each on 1 engine(s), one per 1 step(s)")
+
+    two = plan_stage(train_stage({**grpo, "rollout": {"engines": 2}}), r, dims)
+    assert one.rollout_s / 2 < two.rollout_s < one.rollout_s, "each engine reads all of its weights every token"
+    twice = plan_stage(train_stage({**grpo, "num_iterations": 2}), r, dims)
+    assert twice.step_time_s == pytest.approx(sft_like.step_time_s + one.rollout_s / 2)
+
+    separate = {"engines": 2, "tensor_parallel": 4, "placement": "separate"}
+    apart = plan_stage(train_stage({**grpo, "rollout": separate}), r, dims)
+    assert apart.gpu_hours == pytest.approx(100 * apart.step_time_s * (8 + 8) / 3600)
+    assert "the engines' 8 GPU(s) of their own are in the GPU-hours" in apart.notes[0]
+    overlapped = plan_stage(train_stage({**grpo, "rollout": separate, "async_rollout": True}), r, dims)
+    assert overlapped.step_time_s == pytest.approx(
+        (apart.rollout_s + 100 * max(sft_like.step_time_s, apart.rollout_s)) / 100)
+    assert overlapped.step_time_s < apart.step_time_s
+
+    dpo = {"name": "d", "objective": "dpo", "dataset": "tasks.jsonl", "steps": 100, "num_workers": 8,
+           "seq_len": 4096, "activation_checkpointing": True}
+    on_policy = plan_stage(train_stage({**dpo, "on_policy": True, "rewards": [{"model": "rm"}, "format"]}), r, dims)
+    assert on_policy.gpu_hours == pytest.approx(plan_stage(train_stage(dpo), r, dims).gpu_hours)
+    assert on_policy.notes[0].startswith("samples its pairs once before training, about ")
+    assert on_policy.notes[1].startswith("its 1 reward model(s) and judge(s) served beside it hold GPUs")
 
 
 def test_plan_and_the_training_loop_count_the_same_model_flops():

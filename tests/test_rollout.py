@@ -63,9 +63,10 @@ def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatc
     assert seen["num_cpus"] == 0 and seen["num_gpus"] == 0
     assert seen["scheduling_strategy"].node_id == "a" * 56 and seen["scheduling_strategy"].soft is False
     assert seen["runtime_env"]["env_vars"]["CUDA_VISIBLE_DEVICES"] == "6"
-    dtype, max_len, eager, _, util, kv, sleep, tensor_parallel = seen["args"][1:]
+    dtype, max_len, eager, _, util, kv, sleep, tensor_parallel, max_seqs = seen["args"][1:]
     assert (dtype, max_len, sleep, kv) == ("bfloat16", 512, True, (8 * 256 + KV_SPARE_TOKENS) * 1024) and 0 < util < 0.1
     assert (eager, tensor_parallel) == (False, 1), "CUDA graphs on GPU unless the recipe asks for eager"
+    assert max_seqs == 8, "the engine batches a step's sequences, not vLLM's default of up to 1,024"
 
     seen.clear()
     rollout.start_engine("m", RolloutConfig(max_model_len=512, placement="separate", gpu_memory_utilization=0.5),
@@ -77,6 +78,7 @@ def test_a_colocated_engine_reserves_nothing_and_sees_its_workers_gpu(monkeypatc
     greedy = {**sizing, "sequences": 10**6, "trainer_bytes": 30 * GiB}
     rollout.start_engine("m", RolloutConfig(max_model_len=512, placement="separate"), seed=0, use_gpu=True, sizing=greedy)
     assert seen["args"][6] == int(0.9 * 70 * GiB) - GiB - rollout.ENGINE_WORKSPACE_BYTES
+    assert seen["args"][9] == rollout.ENGINE_MAX_SEQS
 
     # sharded, the engine's process holds no GPU and starts in the first bundle of its own placement group, whose
     # GPU bundles vLLM's Ray executor fills with its workers: GPUs free on one node, the process on that node

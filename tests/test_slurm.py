@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from amalia_ray.cluster.slurm import SlurmJob, batch_script, check_shared, seconds_of
+from amalia_ray.cluster.slurm import FREE_PORTS, SlurmJob, batch_script, check_shared, seconds_of
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import clear_stop, stop_on_signals, stop_requested
-from tests.conftest import DATA_STAGES, carry_over_data_stages, free_port, read_jsonl
+from tests.conftest import DATA_STAGES, carry_over_data_stages, read_jsonl
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
 STEPS = 12
@@ -38,8 +38,17 @@ def test_the_batch_script_follows_rays_slurm_pattern(tmp_path):
                  "#SBATCH --account=ehpc01", "#SBATCH --signal=B:USR1@120", "#SBATCH --mem=0",
                  "module load CUDA/12.4", "source /gpfs/venv/bin/activate"):
         assert line in script.splitlines(), line
-    assert re.search(r"ray start --head --node-ip-address=\"\$head_ip\" --port=6379 .*--num-gpus=4 .*--block &",
+    assert re.search(r"ray start --head --node-ip-address=\"\$head_ip\" --port=\"\$ray_port\" .*--num-gpus=4 .*--block &",
                      script.replace("\\\n", ""))
+    # two jobs may share a node: the head's ports are free ones picked as the job starts, and the ports Ray takes
+    # at fixed numbers on every node (the dashboard agent's, the workers') are left to the OS
+    assert "head_endpoint(None, None)" in script and script.count(FREE_PORTS) == 2
+    assert "head_endpoint(6390, 8270)" in batch_script(SlurmJob(recipe=job.recipe, run_dir=job.run_dir,
+                                                                ray_port=6390, dashboard_port=8270))
+    # a whole node is its memory too, unless asked otherwise
+    assert script.count("#SBATCH --mem=0") == 1, "given once, by --sbatch-arg"
+    assert "#SBATCH --mem=0" in batch_script(SlurmJob(recipe=job.recipe, run_dir=job.run_dir)).splitlines()
+    assert "--mem" not in batch_script(SlurmJob(recipe=job.recipe, run_dir=job.run_dir, cpus_per_node=8))
     assert 'ray start --address="$ray_address"' in script and "--until sft" in script
     # each Ray node's step holds the node's CPUs (srun does not inherit them); without --gpus-per-node, Ray takes
     # the GPUs the site's own request (--gres) gave the node
@@ -55,6 +64,31 @@ def test_the_batch_script_follows_rays_slurm_pattern(tmp_path):
         SlurmJob(recipe=job.recipe, run_dir=job.run_dir, time="00:01:00")
     with pytest.raises(AmaliaError, match="shared filesystem"):  # /tmp is local to this node
         check_shared(SlurmJob(recipe=job.recipe, run_dir=Path("/tmp/amalia-run"), nodes=2))
+
+
+def test_the_head_is_reached_at_an_address_other_nodes_can_use(monkeypatch):
+    """Debian-style hosts files map a node's hostname to 127.0.1.1: the head's address is then taken from its
+    network interfaces, never a loopback address a worker node would dial itself at."""
+    import socket
+    from types import SimpleNamespace
+
+    import psutil
+
+    from amalia_ray.cluster import slurm
+
+    def interfaces(*addresses):
+        return {f"if{i}": [SimpleNamespace(family=socket.AF_INET, address=a)] for i, a in enumerate(addresses)}
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces("127.0.0.1", "169.254.3.4", "10.1.2.3"))
+    assert slurm.node_ip() == "10.1.2.3"
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a: [(socket.AF_INET, 1, 6, "", ("10.9.9.9", 0))])
+    assert slurm.node_ip() == "10.9.9.9", "the address the hostname resolves to comes first"
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a: (_ for _ in ()).throw(socket.gaierror("unknown host")))
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces("127.0.0.1"))
+    assert slurm.node_ip() == "127.0.0.1", "a node with no other address: a one-node job still runs"
+    ip, ray_port, dashboard, client = slurm.head_endpoint(None, 8270).split()
+    assert ip == "127.0.0.1" and int(dashboard) == 8270 and len({ray_port, dashboard, client}) == 3
 
 
 def test_the_batch_script_starts_ray_with_token_auth_unless_told_not_to(tmp_path, monkeypatch):
@@ -155,8 +189,7 @@ def _chain_of_two(demo_run, recipe_path: Path, tmp_path: Path, cluster: SlurmClu
     env = {**cluster.env, "RAY_AUTH_MODE": "disabled"}
     follow = subprocess.Popen(
         [sys.executable, "-m", "amalia_ray.cli", "slurm", str(recipe), "--until", "pretrain", "--submit", "--follow",
-         "--chain", "2", "--time", "00:30:00", "--ray-port", str(free_port()), "--dashboard-port", str(free_port()),
-         "--scratch", f"/tmp/amalia-slurm-{os.getpid()}"],
+         "--chain", "2", "--time", "00:30:00", "--scratch", f"/tmp/amalia-slurm-{os.getpid()}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     head = ""  # the stop margin and the script's path, then the job ids
     while not (ids := re.search(r"^(\d+) (\d+)$", head, re.M)) and len(head.splitlines()) < 8:

@@ -191,8 +191,10 @@ def slurm(
     setup: Annotated[Path | None, typer.Option(help="a shell script the job sources first")] = None,
     venv: Annotated[Path | None, typer.Option(help="virtual environment the job activates (default: this one)")] = None,
     scratch: Annotated[str, typer.Option(help="node-local folder for Ray's temporary files")] = "${TMPDIR:-/tmp}",
-    ray_port: Annotated[int, typer.Option(help="port of Ray's head")] = 6379,
-    dashboard_port: Annotated[int, typer.Option(help="port of Ray's dashboard on the head")] = 8265,
+    ray_port: Annotated[int | None, typer.Option(help="port of Ray's head (default: a free one of the head node, "
+                                                 "picked as the job starts)")] = None,
+    dashboard_port: Annotated[int | None, typer.Option(help="port of Ray's dashboard on the head (default: a free "
+                                                       "one)")] = None,
     stop_before: Annotated[int | None, typer.Option(
         help="seconds before the time limit the run checkpoints and stops (default: 1.5 × a step and a checkpoint "
              "of the slowest training stage, planned or measured in the run, plus 60 s; at least 120)")] = None,

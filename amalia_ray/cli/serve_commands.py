@@ -56,7 +56,7 @@ def serve(
     import yaml
     from rich.markup import escape
 
-    from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+    from amalia_ray.cluster.local import ray_session, resolve_use_gpu
     from amalia_ray.core.config import ServeConfig
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.serve import app as serve_app
@@ -100,7 +100,7 @@ def serve(
         console.print(f"[yellow]no API key[/]: {api_key_env} is not set, so the endpoint is open to anyone who can "
                       f"reach {host}:{port}")
     with ray_session():
-        started = serve_app.start(models, cfg, device == "cuda" or (device == "auto" and cluster_has_gpu()),
+        started = serve_app.start(models, cfg, resolve_use_gpu(device),
                                   app_name, adapters, keep_going=keep_going)
         url = started.base_url
         served = [m for m in [*names, *(serve_app.adapter_id(m, a) for m, named in adapters.items() for a in named)]

@@ -136,7 +136,55 @@ def billable_cpus() -> float:
     return logical
 
 
+# where Ray's cluster launcher leaves its config on the head node (where a job's driver runs); Ray Tune reads it too
+LAUNCHER_CONFIG = Path("~/ray_bootstrap_config.yaml")
+
+
 def cluster_has_gpu() -> bool:
+    """Whether the cluster has GPUs or can add nodes that have them: an autoscaled cluster whose GPU workers start on
+    demand shows none until a task asks for one, so the node types its autoscaler may start count as much as the
+    nodes up now — as reported to Ray by autoscalers that report their node types, or as the cluster launcher's
+    config on the head node declares them (`resources: {GPU: n}` of a type with `max_workers` > 0)."""
     import ray
 
-    return ray.cluster_resources().get("GPU", 0) > 0
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        return True
+    return autoscaled_gpus() > 0
+
+
+def autoscaled_gpus() -> int:
+    """The GPUs the cluster's autoscaler may add, as far as this process can tell (0 where it cannot)."""
+    reported = 0
+    try:  # Ray Data reads the autoscaler's node types this way (private API: absent or changed, it counts as none)
+        from ray._private.state import state
+
+        reported = int((state.get_max_resources_from_cluster_config() or {}).get("GPU", 0))
+    except Exception:  # noqa: BLE001 - an optional hint; the config file below is the other one
+        pass
+    return max(reported, launcher_gpus(LAUNCHER_CONFIG.expanduser()))
+
+
+def launcher_gpus(config: Path) -> int:
+    """GPUs the node types of a Ray cluster-launcher config may bring up: GPUs per node × max_workers, summed."""
+    import yaml
+
+    try:
+        launcher = yaml.safe_load(config.read_text()) if config.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return 0
+    types = launcher.get("available_node_types") if isinstance(launcher, dict) else None
+    total = 0
+    for node_type in (types or {}).values():
+        if not isinstance(node_type, dict):
+            continue
+        gpus = (node_type.get("resources") or {}).get("GPU", 0)
+        workers = node_type.get("max_workers", launcher.get("max_workers", 0))
+        if isinstance(gpus, (int, float)) and isinstance(workers, int):
+            total += int(gpus) * max(workers, 0)
+    return total
+
+
+def resolve_use_gpu(device: str) -> bool:
+    """`resources.device` / `--device` as a decision: cuda and cpu as said; auto, GPUs when the cluster has or can
+    start them (`cluster_has_gpu`)."""
+    return device == "cuda" or (device == "auto" and cluster_has_gpu())

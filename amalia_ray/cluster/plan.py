@@ -20,8 +20,16 @@ DPO micro-batches hold a chosen and a rejected sequence per pair (2× tokens).
 Step time = tokens per step × model FLOPs per token / (N · peak · MFU), model FLOPs as the training loop counts them
 (core/flops.py, torchtitan's: 6 × matmul parameters + 12·L·attention width·s). Recomputation under activation
 checkpointing is not model FLOPs: it shows as a lower MFU, so state the MFU you expect with it. DPO adds its reference
-pass (a forward: a third of the training FLOPs, over the same pairs). GRPO's generation time depends on the rollout
-engine and is not included, nor are the GPUs of rollout engines placed apart from the workers (a note says how many).
+pass (a forward: a third of the training FLOPs, over the same pairs).
+
+GRPO adds its rollouts, one per `num_iterations` steps, each at most (every completion to max_completion_length,
+every prompt as long as fits beside it in seq_len): per engine, its share of the step's completions, at most
+ENGINE_MAX_SEQS decoded at once; a prefill at the stage's MFU, then one decoding step per completion token, each
+bounded by reading the engine's bf16 weights and its sequences' KV cache at `decode_bandwidth_utilization` of
+`memory_tb_per_s` (or by its compute, where that is slower). With `async_rollout` a rollout overlaps the steps
+before it. GPU-hours count the GPUs of rollout engines placed apart from the workers for the whole stage; weight
+pushes, engines waking, and GPUs of served reward models and judges are left out (a note says so). On-policy DPO
+samples once before training, from a tasks file the plan does not read: a note gives the time per 1,000 prompts.
 
 A stage on more GPUs than one node has (`plan.gpus_per_node`) gets notes: HSDP's smallest shard group of whole nodes
 that fits, when the stage shards over every GPU; and a warning when the nodes are linked by TCP only
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amalia_ray.core.config import LOSS_CHUNK_POSITIONS, PlanConfig, Recipe, TrainStageConfig
+from amalia_ray.core.config import ENGINE_MAX_SEQS, LOSS_CHUNK_POSITIONS, PlanConfig, Recipe, TrainStageConfig
 from amalia_ray.core.flops import model_flops_per_token
 from amalia_ray.core.formats.shards import fillers_per_step
 
@@ -100,6 +108,7 @@ class StagePlan:
     tokens_per_gpu_hour: float
     implied_mfu: float | None
     checkpoint_s: float = 0.0  # a save of the weights and AdamW state at the storage's write rate
+    rollout_s: float = 0.0  # GRPO: one rollout's generation, at most (already in step_time_s, averaged over steps)
     nodes: int = 1
     notes: tuple[str, ...] = ()  # what to know or change on a stage that fits (HSDP, the interconnect)
 
@@ -148,8 +157,11 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     # what the GPUs run: a step's sequences, and a filler pass for every micro-batch slot left without one
     rows = stage.global_batch_size + fillers_per_step(stage.global_batch_size, stage.micro_batch_size, gpus)
     step_flops = rows * seq * per_pair * flops_per_token
-    step_time = step_flops / (gpus * hw.peak_tflops * 1e12 * hw.mfu)
-    gpu_hours = stage.steps * step_time * gpus / 3600
+    train_time = step_flops / (gpus * hw.peak_tflops * 1e12 * hw.mfu)
+    rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size) if stage.objective == "grpo" else 0.0
+    wall = stage_seconds(stage, train_time, rollout)
+    step_time = wall / stage.steps
+    gpu_hours = wall * (gpus + stage.engine_gpus(True)) / 3600
     energy_kwh = gpu_hours * hw.watts_per_gpu / 1000
     tokens = stage.steps * tokens_per_step
     reported = hw.reported_gpu_hours.get(stage.name)
@@ -159,17 +171,62 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
                      gpu_hours * hw.usd_per_gpu_hour, energy_kwh, tokens / (energy_kwh * 3.6e6),
                      tokens / gpu_hours, implied,
                      checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9),  # fp32 weights + 2 moments
-                     nodes=nodes, notes=(_multi_node_notes(stage, recipe, m, nodes) + _rollout_notes(stage)
-                                         if advise and fits else ()))
+                     rollout_s=rollout, nodes=nodes,
+                     notes=(_multi_node_notes(stage, recipe, m, nodes) + _sampling_notes(stage, m, hw, seq)
+                            if advise and fits else ()))
 
 
-def _rollout_notes(stage: TrainStageConfig) -> tuple[str, ...]:
-    """A stage whose rollout engines hold GPUs of their own: what its GPU-hours leave out."""
-    engines = stage.engine_gpus(True)
-    if not engines:
+def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, completions: int) -> float:
+    """One rollout of `completions` sequences on the stage's engines, at most (see the module's docstring)."""
+    tp, out = stage.rollout.tensor_parallel, stage.max_completion_length
+    prompt = max(seq - out, 0)
+    per_engine = -(-completions // stage.rollout.engines)
+    waves = -(-per_engine // ENGINE_MAX_SEQS)
+    batch = -(-per_engine // waves)
+    params = parameter_count(m)[0]
+    flops_per_s = tp * hw.peak_tflops * 1e12 * hw.mfu
+    bytes_per_s = tp * hw.memory_tb_per_s * 1e12 * hw.decode_bandwidth_utilization
+    kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * 2  # K and V of every layer, bf16
+    prefill = 2 * params * batch * prompt / flops_per_s
+    decode_step = max((2 * params + batch * (prompt + out / 2) * kv_per_token) / bytes_per_s,
+                      2 * params * batch / flops_per_s)
+    return waves * (prefill + out * decode_step)
+
+
+def stage_seconds(stage: TrainStageConfig, train_step_s: float, rollout_s: float) -> float:
+    """The stage's wall time: its steps, and a rollout before every `num_iterations` of them, after the last one's
+    steps where the rollout is asynchronous (only the first rollout is then waited for on its own)."""
+    if not rollout_s:
+        return stage.steps * train_step_s
+    rollouts = -(-stage.steps // stage.num_iterations)
+    if getattr(stage, "async_rollout", False):
+        return rollout_s + rollouts * max(stage.num_iterations * train_step_s, rollout_s)
+    return stage.steps * train_step_s + rollouts * rollout_s
+
+
+def _sampling_notes(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int) -> tuple[str, ...]:
+    """What the plan of a stage that samples estimates, and what it leaves out."""
+    if stage.objective == "grpo":
+        rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size)
+        apart = stage.engine_gpus(True)
+        notes = [f"rollouts: at most {rollout:,.1f} s each on {stage.rollout.engines} engine(s), one per "
+                 f"{stage.num_iterations} step(s)" + (", overlapping the steps before it" if stage.async_rollout
+                                                        else "") + ", in the step time"
+                 + (f"; the engines' {apart} GPU(s) of their own are in the GPU-hours" if apart else "")
+                 + "; weight pushes and engines waking are not"]
+    elif getattr(stage, "on_policy", False):
+        per_thousand = rollout_seconds(stage, m, hw, seq, 1000 * stage.num_generations)
+        notes = [f"samples its pairs once before training, about {per_thousand:,.0f} s per 1,000 task prompts "
+                 f"({stage.num_generations} completions each) on {stage.rollout.engines} engine(s): not in the "
+                 "step time or GPU-hours (the plan does not read the tasks file)"]
+    else:
         return ()
-    return (f"its rollout engines hold {engines} more GPU(s) for the whole stage (placement: separate), which the "
-            "GPU-hours, cost and energy above leave out, as they leave out generation time",)
+    served = sum(r.model is not None or (r.judge is not None and r.judge.stage is not None)
+                 for r in stage.sampled_rewards)
+    if served:
+        notes.append(f"its {served} reward model(s) and judge(s) served beside it hold GPUs of their own, which the "
+                     "GPU-hours leave out")
+    return tuple(notes)
 
 
 def _multi_node_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, nodes: int) -> tuple[str, ...]:

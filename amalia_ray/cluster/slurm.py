@@ -30,6 +30,8 @@ from amalia_ray.core.secrets import secret_file
 from amalia_ray.core.stop import EXIT_STOPPED, STOP_FILE
 
 SCRIPT = "job.sbatch"
+# the ports `ray start` would take at fixed numbers on every node, left to the OS instead (0: any free port)
+FREE_PORTS = "--dashboard-agent-listen-port=0 --min-worker-port=0 --max-worker-port=0"
 CHAIN = "chain.txt"
 TIME_PATTERN = re.compile(r"^(?:\d+-)?\d+(?::\d{1,2}){0,2}$")  # the formats sbatch --time takes
 # filesystems every node of a cluster mounts alike; a run folder elsewhere is seen by one node only
@@ -58,8 +60,8 @@ class SlurmJob:
     setup: Path | None = None  # a shell script sourced first (site settings, proxies, caches)
     venv: Path | None = None
     scratch: str = "${TMPDIR:-/tmp}"  # node-local: Ray's sockets, logs and spilled objects
-    ray_port: int = 6379
-    dashboard_port: int = 8265
+    ray_port: int | None = None  # None: a free port of the head node, picked when the job starts
+    dashboard_port: int | None = None
     stop_before_s: int = 120
     join_timeout_s: int = 600
     token_path: Path | None = None  # Ray's auth token (a file only its owner reads); None: --allow-no-auth
@@ -174,6 +176,9 @@ def batch_script(job: SlurmJob) -> str:
         f"#SBATCH --nodes={job.nodes}",
         "#SBATCH --ntasks-per-node=1",
         "#SBATCH --exclusive" if job.cpus_per_node is None else f"#SBATCH --cpus-per-task={job.cpus_per_node}",
+        # a whole node's memory too: --exclusive alone leaves the site's default memory per CPU, often a few GB
+        *(["#SBATCH --mem=0"] if job.cpus_per_node is None and not any(a.startswith("--mem") for a in job.sbatch_args)
+          else []),
         *([f"#SBATCH --gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []),
         *([f"#SBATCH --time={job.time}"] if job.time else []),
         *([f"#SBATCH --partition={job.partition}"] if job.partition else []),
@@ -204,22 +209,29 @@ say() {{ echo "[amalia $(date +%H:%M:%S)] $*"; }}
 {auth}
 nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 head_node=${{nodes[0]}}
-head_ip=$(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" sh -c 'hostname --ip-address || hostname -I' | awk '{{print $1}}')
-export RAY_ADDRESS=$head_ip:{job.ray_port}  # Ray's own processes too: a node may run other Ray instances
+# the head's address as the other nodes reach it, and free ports there (two jobs may share a node)
+read -r head_ip ray_port dashboard_port client_port < <(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \\
+  python -c "from amalia_ray.cluster.slurm import head_endpoint; print(head_endpoint({job.ray_port}, {job.dashboard_port}))")
+if [ -z "${{client_port:-}}" ]; then say "could not read the head node's address"; exit 1; fi
+client_server=$( [ "$client_port" != 0 ] && echo "--ray-client-server-port=$client_port" )
+export RAY_ADDRESS=$head_ip:$ray_port  # Ray's own processes too: a node may run other Ray instances
 ray_address=$RAY_ADDRESS
 ray_tmp={job.scratch}/ray-$SLURM_JOB_ID
 cpus=${{SLURM_CPUS_ON_NODE:-$(nproc)}}
-say "job $SLURM_JOB_ID on ${{#nodes[@]}} node(s): Ray head on $head_node ($ray_address)"
+say "job $SLURM_JOB_ID on ${{#nodes[@]}} node(s): Ray head on $head_node ($ray_address, dashboard port $dashboard_port)"
 
 # Ray's head on the first node, a worker on each of the others; --block keeps each one a job step, given the
-# node's CPUs (a step without --cpus-per-task is bound to one CPU: srun does not inherit sbatch's since Slurm 22.05)
+# node's CPUs (a step without --cpus-per-task is bound to one CPU: srun does not inherit sbatch's since Slurm 22.05).
+# Every other port Ray would take at a fixed number (the dashboard agent's 52365, workers' 10002-19999) is left to
+# the OS, so a second job's Ray on the same node does not collide with this one's
 srun --nodes=1 --ntasks=1 --overlap --cpus-per-task="$cpus" -w "$head_node" \\
-  ray start --head --node-ip-address="$head_ip" --port={job.ray_port} --dashboard-port={job.dashboard_port} \\
+  ray start --head --node-ip-address="$head_ip" --port="$ray_port" --dashboard-port="$dashboard_port" \\
+  $client_server {FREE_PORTS} \\
   --num-cpus="$cpus"{gpus} --temp-dir="$ray_tmp" --block &
 sleep 5
 for node in "${{nodes[@]:1}}"; do
   srun --nodes=1 --ntasks=1 --overlap --cpus-per-task="$cpus" -w "$node" \\
-    ray start --address="$ray_address" --num-cpus="$cpus"{gpus} --temp-dir="$ray_tmp" --block &
+    ray start --address="$ray_address" {FREE_PORTS} --num-cpus="$cpus"{gpus} --temp-dir="$ray_tmp" --block &
 done
 if ! python -c "from amalia_ray.cluster.slurm import wait_for_nodes; wait_for_nodes('$ray_address', ${{#nodes[@]}}, {job.join_timeout_s})"; then
   say "Ray did not come up on every node"; kill $(jobs -p) 2>/dev/null; wait; exit 1
@@ -324,6 +336,47 @@ def follow(job: SlurmJob, job_ids: list[str], emit: Callable[[str], None], poll_
                 break
             time.sleep(poll_s)
     return finals
+
+
+def head_endpoint(ray_port: int | None, dashboard_port: int | None) -> str:
+    """Run on the head node by the batch script: "ADDRESS RAY_PORT DASHBOARD_PORT CLIENT_PORT", the address the
+    other nodes reach this one at (`node_ip`) and the ports asked for, free ones of this node where none was; the
+    client server's port is 0 where Ray has no client server to start (grpc is missing: `ray start` refuses a port
+    for it then)."""
+    import importlib.util
+
+    client = free_port() if importlib.util.find_spec("grpc") else 0
+    return " ".join(map(str, (node_ip(), ray_port or free_port(), dashboard_port or free_port(), client)))
+
+
+def node_ip() -> str:
+    """This node's IPv4 address as other nodes reach it: the first one its hostname resolves to that is not a
+    loopback address (Debian-style hosts files map the hostname to 127.0.1.1), else the first such address of its
+    network interfaces; the loopback one only when the node has no other (it can then host a one-node job only)."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    candidates = []
+    try:
+        candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        pass
+    candidates += [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
+    for candidate in candidates:
+        ip = ipaddress.ip_address(candidate)
+        if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+            return candidate
+    return "127.0.0.1"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def wait_for_nodes(address: str, count: int, timeout_s: float) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from amalia_ray.cluster.local import cluster_has_gpu, ray_session
+from amalia_ray.cluster.local import ray_session, resolve_use_gpu
 from amalia_ray.core import hf_model
 from amalia_ray.core.config import EvalConfig
 from amalia_ray.core.console import stage_line
@@ -161,8 +161,7 @@ def cluster(p: RunContext):
 
 
 def use_gpu(p: RunContext) -> bool:
-    device = p.recipe.resources.device
-    return device == "cuda" or (device == "auto" and cluster_has_gpu())
+    return resolve_use_gpu(p.recipe.resources.device)
 
 
 def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:

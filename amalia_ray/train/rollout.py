@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import ray
 import torch
 
-from amalia_ray.core.config import RolloutConfig
+from amalia_ray.core.config import ENGINE_MAX_SEQS, RolloutConfig
 
 # beside its weights and KV cache, what a vLLM engine needs (CUDA context, activations, sampler) when sized for you
 ENGINE_WORKSPACE_BYTES = 2 << 30
@@ -25,7 +25,7 @@ KV_SPARE_TOKENS = 512
 class RolloutEngine:
     def __init__(self, model_dir: str, dtype: str, max_model_len: int, enforce_eager: bool, seed: int,
                  gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, sleep: bool,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, max_num_seqs: int = ENGINE_MAX_SEQS):
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
@@ -44,6 +44,7 @@ class RolloutEngine:
         # off-policy step weighs its policy against
         self.llm = LLM(model=model_dir, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=sleep,
+                       max_num_seqs=max_num_seqs,
                        logprobs_mode="processed_logprobs", weight_transfer_config=WeightTransferConfig(backend=BACKEND),
                        **kv)
         self.sleeps, self.asleep = sleep, False
@@ -199,9 +200,11 @@ def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, s
             raise ValueError("rollout.gpu_memory_utilization is not set and the engine has no sizing to derive it")
         utilization, kv = engine_memory(max_model_len=cfg.max_model_len, **sizing, **device_memory(
             use_gpu and colocated))
+    # a step's sequences at once, when known: no sampler or CUDA graphs sized for more than the engine is sent
+    seqs = max(1, min(ENGINE_MAX_SEQS, sizing["sequences"])) if sizing is not None else ENGINE_MAX_SEQS
     actor = ray.remote(RolloutEngine).options(runtime_env={"env_vars": env}, **options)
     return actor.remote(model_dir, cfg.resolved_dtype(use_gpu), cfg.max_model_len, cfg.eager(use_gpu), seed,
-                        utilization, kv, colocated and use_gpu, cfg.tensor_parallel)
+                        utilization, kv, colocated and use_gpu, cfg.tensor_parallel, seqs)
 
 
 def device_memory(this_gpu: bool) -> dict:

@@ -27,15 +27,15 @@ from amalia_ray.core.config.eval_config import (
 from amalia_ray.core.config.model_config import DIMENSIONS, ModelConfig
 from amalia_ray.core.config.serve_config import EngineConfig, ServeConfig
 from amalia_ray.core.config.train_config import (
-    checkpoint_interval, CurriculumConfig, DPOStage, GRPOStage, JudgeRewardConfig, LoraConfig, LOSS_CHUNK_POSITIONS,
-    MixPhase, PretrainStage, ProxyConfig, RewardConfig, RewardStage, RolloutConfig, SAMPLING_FIELDS, SFTStage, STAGE_TYPES,
-    train_stage, TrainStage, TrainStageConfig)
+    checkpoint_interval, CurriculumConfig, DPOStage, ENGINE_MAX_SEQS, GRPOStage, JudgeRewardConfig, LoraConfig,
+    LOSS_CHUNK_POSITIONS, MixPhase, PretrainStage, ProxyConfig, RewardConfig, RewardStage, RolloutConfig,
+    SAMPLING_FIELDS, SFTStage, STAGE_TYPES, train_stage, TrainStage, TrainStageConfig)
 
 __all__ = [
     "AccountingConfig", "checkpoint_interval", "CHOICE_TASKS", "CleaningConfig", "CurriculumConfig", "DataConfig",
-    "DecontaminationConfig", "DEFAULT_CHAT_TEMPLATE", "DIMENSIONS", "DPOStage", "EngineConfig", "EvalConfig",
-    "EvalTaskConfig", "FineWebConfig", "GopherQualityConfig", "GopherRepetitionConfig", "GRPOStage", "JudgeConfig",
-    "JudgeRewardConfig", "KEEP_RULES", "KeepRule", "LanguageConfig", "LoraConfig", "LOSS_CHUNK_POSITIONS", "MixPhase",
+    "DecontaminationConfig", "DEFAULT_CHAT_TEMPLATE", "DIMENSIONS", "DPOStage", "ENGINE_MAX_SEQS", "EngineConfig",
+    "EvalConfig", "EvalTaskConfig", "FineWebConfig", "GopherQualityConfig", "GopherRepetitionConfig", "GRPOStage",
+    "JudgeConfig", "JudgeRewardConfig", "KEEP_RULES", "KeepRule", "LanguageConfig", "LoraConfig", "LOSS_CHUNK_POSITIONS", "MixPhase",
     "ModelConfig", "NAME_PATTERN", "NearDedupConfig", "PackConfig", "PlanConfig", "PretrainStage", "ProxyConfig",
     "QualityConfig", "Recipe", "ResourcesConfig", "RewardConfig", "RewardStage", "RolloutConfig", "RunConfig", "SAMPLING_FIELDS",
     "ServeConfig", "SFTStage", "SiteBoilerplateConfig", "SourceConfig", "STAGE_TYPES", "Strict", "TASK_REFERENCE",

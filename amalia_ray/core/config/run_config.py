@@ -35,7 +35,8 @@ class ResourcesConfig(Strict):
     num_cpus: int | None = Field(
         None, ge=1, description="logical CPUs of the embedded Ray; default max(8, cores) so Serve can schedule"
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: GPUs when the cluster has them")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: GPUs when the cluster has them or its autoscaler can start nodes that have them")
 
 
 class PlanConfig(Strict):
@@ -47,6 +48,10 @@ class PlanConfig(Strict):
     usd_per_gpu_hour: float = Field(2.5, ge=0)
     watts_per_gpu: float = Field(700, gt=0, description="per GPU, including its share of the node, for energy")
     headroom_gb: float = Field(6, ge=0, description="per GPU for the CUDA context, NCCL buffers and fragmentation")
+    memory_tb_per_s: float = Field(3.35, gt=0, description="memory bandwidth of one GPU (TB/s): each token a rollout "
+                                   "engine decodes reads its weights and its sequences' KV cache")
+    decode_bandwidth_utilization: float = Field(
+        0.6, gt=0, le=1, description="share of memory_tb_per_s a decoding step achieves (prefill runs at mfu)")
     storage_write_gb_per_s: float = Field(5, gt=0, description="what the run's storage takes in, all ranks writing "
                                           "at once: a checkpoint's save time (and with it when a batch job must be "
                                           "told to stop) follows from it")

@@ -54,6 +54,12 @@ class CurriculumConfig(Strict):
         return self
 
 
+# the most sequences a rollout engine decodes at once: vLLM sizes its sampler's warm-up (max_num_seqs × vocabulary
+# logits) and its CUDA graphs by it, and its default on an H100 (1,024) would outgrow an engine's workspace for large
+# vocabularies; below every default max_num_batched_tokens (≥ 2,048), which vLLM requires it not to exceed
+ENGINE_MAX_SEQS = 256
+
+
 class RolloutConfig(EngineConfig):
     """The vLLM engines (the rollout fleet) a grpo or on-policy dpo stage samples from."""
     engines: int = Field(1, ge=1, description="vLLM engines sampling in parallel: each rollout's prompts are split "
