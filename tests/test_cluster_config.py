@@ -78,7 +78,7 @@ def test_the_9b_recipe_reads_and_writes_where_every_cluster_file_mounts_the_shar
     paths = [recipe["run"]["output_dir"], *(p for s in recipe["data"]["sources"] for p in s["paths"]),
              *(s["dataset"] for s in recipe["train"] if isinstance(s.get("dataset"), str))]
     launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-    (checked,) = [c for c in launcher["setup_commands"] if "mountpoint -q" in c]
+    (checked,) = [c for c in launcher["setup_commands"] if "nothing is mounted" in c]
     mounts = {"cluster.yaml": checked.split("mountpoint -q ")[1].split()[0]}
     for name in ("raycluster.yaml", "rayjob.yaml"):
         spec = yaml.safe_load((ROOT / "deploy" / "kuberay" / name).read_text())["spec"]

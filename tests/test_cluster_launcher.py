@@ -67,8 +67,8 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
     - uv is already in ~/.local/bin (its installer's host is out of reach here), so `command -v` skips the curl;
     - `.[gpu]` installs as `.`: vLLM's CUDA build has no use on a machine without a GPU;
     - `sudo` is a shim that runs its command (root here), and /mnt is a private tmpfs, so /mnt/shared is created
-      out of this machine's sight, and a tmpfs mounted there stands in for the shared filesystem (without one the
-      first setup command stops the node, which is checked first);
+      out of this machine's sight, and a tmpfs mounted there stands in for the EFS mount (so its setup command
+      skips the mount; without anything mounted, the check after it stops the node, which is tested first);
     - Ray starts in its own PID, mount and network namespaces: `ray stop` sees only these nodes, /tmp/ray is its
       own, and ports 6379 and 8265 are free whatever else runs here; the worker joins the head at
       RAY_HEAD_IP=127.0.0.1;
@@ -112,7 +112,8 @@ def test_setup_and_start_commands_bring_up_a_head_and_a_worker_from_a_fresh_home
            **{k: v for k, v in os.environ.items() if k.startswith(("UV_", "SSL_", "http_", "https_", "HTTP", "NO_"))}}
     setup = [c.replace(".[gpu]", ".") for c in config["setup_commands"] + config["head_setup_commands"]
              + config["worker_setup_commands"]]
-    unshared = _in_namespaces("mount -t tmpfs none /mnt\ncd ~\n" + _checked(setup[:1]), env, ["--mount"], timeout=60)
+    (check,) = [c for c in setup if "nothing is mounted" in c]  # not the EFS mount before it: AWS only
+    unshared = _in_namespaces("mount -t tmpfs none /mnt\ncd ~\n" + _checked([check]), env, ["--mount"], timeout=60)
     assert unshared.returncode == 1 and "nothing is mounted at /mnt/shared" in unshared.stdout, unshared.stdout
     shared = "mount -t tmpfs none /mnt && mkdir /mnt/shared && mount -t tmpfs none /mnt/shared"
     done = _in_namespaces(f"{shared}\ncd ~\n" + _checked(setup), env, ["--mount"], timeout=900)

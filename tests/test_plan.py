@@ -150,15 +150,23 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     assert one.rollout_s / 2 < two.rollout_s < one.rollout_s, "each engine reads all of its weights every token"
     twice = plan_stage(train_stage({**grpo, "num_iterations": 2}), r, dims)
     assert twice.step_time_s == pytest.approx(sft_like.step_time_s + one.rollout_s / 2)
+    # an engine samples whole prompts: 3 prompts of 8 on 2 engines, the first engine samples 16 completions
+    odd = {**grpo, "global_batch_size": 24, "num_generations": 8}
+    assert plan_stage(train_stage({**odd, "rollout": {"engines": 2}}), r, dims).rollout_s == pytest.approx(
+        plan_stage(train_stage({**odd, "global_batch_size": 32, "rollout": {"engines": 2}}), r, dims).rollout_s)
 
     separate = {"engines": 2, "tensor_parallel": 4, "placement": "separate"}
     apart = plan_stage(train_stage({**grpo, "rollout": separate}), r, dims)
     assert apart.gpu_hours == pytest.approx(100 * apart.step_time_s * (8 + 8) / 3600)
     assert "the engines' 8 GPU(s) of their own are in the GPU-hours" in apart.notes[0]
+    # asynchronous: the first rollout waited for, each later one sampled during the last step on the one before
     overlapped = plan_stage(train_stage({**grpo, "rollout": separate, "async_rollout": True}), r, dims)
-    assert overlapped.step_time_s == pytest.approx(
-        (apart.rollout_s + 100 * max(sft_like.step_time_s, apart.rollout_s)) / 100)
+    train, rollout = sft_like.step_time_s, apart.rollout_s
+    assert overlapped.step_time_s == pytest.approx((rollout + 99 * max(train, rollout) + train) / 100)
     assert overlapped.step_time_s < apart.step_time_s
+    three = plan_stage(train_stage({**grpo, "rollout": separate, "async_rollout": True, "num_iterations": 3}), r, dims)
+    # 34 rollouts: 33 overlapped with the third step on the one before, the last one's single step alone
+    assert three.step_time_s == pytest.approx((rollout + 33 * (2 * train + max(train, rollout)) + train) / 100)
 
     dpo = {"name": "d", "objective": "dpo", "dataset": "tasks.jsonl", "steps": 100, "num_workers": 8,
            "seq_len": 4096, "activation_checkpointing": True}

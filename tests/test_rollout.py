@@ -120,7 +120,7 @@ def test_a_fleet_splits_prompts_in_order_and_seeds_each_by_its_place_in_the_stre
     assert len(set(first)) == 6 and all(s % 4 == 0 for s in first) and prompt_seeds(1, 0, 6, 4) != first
 
 
-def test_fleet_shapes_that_cannot_run_are_refused_before_an_engine_starts():
+def test_fleet_shapes_that_cannot_run_are_refused_before_an_engine_starts(monkeypatch):
     from amalia_ray.core.config import train_stage
     from amalia_ray.train.rollout_fleet import start_fleet, weight_transport
 
@@ -136,6 +136,15 @@ def test_fleet_shapes_that_cannot_run_are_refused_before_an_engine_starts():
         start_fleet("m", RolloutConfig(engines=3), 0, True, None, workers)
     with pytest.raises(ValueError, match="tensor_parallel 2 shards engines over GPUs; on CPU"):
         start_fleet("m", RolloutConfig(tensor_parallel=2, placement="separate"), 0, False, None, workers)
+    # each engine is sized for whole prompts, as they are dealt out: 3 prompts of 8 completions on 2 engines, the
+    # first samples 16
+    from amalia_ray.train import rollout_fleet
+
+    sized = []
+    monkeypatch.setattr(rollout_fleet, "start_engine", lambda model, cfg, seed, gpu, sizing, **k: sized.append(sizing))
+    sizing = {"weight_bytes": 1, "kv_per_token": 1, "sequences": 24, "tokens_per_sequence": 8, "per_prompt": 8}
+    start_fleet("m", RolloutConfig(engines=2), 0, False, sizing, workers, weight_sync=False)
+    assert [s["sequences"] for s in sized] == [16, 16] and "per_prompt" not in sized[0]
     # an engine sharing rank 0's GPU cannot join it in a NCCL group: NCCL only to engines on GPUs of their own
     assert weight_transport(RolloutConfig(engines=2), use_gpu=True) == "gloo"
     assert weight_transport(RolloutConfig(placement="separate"), use_gpu=True) == "nccl"

@@ -77,15 +77,16 @@ def test_the_head_is_reached_at_an_address_other_nodes_can_use(monkeypatch):
     from amalia_ray.cluster import slurm
 
     def interfaces(*addresses):
-        return {f"if{i}": [SimpleNamespace(family=socket.AF_INET, address=a)] for i, a in enumerate(addresses)}
+        return {name: [SimpleNamespace(family=socket.AF_INET, address=a)] for name, a in addresses}
 
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
-    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces("127.0.0.1", "169.254.3.4", "10.1.2.3"))
-    assert slurm.node_ip() == "10.1.2.3"
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces(
+        ("lo", "127.0.0.1"), ("docker0", "172.17.0.1"), ("eno1", "169.254.3.4"), ("ib0", "10.1.2.3")))
+    assert slurm.node_ip() == "10.1.2.3", "not loopback, Docker's bridge or a link-local address"
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a: [(socket.AF_INET, 1, 6, "", ("10.9.9.9", 0))])
     assert slurm.node_ip() == "10.9.9.9", "the address the hostname resolves to comes first"
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a: (_ for _ in ()).throw(socket.gaierror("unknown host")))
-    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces("127.0.0.1"))
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces(("lo", "127.0.0.1")))
     assert slurm.node_ip() == "127.0.0.1", "a node with no other address: a one-node job still runs"
     ip, ray_port, dashboard, client = slurm.head_endpoint(None, 8270).split()
     assert ip == "127.0.0.1" and int(dashboard) == 8270 and len({ray_port, dashboard, client}) == 3
@@ -128,7 +129,8 @@ def test_a_control_character_never_reaches_the_batch_script(tmp_path):
 def test_the_stop_margin_covers_a_step_and_a_checkpoint_planned_or_measured(tmp_path):
     """The stop is seen at the end of a step, then the checkpoint is saved: the 9B recipe's pretraining (a 9.9 s
     step, a ~22 s save of 108 GB at 5 GB/s: 108 s) keeps the 120 s floor; once the run has measured slower saves,
-    those count; a slow planned step and save raise it."""
+    those count, with its slowest step but the first (which compiles); a slow planned step and save raise it, and a
+    GRPO step may hold a whole rollout."""
     import json
     from types import SimpleNamespace
 
@@ -142,15 +144,19 @@ def test_the_stop_margin_covers_a_step_and_a_checkpoint_planned_or_measured(tmp_
     slowest = max(stages, key=lambda p: p.step_time_s + p.checkpoint_s)
     assert slowest.stage == "pretrain" and 20 < slowest.checkpoint_s < 25
     assert seconds == 120 and why == "at least 120 s; pretrain: a step 10 s + a checkpoint 22 s, planned"
-    assert stop_margin([SimpleNamespace(stage="x", step_time_s=60, checkpoint_s=30)], tmp_path) == (
+    assert stop_margin([SimpleNamespace(stage="x", step_time_s=60, checkpoint_s=30, rollout_s=0)], tmp_path) == (
         195, "x: a step 60 s + a checkpoint 30 s, planned")
+    assert stop_margin([SimpleNamespace(stage="rl", step_time_s=60, checkpoint_s=30, rollout_s=100)], tmp_path) == (
+        345, "rl: a step 160 s + a checkpoint 30 s, planned")
     (tmp_path / slowest.stage).mkdir()
+    times = {1: 90.0, 2: 12.0, 3: 20.0, 4: 12.0}
     (tmp_path / slowest.stage / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": i, "step_time_s": 12.0, **({"last_checkpoint_s": 300.0} if i == 3 else {})}) + "\n"
-        for i in range(1, 5)) + '{"step": 5, "step_ti')  # a job still appending
-    assert stop_margin(stages, tmp_path) == (math.ceil(1.5 * 312 + 60), f"{slowest.stage}: a step 12 s + a "
+        json.dumps({"step": i, "step_time_s": t, **({"last_checkpoint_s": 300.0} if i == 3 else {})}) + "\n"
+        for i, t in times.items()) + '{"step": 5, "step_ti')  # a job still appending
+    assert stop_margin(stages, tmp_path) == (math.ceil(1.5 * 320 + 60), f"{slowest.stage}: a step 20 s + a "
                                                                           "checkpoint 300 s, measured")
-    assert stop_margin([SimpleNamespace(stage="tiny", step_time_s=0.1, checkpoint_s=0.01)], tmp_path)[0] == 120
+    assert stop_margin([SimpleNamespace(stage="tiny", step_time_s=0.1, checkpoint_s=0.01, rollout_s=0)],
+                       tmp_path)[0] == 120
 
 
 def test_sigusr1_asks_the_run_to_stop_and_a_new_run_forgets_it(tmp_path):

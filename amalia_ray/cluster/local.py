@@ -141,15 +141,18 @@ LAUNCHER_CONFIG = Path("~/ray_bootstrap_config.yaml")
 
 
 def cluster_has_gpu() -> bool:
-    """Whether the cluster has GPUs or can add nodes that have them: an autoscaled cluster whose GPU workers start on
-    demand shows none until a task asks for one, so the node types its autoscaler may start count as much as the
-    nodes up now — as reported to Ray by autoscalers that report their node types, or as the cluster launcher's
-    config on the head node declares them (`resources: {GPU: n}` of a type with `max_workers` > 0)."""
+    """Whether the cluster has GPUs or can add nodes that have them (`cluster_gpus`)."""
+    return cluster_gpus() > 0
+
+
+def cluster_gpus() -> int:
+    """The GPUs the cluster has, or may have: an autoscaled cluster whose GPU workers start on demand shows none until
+    a task asks for one, so the node types its autoscaler may start count as much as the nodes up now — as
+    reported to Ray by autoscalers that report their node types, or as the cluster launcher's config on the head
+    node declares them (`resources: {GPU: n}` of a type with `max_workers` > 0)."""
     import ray
 
-    if ray.cluster_resources().get("GPU", 0) > 0:
-        return True
-    return autoscaled_gpus() > 0
+    return max(int(ray.cluster_resources().get("GPU", 0)), autoscaled_gpus())
 
 
 def autoscaled_gpus() -> int:

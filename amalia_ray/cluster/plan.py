@@ -26,8 +26,8 @@ GRPO adds its rollouts, one per `num_iterations` steps, each at most (every comp
 every prompt as long as fits beside it in seq_len): per engine, its share of the step's completions, at most
 ENGINE_MAX_SEQS decoded at once; a prefill at the stage's MFU, then one decoding step per completion token, each
 bounded by reading the engine's bf16 weights and its sequences' KV cache at `decode_bandwidth_utilization` of
-`memory_tb_per_s` (or by its compute, where that is slower). With `async_rollout` a rollout overlaps the steps
-before it. GPU-hours count the GPUs of rollout engines placed apart from the workers for the whole stage; weight
+`memory_tb_per_s` (or by its compute, where that is slower). With `async_rollout` a rollout overlaps the last step
+on the rollout before it. GPU-hours count the GPUs of rollout engines placed apart from the workers for the whole stage; weight
 pushes, engines waking, and GPUs of served reward models and judges are left out (a note says so). On-policy DPO
 samples once before training, from a tasks file the plan does not read: a note gives the time per 1,000 prompts.
 
@@ -158,7 +158,8 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     rows = stage.global_batch_size + fillers_per_step(stage.global_batch_size, stage.micro_batch_size, gpus)
     step_flops = rows * seq * per_pair * flops_per_token
     train_time = step_flops / (gpus * hw.peak_tflops * 1e12 * hw.mfu)
-    rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size) if stage.objective == "grpo" else 0.0
+    rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size // stage.num_generations) \
+        if stage.objective == "grpo" else 0.0
     wall = stage_seconds(stage, train_time, rollout)
     step_time = wall / stage.steps
     gpu_hours = wall * (gpus + stage.engine_gpus(True)) / 3600
@@ -176,11 +177,12 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
                             if advise and fits else ()))
 
 
-def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, completions: int) -> float:
-    """One rollout of `completions` sequences on the stage's engines, at most (see the module's docstring)."""
+def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int) -> float:
+    """One rollout of `num_generations` completions for each of `prompts` prompts on the stage's engines, at most
+    (see the module's docstring); an engine samples whole prompts."""
     tp, out = stage.rollout.tensor_parallel, stage.max_completion_length
     prompt = max(seq - out, 0)
-    per_engine = -(-completions // stage.rollout.engines)
+    per_engine = -(-prompts // stage.rollout.engines) * stage.num_generations
     waves = -(-per_engine // ENGINE_MAX_SEQS)
     batch = -(-per_engine // waves)
     params = parameter_count(m)[0]
@@ -194,28 +196,32 @@ def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, 
 
 
 def stage_seconds(stage: TrainStageConfig, train_step_s: float, rollout_s: float) -> float:
-    """The stage's wall time: its steps, and a rollout before every `num_iterations` of them, after the last one's
-    steps where the rollout is asynchronous (only the first rollout is then waited for on its own)."""
+    """The stage's wall time: its steps, and a rollout before every `num_iterations` of them. Asynchronous, the
+    first rollout is waited for on its own and each later one is sampled during the last step on the rollout before
+    it (the step that starts it): that step takes the longer of the two."""
     if not rollout_s:
         return stage.steps * train_step_s
-    rollouts = -(-stage.steps // stage.num_iterations)
+    k = stage.num_iterations
+    rollouts = -(-stage.steps // k)
     if getattr(stage, "async_rollout", False):
-        return rollout_s + rollouts * max(stage.num_iterations * train_step_s, rollout_s)
+        overlapped = rollouts - 1
+        return (rollout_s + overlapped * ((k - 1) * train_step_s + max(train_step_s, rollout_s))
+                + (stage.steps - overlapped * k) * train_step_s)
     return stage.steps * train_step_s + rollouts * rollout_s
 
 
 def _sampling_notes(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int) -> tuple[str, ...]:
     """What the plan of a stage that samples estimates, and what it leaves out."""
     if stage.objective == "grpo":
-        rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size)
+        rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size // stage.num_generations)
         apart = stage.engine_gpus(True)
         notes = [f"rollouts: at most {rollout:,.1f} s each on {stage.rollout.engines} engine(s), one per "
-                 f"{stage.num_iterations} step(s)" + (", overlapping the steps before it" if stage.async_rollout
-                                                        else "") + ", in the step time"
+                 f"{stage.num_iterations} step(s)" + (", each overlapping the last step on the one before"
+                                                        if stage.async_rollout else "") + ", in the step time"
                  + (f"; the engines' {apart} GPU(s) of their own are in the GPU-hours" if apart else "")
                  + "; weight pushes and engines waking are not"]
     elif getattr(stage, "on_policy", False):
-        per_thousand = rollout_seconds(stage, m, hw, seq, 1000 * stage.num_generations)
+        per_thousand = rollout_seconds(stage, m, hw, seq, 1000)
         notes = [f"samples its pairs once before training, about {per_thousand:,.0f} s per 1,000 task prompts "
                  f"({stage.num_generations} completions each) on {stage.rollout.engines} engine(s): not in the "
                  "step time or GPU-hours (the plan does not read the tasks file)"]

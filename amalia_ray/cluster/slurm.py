@@ -11,11 +11,11 @@ another reason) cancels the rest of its chain."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
-import statistics
 import shlex
 import shutil
 import subprocess
@@ -32,6 +32,8 @@ from amalia_ray.core.stop import EXIT_STOPPED, STOP_FILE
 SCRIPT = "job.sbatch"
 # the ports `ray start` would take at fixed numbers on every node, left to the OS instead (0: any free port)
 FREE_PORTS = "--dashboard-agent-listen-port=0 --min-worker-port=0 --max-worker-port=0"
+# interfaces only this node reaches through: Docker's, libvirt's, container networks'
+VIRTUAL = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "podman", "lxc")
 CHAIN = "chain.txt"
 TIME_PATTERN = re.compile(r"^(?:\d+-)?\d+(?::\d{1,2}){0,2}$")  # the formats sbatch --time takes
 # filesystems every node of a cluster mounts alike; a run folder elsewhere is seen by one node only
@@ -94,16 +96,17 @@ class SlurmJob:
 def stop_margin(plans: list, run_dir: Path, floor: int = 120) -> tuple[int, str]:
     """How long before the time limit a run must be told to stop, and why: the stop is seen at the end of a step,
     then a checkpoint is saved, so 1.5 × (a step + a save) of the slowest training stage plus a minute, at least
-    `floor` s. The run's own measured steps (median) and saves (slowest) replace the plan's (`plan.StagePlan`)
-    where it has any."""
+    `floor` s. A step is the longest one: planned, a step with a whole rollout in it (GRPO samples before one step
+    in `num_iterations`); measured, the slowest after the first (which compiles and warms up). The run's own
+    measured steps and saves (slowest) replace the plan's (`plan.StagePlan`) where it has any."""
     worst, why = 0.0, ""
     for p in plans:
-        step, save, basis = p.step_time_s, p.checkpoint_s, "planned"
+        step, save, basis = p.step_time_s + p.rollout_s, p.checkpoint_s, "planned"
         metrics = run_dir / p.stage / "metrics.jsonl"
         if metrics.exists():
             rows = [row for line in metrics.read_text().splitlines() if (row := _record(line))]
             if steps := [r["step_time_s"] for r in rows if "step_time_s" in r]:
-                step, basis = statistics.median(steps), "measured"
+                step, basis = max(steps[1:] or steps), "measured"
             if saves := [r["last_checkpoint_s"] for r in rows if "last_checkpoint_s" in r]:
                 save = max(saves)
         if (need := 1.5 * (step + save) + 60) > worst:
@@ -344,15 +347,23 @@ def head_endpoint(ray_port: int | None, dashboard_port: int | None) -> str:
     client server's port is 0 where Ray has no client server to start (grpc is missing: `ray start` refuses a port
     for it then)."""
     import importlib.util
+    import socket
 
-    client = free_port() if importlib.util.find_spec("grpc") else 0
-    return " ".join(map(str, (node_ip(), ray_port or free_port(), dashboard_port or free_port(), client)))
+    with contextlib.ExitStack() as held:  # each port held until all are picked: three different ones
+        def free() -> int:
+            s = held.enter_context(socket.socket())
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+        ports = (ray_port or free(), dashboard_port or free(), free() if importlib.util.find_spec("grpc") else 0)
+    return " ".join(map(str, (node_ip(), *ports)))
 
 
 def node_ip() -> str:
     """This node's IPv4 address as other nodes reach it: the first one its hostname resolves to that is not a
     loopback address (Debian-style hosts files map the hostname to 127.0.1.1), else the first such address of its
-    network interfaces; the loopback one only when the node has no other (it can then host a one-node job only)."""
+    network interfaces but the virtual bridges of containers and VMs; the loopback one only when the node has no
+    other (it can then host a one-node job only)."""
     import ipaddress
     import socket
 
@@ -363,20 +374,13 @@ def node_ip() -> str:
         candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
     except OSError:
         pass
-    candidates += [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
+    candidates += [a.address for name, addrs in psutil.net_if_addrs().items() if not name.startswith(VIRTUAL)
+                   for a in addrs if a.family == socket.AF_INET]
     for candidate in candidates:
         ip = ipaddress.ip_address(candidate)
         if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
             return candidate
     return "127.0.0.1"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_nodes(address: str, count: int, timeout_s: float) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
-from amalia_ray.cluster.local import ray_session, resolve_use_gpu
+from amalia_ray.cluster.local import cluster_gpus, ray_session, resolve_use_gpu
 from amalia_ray.core import hf_model
 from amalia_ray.core.config import EvalConfig
 from amalia_ray.core.console import stage_line
@@ -414,10 +414,8 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
     rms, judged_by = reward_models(p, stage), judge_stages(stage)
     engines, adapters, ids = judge_engines(p, judged_by) if judged_by else ({}, {}, {})
     if gpu and (rms or engines or stage.engine_gpus(True)):
-        import ray
-
         judges = _serve_held(r.serve, len(engines) * r.serve.min_replicas, True, float("inf"))["GPU"]
-        check_gpus_beside_workers(stage, len(rms) + judges, int(ray.cluster_resources().get("GPU", 0)))
+        check_gpus_beside_workers(stage, len(rms) + judges, cluster_gpus())
     try:
         if engines:  # first: where it starts Serve, it starts it with the HTTP proxy the judges are reached by
             stage_line(stage.name, f"serving the judge(s) {escape(', '.join(judged_by))}")
@@ -438,8 +436,8 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
 
 def check_gpus_beside_workers(stage, served: int, cluster_gpus: int) -> None:
     """On GPUs each reward model's replica and judge's engine holds GPUs of its own (`served` in all) beside the
-    stage's workers (and separate rollout engines'): a cluster without that many would leave a replica, or the
-    workers after it, waiting forever."""
+    stage's workers (and separate rollout engines'): a cluster without that many, up or to be started by its
+    autoscaler (`cluster_gpus`), would leave a replica, or the workers after it, waiting forever."""
     engines = stage.engine_gpus(True)
     needed = stage.worker_range[0] + served + engines
     if cluster_gpus < needed:

@@ -151,7 +151,12 @@ def this_worker(use_gpu: bool) -> tuple[str, str | None]:
     return node, visible.split(",")[index] if visible else str(index)
 
 
-def sharded_engine_group(tensor_parallel: int, timeout_s: float = 300.0):
+# how long a sharded engine waits for a node with its GPUs free: an autoscaler starting a GPU node (a p5.48xlarge
+# booting and running its setup) takes ten minutes or more
+ENGINE_PLACEMENT_TIMEOUT_S = 1800.0
+
+
+def sharded_engine_group(tensor_parallel: int, timeout_s: float = ENGINE_PLACEMENT_TIMEOUT_S):
     """The placement group of one sharded engine: a bundle for its own process, then one per GPU, all on one node
     (STRICT_PACK). vLLM's Ray executor puts its workers in the GPU bundles of the group its process runs in, so the
     engine's GPUs are free ones of one node, and its process is on that node (vLLM picks its platform from the

@@ -137,7 +137,10 @@ def start_fleet(model_dir: str, config: RolloutConfig, seed: int, use_gpu: bool,
     if sizing is not None:  # under tensor parallelism a GPU holds its share of the weights and of the KV heads,
         tp, sizing = config.tensor_parallel, dict(sizing)  # which vLLM replicates when there are fewer than GPUs
         kv_heads = sizing.pop("kv_heads", tp)
-        sizing |= {"sequences": -(-sizing["sequences"] // n), "weight_bytes": sizing["weight_bytes"] // tp,
+        # prompts are dealt out whole (`shares`): an engine samples all of a prompt's completions
+        per_prompt = sizing.pop("per_prompt", 1)
+        prompts = -(-sizing["sequences"] // per_prompt)
+        sizing |= {"sequences": -(-prompts // n) * per_prompt, "weight_bytes": sizing["weight_bytes"] // tp,
                    "kv_per_token": sizing["kv_per_token"] * -(-kv_heads // tp) // kv_heads}
     engines, groups = [], []
     try:
@@ -227,10 +230,10 @@ def encode_prompt(tok, prompt) -> list[int]:
 
 def fleet_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutConfig, seed: int, use_gpu: bool,
                    sequences: int, tokens_per_sequence: int, step_transient_bytes: int = 0,
-                   weight_sync: bool = True) -> RolloutFleet | None:
+                   weight_sync: bool = True, per_prompt: int = 1) -> RolloutFleet | None:
     """Export the model's current weights as a HF folder and start the fleet on it from rank 0 (a collective:
     every rank calls this, and tells rank 0 where it runs), sized for `sequences` of up to `tokens_per_sequence`
-    tokens at once, leaving each trainer its gradients, AdamW state and `step_transient_bytes` (a step's
+    tokens at once, `per_prompt` of them for each prompt, leaving each trainer its gradients, AdamW state and `step_transient_bytes` (a step's
     activations and the like, from `amalia plan`'s arithmetic); None on the other ranks."""
     from amalia_ray.train.hf_weights import export_hf
 
@@ -248,7 +251,7 @@ def fleet_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutCo
     dtype = getattr(torch, engine.resolved_dtype(use_gpu))
     numel = sum(p.numel() for p in model.parameters())
     text = getattr(model.config, "text_config", None) or model.config
-    sizing = {"weight_bytes": numel * torch.finfo(dtype).bits // 8, "sequences": sequences,
+    sizing = {"weight_bytes": numel * torch.finfo(dtype).bits // 8, "sequences": sequences, "per_prompt": per_prompt,
               "kv_per_token": kv_bytes_per_token(model.config, dtype), "tokens_per_sequence": tokens_per_sequence,
               "trainer_bytes": 12 * local + step_transient_bytes,
               "kv_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}

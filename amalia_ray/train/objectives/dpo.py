@@ -168,7 +168,7 @@ class DPO(Objective):
         fleet = fleet_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
                                cfg["use_gpu"], len(cfg["prompts"]) * n,
                                max(map(len, cfg["prompts"])) + stage.max_completion_length,
-                               weight_sync=False)  # it samples once, with the weights it starts from
+                               weight_sync=False, per_prompt=n)  # it samples once, with the weights it starts from
         payload = [None]
         if dist.get_rank() == 0:
             try:

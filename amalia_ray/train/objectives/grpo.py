@@ -173,7 +173,7 @@ class GRPO(Objective):
         longest = max(map(len, self.prompts)) + self.max_new  # what a step's sequences are padded to
         step = self.step_transient(longest) if self.step_transient else 0
         self.fleet = fleet_on_model(model, self.tokenizer_dir, self.work_dir, self.engine_config, self.seed,
-                                    self.use_gpu, self.sequences, longest, step)
+                                    self.use_gpu, self.sequences, longest, step, per_prompt=self.G)
         if self.kl_coef > 0 and not self.lora:
             self.reference = frozen_copy(self.work_dir / "rollout-init")
 
