@@ -128,6 +128,7 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     their GPUs for the whole stage; an asynchronous rollout overlaps the steps before it. On-policy DPO's one
     sampling pass and served reward models are named in notes, not counted."""
     from amalia_ray.core.config import train_stage
+    from amalia_ray.core.console import figure
 
     r, dims = _dims(AMALIA_9B)
     params = parameter_count(dims)[0]
@@ -144,7 +145,7 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     assert one.rollout_s == pytest.approx(prefill + decode)
     assert one.step_time_s == pytest.approx(sft_like.step_time_s + one.rollout_s)
     assert one.gpu_hours == pytest.approx(100 * one.step_time_s * 8 / 3600)
-    assert one.notes[0].startswith(f"rollouts: at most {one.rollout_s:,.1f} s each on 1 engine(s), one per 1 step(s)")
+    assert one.notes[0].startswith(f"rollouts: at most {figure(one.rollout_s)} s each on 1 engine(s), one per 1 step(s)")
 
     two = plan_stage(train_stage({**grpo, "rollout": {"engines": 2}}), r, dims)
     assert one.rollout_s / 2 < two.rollout_s < one.rollout_s, "each engine reads all of its weights every token"
@@ -205,7 +206,7 @@ def test_a_stage_that_cannot_fit_is_refused_with_what_to_change(tmp_path):
 def test_the_plan_shows_every_figure_whole_at_any_terminal_width(columns):
     """At 80 columns (a terminal's and a CI log's default) one block of label-value lines per stage, no line wider
     than the terminal; wide enough, the table. Either way every figure whole: nothing cut to "sta…"."""
-    from amalia_ray.cli.cluster_commands import _figure
+    from amalia_ray.core.console import figure
 
     loaded = load_recipe(AMALIA_9B)
     result = CliRunner().invoke(app, ["plan", str(AMALIA_9B)], env={"COLUMNS": str(columns)})
@@ -214,14 +215,14 @@ def test_the_plan_shows_every_figure_whole_at_any_terminal_width(columns):
     assert "…" not in result.output
     plans = plan(loaded.recipe, recipe_config(loaded.recipe.model, loaded.resolve))
     figures = [f for p in plans for f in (p.stage, str(p.gpus), f"{p.tokens_per_step:,}", f"{p.total_memory_gb:.1f}",
-                                           _figure(p.step_time_s), _figure(p.gpu_hours), _figure(p.cost_usd),
-                                           _figure(p.energy_kwh), *(f"{gb:.1f}" for gb in p.memory_gb.values()))]
+                                           figure(p.step_time_s), figure(p.gpu_hours), figure(p.cost_usd),
+                                           figure(p.energy_kwh), *(f"{gb:.1f}" for gb in p.memory_gb.values()))]
     cells = {cell for line in lines for cell in re.split(r"[\s│]+|, ", line)}
     assert set(figures) <= cells, set(figures) - cells
     if columns == 80:
         assert max(map(len, lines)) <= 80 and not any("┃" in line for line in lines)
         block = lines[lines.index("pretrain"):lines.index("sft")]
-        assert block[1].split() == ["GPUs", str(plans[0].gpus)] and any(ln.split()[:2] == ["GPU-hours", _figure(
+        assert block[1].split() == ["GPUs", str(plans[0].gpus)] and any(ln.split()[:2] == ["GPU-hours", figure(
             plans[0].gpu_hours)] for ln in block)
     else:
         assert any("┃" in line and "GPU-hours" in line and "implied MFU" in line for line in lines)

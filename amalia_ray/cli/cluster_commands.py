@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from amalia_ray.cli.common import DEFAULT_RECIPE, AddressOpt, RecipeArg, app, console, guarded
+from amalia_ray.core.console import figure
 
 PATHS_TO_SECRETS = ("GOOGLE_APPLICATION_CREDENTIALS",)  # named like a secret, holding where one is
 
@@ -117,8 +118,8 @@ def _print_plans(title: list[str], plans: list) -> None:
     from rich.table import Table
 
     rows = {p.stage: [str(p.gpus), str(p.seq_len), f"{p.tokens_per_step:,}",
-                      f"{p.total_memory_gb:.1f}" + ("" if p.fits else " ✗ does not fit"), _figure(p.step_time_s),
-                      _figure(p.gpu_hours), _figure(p.cost_usd), _figure(p.energy_kwh), _figure(p.tokens_per_joule),
+                      f"{p.total_memory_gb:.1f}" + ("" if p.fits else " ✗ does not fit"), figure(p.step_time_s),
+                      figure(p.gpu_hours), figure(p.cost_usd), figure(p.energy_kwh), figure(p.tokens_per_joule),
                       f"{p.implied_mfu:.1%}" if p.implied_mfu else "–"] for p in plans}
     table = Table(title=" ".join(title))
     for col in ("stage", *PLAN_COLUMNS):
@@ -149,10 +150,6 @@ def _print_notes(plans: list) -> None:
     for p in plans:
         for note in p.notes:
             console.print(f"{p.stage} ({p.nodes} nodes): {note}", markup=False)
-
-
-def _figure(v: float) -> str:
-    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
 def _base_config(loaded) -> dict | None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from amalia_ray.core.config import ENGINE_MAX_SEQS, LOSS_CHUNK_POSITIONS, PlanConfig, Recipe, TrainStageConfig
+from amalia_ray.core.console import figure
 from amalia_ray.core.flops import model_flops_per_token
 from amalia_ray.core.formats.shards import fillers_per_step
 
@@ -215,14 +216,14 @@ def _sampling_notes(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int) 
     if stage.objective == "grpo":
         rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size // stage.num_generations)
         apart = stage.engine_gpus(True)
-        notes = [f"rollouts: at most {rollout:,.1f} s each on {stage.rollout.engines} engine(s), one per "
+        notes = [f"rollouts: at most {figure(rollout)} s each on {stage.rollout.engines} engine(s), one per "
                  f"{stage.num_iterations} step(s)" + (", each overlapping the last step on the one before"
                                                         if stage.async_rollout else "") + ", in the step time"
                  + (f"; the engines' {apart} GPU(s) of their own are in the GPU-hours" if apart else "")
                  + "; weight pushes and engines waking are not"]
     elif getattr(stage, "on_policy", False):
         per_thousand = rollout_seconds(stage, m, hw, seq, 1000)
-        notes = [f"samples its pairs once before training, about {per_thousand:,.0f} s per 1,000 task prompts "
+        notes = [f"samples its pairs once before training, about {figure(per_thousand)} s per 1,000 task prompts "
                  f"({stage.num_generations} completions each) on {stage.rollout.engines} engine(s): not in the "
                  "step time or GPU-hours (the plan does not read the tasks file)"]
     else:

@@ -18,6 +18,12 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 LOG_FILE = "driver.log"
 
 
+def figure(v: float) -> str:
+    """A figure as the plan and reports print it: whole above 100 (with thousands separators), else 3 significant
+    digits."""
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def stage_line(stage: str, message: str) -> None:
     console.print(f"[bold cyan]{stage:>10}[/] {message}")
 
