@@ -172,9 +172,19 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     dpo = {"name": "d", "objective": "dpo", "dataset": "tasks.jsonl", "steps": 100, "num_workers": 8,
            "seq_len": 4096, "activation_checkpointing": True}
     on_policy = plan_stage(train_stage({**dpo, "on_policy": True, "rewards": [{"model": "rm"}, "format"]}), r, dims)
-    assert on_policy.gpu_hours == pytest.approx(plan_stage(train_stage(dpo), r, dims).gpu_hours)
+    # the sampling pass is a note; the reward model's replica holds a GPU of its own for the whole stage
+    assert on_policy.gpu_hours == pytest.approx(plan_stage(train_stage(dpo), r, dims).gpu_hours * (8 + 1) / 8)
     assert on_policy.notes[0].startswith("samples its pairs once before training, about ")
-    assert on_policy.notes[1].startswith("its 1 reward model(s) and judge(s) served beside it hold GPUs")
+    assert on_policy.notes[1].startswith("the reward models and judges it serves hold 1 GPU(s) of their own")
+    # the MFU a past run's hours imply is the training's: what the plan puts on rollouts is taken off first
+    reported = r.model_copy(update={"plan": r.plan.model_copy(update={"reported_gpu_hours": {"rl": 2 * one.gpu_hours}})})
+    rollout_hours = 100 * one.rollout_s * 8 / 3600
+    assert plan_stage(train_stage(grpo), reported, dims).implied_mfu == pytest.approx(
+        0.4 * (one.gpu_hours - rollout_hours) / (2 * one.gpu_hours - rollout_hours))
+    judged = {**grpo, "rewards": [{"judge": {"stage": "sft", "rubric": "r"}}, {"model": "rm"}, {"model": "rm"}]}
+    r2 = r.model_copy(update={"serve": r.serve.model_copy(update={"gpus_per_replica": 2, "min_replicas": 2})})
+    assert plan_stage(train_stage(judged), r2, dims).gpu_hours == pytest.approx(
+        100 * one.step_time_s * (8 + 1 + 2 * 2) / 3600), "one reward model, named twice; a judge of 2 × 2 GPUs"
 
 
 def test_plan_and_the_training_loop_count_the_same_model_flops():

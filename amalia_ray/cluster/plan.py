@@ -23,13 +23,14 @@ checkpointing is not model FLOPs: it shows as a lower MFU, so state the MFU you 
 pass (a forward: a third of the training FLOPs, over the same pairs).
 
 GRPO adds its rollouts, one per `num_iterations` steps, each at most (every completion to max_completion_length,
-every prompt as long as fits beside it in seq_len): per engine, its share of the step's completions, at most
-ENGINE_MAX_SEQS decoded at once; a prefill at the stage's MFU, then one decoding step per completion token, each
-bounded by reading the engine's bf16 weights and its sequences' KV cache at `decode_bandwidth_utilization` of
-`memory_tb_per_s` (or by its compute, where that is slower). With `async_rollout` a rollout overlaps the last step
-on the rollout before it. GPU-hours count the GPUs of rollout engines placed apart from the workers for the whole stage; weight
-pushes, engines waking, and GPUs of served reward models and judges are left out (a note says so). On-policy DPO
-samples once before training, from a tasks file the plan does not read: a note gives the time per 1,000 prompts.
+every prompt as long as fits beside it in seq_len): per engine, its share of the step's prompts with all their
+completions, at most ENGINE_MAX_SEQS decoded at once; a prefill at the stage's MFU, then one decoding step per
+completion token, each bounded by reading the engine's bf16 weights and its sequences' KV cache at
+`decode_bandwidth_utilization` of `memory_tb_per_s` (or by its compute, where that is slower). With `async_rollout`
+a rollout overlaps the last step on the rollout before it. GPU-hours count, for the whole stage, the GPUs of rollout
+engines placed apart from the workers and of the reward models and judges a sampled stage serves; weight pushes
+and engines waking are left out. On-policy DPO samples once before training, from a tasks file the plan does not
+read: a note gives the time per 1,000 prompts.
 
 A stage on more GPUs than one node has (`plan.gpus_per_node`) gets notes: HSDP's smallest shard group of whole nodes
 that fits, when the stage shards over every GPU; and a warning when the nodes are linked by TCP only
@@ -163,19 +164,31 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
         if stage.objective == "grpo" else 0.0
     wall = stage_seconds(stage, train_time, rollout)
     step_time = wall / stage.steps
-    gpu_hours = wall * (gpus + stage.engine_gpus(True)) / 3600
+    gpu_hours = wall * (gpus + stage.engine_gpus(True) + served_gpus(stage, recipe)) / 3600
     energy_kwh = gpu_hours * hw.watts_per_gpu / 1000
     tokens = stage.steps * tokens_per_step
     reported = hw.reported_gpu_hours.get(stage.name)
-    implied = stage.steps * step_flops / (reported * 3600 * hw.peak_tflops * 1e12) if reported else None
+    # the hours a past run reported also paid for its rollouts and the GPUs held beside its workers: as planned
+    extra_hours = gpu_hours - stage.steps * train_time * gpus / 3600
+    implied = stage.steps * step_flops / ((reported - extra_hours) * 3600 * hw.peak_tflops * 1e12) \
+        if reported and reported > extra_hours else None
     nodes = -(-gpus // hw.gpus_per_node)
     return StagePlan(stage.name, gpus, seq, tokens_per_step, memory, fits, advice, step_time, gpu_hours,
                      gpu_hours * hw.usd_per_gpu_hour, energy_kwh, tokens / (energy_kwh * 3.6e6),
                      tokens / gpu_hours, implied,
                      checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9),  # fp32 weights + 2 moments
                      rollout_s=rollout, nodes=nodes,
-                     notes=(_multi_node_notes(stage, recipe, m, nodes) + _sampling_notes(stage, m, hw, seq)
+                     notes=(_multi_node_notes(stage, recipe, m, nodes) + _sampling_notes(stage, recipe, m, seq)
                             if advise and fits else ()))
+
+
+def served_gpus(stage: TrainStageConfig, recipe: Recipe) -> int:
+    """GPUs the reward models and judges a sampled stage serves hold for the whole stage: a GPU per reward model,
+    and each judge stage's replicas as the recipe's `serve` sizes them — at most, since judges that are LoRA stages
+    of one model share its engine."""
+    models = {r.model for r in stage.sampled_rewards if r.model is not None}
+    judges = {r.judge.stage for r in stage.sampled_rewards if r.judge is not None and r.judge.stage is not None}
+    return len(models) + len(judges) * max(1, recipe.serve.min_replicas) * recipe.serve.replica_gpus
 
 
 def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int) -> float:
@@ -211,8 +224,9 @@ def stage_seconds(stage: TrainStageConfig, train_step_s: float, rollout_s: float
     return stage.steps * train_step_s + rollouts * rollout_s
 
 
-def _sampling_notes(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int) -> tuple[str, ...]:
+def _sampling_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int) -> tuple[str, ...]:
     """What the plan of a stage that samples estimates, and what it leaves out."""
+    hw = recipe.plan
     if stage.objective == "grpo":
         rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size // stage.num_generations)
         apart = stage.engine_gpus(True)
@@ -228,11 +242,9 @@ def _sampling_notes(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int) 
                  "step time or GPU-hours (the plan does not read the tasks file)"]
     else:
         return ()
-    served = sum(r.model is not None or (r.judge is not None and r.judge.stage is not None)
-                 for r in stage.sampled_rewards)
-    if served:
-        notes.append(f"its {served} reward model(s) and judge(s) served beside it hold GPUs of their own, which the "
-                     "GPU-hours leave out")
+    if served := served_gpus(stage, recipe):
+        notes.append(f"the reward models and judges it serves hold {served} GPU(s) of their own for the whole "
+                     "stage, in the GPU-hours (at most: judges that are LoRA stages of one model share its engine)")
     return tuple(notes)
 
 

@@ -166,7 +166,7 @@ def replica_placement(cfg: ServeConfig, use_gpu: bool) -> dict:
               "enforce_eager": engine.eager(use_gpu), "gpu_memory_utilization": engine.memory_share(use_gpu)}
     if not use_gpu:
         return {"placement_group_config": {"bundles": [{"CPU": cfg.cpus_per_replica}]}, "engine_kwargs": kwargs}
-    gpus, stages = max(1, cfg.gpus_per_replica), cfg.pipeline_parallel_size
+    gpus, stages = cfg.replica_gpus, cfg.pipeline_parallel_size
     bundles = [{"CPU": cfg.cpus_per_replica, "GPU": 1}] + [{"CPU": 1, "GPU": 1}] * (gpus - 1)
     return {"placement_group_config": {"bundles": bundles, "strategy": "STRICT_PACK" if stages == 1 else "PACK"},
             "engine_kwargs": {**kwargs, "tensor_parallel_size": gpus // stages, "pipeline_parallel_size": stages}}

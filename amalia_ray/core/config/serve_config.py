@@ -73,7 +73,12 @@ class ServeConfig(Strict):
     def _replicas(self) -> ServeConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
-        if max(1, self.gpus_per_replica) % self.pipeline_parallel_size:
+        if self.replica_gpus % self.pipeline_parallel_size:
             raise ValueError(f"gpus_per_replica {self.gpus_per_replica} is not a multiple of pipeline_parallel_size "
                              f"{self.pipeline_parallel_size}")
         return self
+
+    @property
+    def replica_gpus(self) -> int:
+        """The GPUs one replica holds on a GPU cluster."""
+        return max(1, self.gpus_per_replica)
