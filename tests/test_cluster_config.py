@@ -33,7 +33,7 @@ def test_device_auto_counts_the_gpu_nodes_the_autoscaler_may_start(monkeypatch, 
     monkeypatch.setattr(local, "LAUNCHER_CONFIG", tmp_path / "absent.yaml")
     assert not local.resolve_use_gpu("auto") and local.resolve_use_gpu("cuda"), "no GPU up, none to start"
     monkeypatch.setattr(local, "LAUNCHER_CONFIG", ROOT / "cluster.yaml")
-    assert local.launcher_gpus(ROOT / "cluster.yaml") == 32 * 8
+    assert local.launcher_gpus(ROOT / "cluster.yaml") == 32 * 8 == local.cluster_gpus(), "what the preflight counts"
     assert local.resolve_use_gpu("auto") and not local.resolve_use_gpu("cpu")
     for broken in ("available_node_types: [", "available_node_types: {gpu: {resources: {GPU: 8}}}\nmax_workers: 0",
                    "[1, 2]", "available_node_types: {a: {resources: {GPU: x}, max_workers: 2}}"):
@@ -78,8 +78,10 @@ def test_the_9b_recipe_reads_and_writes_where_every_cluster_file_mounts_the_shar
     paths = [recipe["run"]["output_dir"], *(p for s in recipe["data"]["sources"] for p in s["paths"]),
              *(s["dataset"] for s in recipe["train"] if isinstance(s.get("dataset"), str))]
     launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-    (checked,) = [c for c in launcher["setup_commands"] if "nothing is mounted" in c]
-    mounts = {"cluster.yaml": checked.split("mountpoint -q ")[1].split()[0]}
+    (mount, checked) = [c for c in launcher["setup_commands"] if "mountpoint -q" in c]
+    target = mount.split()[-2].rstrip(";")  # `mount -t nfs4 … SERVER:/ TARGET; }`
+    assert "nothing is mounted" in checked and target == checked.split("mountpoint -q ")[1].split()[0]
+    mounts = {"cluster.yaml": target}
     for name in ("raycluster.yaml", "rayjob.yaml"):
         spec = yaml.safe_load((ROOT / "deploy" / "kuberay" / name).read_text())["spec"]
         spec = spec.get("rayClusterSpec", spec)

@@ -124,9 +124,9 @@ def test_a_multi_node_stage_is_told_its_hsdp_group_and_warned_off_tcp(tmp_path):
 
 def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold():
     """GRPO's rollouts are in its step time: each at most a prefill at the stage's MFU and one decoding step per
-    completion token bounded by reading the weights and KV cache at the stated bandwidth; engines of their own add
-    their GPUs for the whole stage; an asynchronous rollout overlaps the steps before it. On-policy DPO's one
-    sampling pass and served reward models are named in notes, not counted."""
+    completion token bounded by reading the weights and KV cache at the stated bandwidth; engines of their own, and
+    served reward models and judges, add their GPUs for the whole stage; an asynchronous rollout overlaps the last
+    step on the rollout before it. On-policy DPO's one sampling pass is a note."""
     from amalia_ray.core.config import train_stage
     from amalia_ray.core.console import figure
 
@@ -144,6 +144,7 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     decode = 512 * (2 * params + 64 * 3840 * 2 * 42 * 8 * 128 * 2) / (3.35e12 * 0.6)
     assert one.rollout_s == pytest.approx(prefill + decode)
     assert one.step_time_s == pytest.approx(sft_like.step_time_s + one.rollout_s)
+    assert one.longest_step_s == pytest.approx(sft_like.step_time_s + one.rollout_s), "what a Slurm stop must allow"
     assert one.gpu_hours == pytest.approx(100 * one.step_time_s * 8 / 3600)
     assert one.notes[0].startswith(f"rollouts: at most {figure(one.rollout_s)} s each on 1 engine(s), one per 1 step(s)")
 
@@ -181,6 +182,9 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     rollout_hours = 100 * one.rollout_s * 8 / 3600
     assert plan_stage(train_stage(grpo), reported, dims).implied_mfu == pytest.approx(
         0.4 * (one.gpu_hours - rollout_hours) / (2 * one.gpu_hours - rollout_hours))
+    too_few = r.model_copy(update={"plan": r.plan.model_copy(update={"reported_gpu_hours": {"rl": 0.001}})})
+    assert plan_stage(train_stage(grpo), too_few, dims).notes[-1].startswith(
+        "the 0.001 GPU-hours reported are no more than the plan's rollouts")
     judged = {**grpo, "rewards": [{"judge": {"stage": "sft", "rubric": "r"}}, {"model": "rm"}, {"model": "rm"}]}
     r2 = r.model_copy(update={"serve": r.serve.model_copy(update={"gpus_per_replica": 2, "min_replicas": 2})})
     assert plan_stage(train_stage(judged), r2, dims).gpu_hours == pytest.approx(

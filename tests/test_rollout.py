@@ -98,14 +98,15 @@ def test_a_sharded_engines_gpus_are_free_ones_of_one_node_or_the_fleet_says_so(r
     node has them free the fleet does not wait for ever, and the group is given back."""
     from ray.util.placement_group import placement_group_table
 
-    from amalia_ray.train.rollout import sharded_engine_group
+    from amalia_ray.train.rollout import sharded_engine_groups
 
     before = set(placement_group_table())
-    with pytest.raises(RuntimeError, match="tensor_parallel 2: no node had 2 GPUs free for an engine within 1 s"):
-        sharded_engine_group(2, timeout_s=1)
-    (made,) = [v for k, v in placement_group_table().items() if k not in before]
-    assert made["strategy"] == "STRICT_PACK" and made["state"] == "REMOVED"
-    assert list(made["bundles"].values()) == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    with pytest.raises(RuntimeError, match="tensor_parallel 2: 2 of 2 engine.s. found no node with 2 GPUs free "
+                                           "within 1 s"):
+        sharded_engine_groups(2, 2, timeout_s=1)
+    made = [v for k, v in placement_group_table().items() if k not in before]
+    assert len(made) == 2 and all(m["strategy"] == "STRICT_PACK" and m["state"] == "REMOVED" for m in made)
+    assert list(made[0]["bundles"].values()) == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
 
 
 def test_a_fleet_splits_prompts_in_order_and_seeds_each_by_its_place_in_the_stream():

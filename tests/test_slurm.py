@@ -144,10 +144,13 @@ def test_the_stop_margin_covers_a_step_and_a_checkpoint_planned_or_measured(tmp_
     slowest = max(stages, key=lambda p: p.step_time_s + p.checkpoint_s)
     assert slowest.stage == "pretrain" and 20 < slowest.checkpoint_s < 25
     assert seconds == 120 and why == "at least 120 s; pretrain: a step 10 s + a checkpoint 22 s, planned"
-    assert stop_margin([SimpleNamespace(stage="x", step_time_s=60, checkpoint_s=30, rollout_s=0)], tmp_path) == (
-        195, "x: a step 60 s + a checkpoint 30 s, planned")
-    assert stop_margin([SimpleNamespace(stage="rl", step_time_s=60, checkpoint_s=30, rollout_s=100)], tmp_path) == (
-        345, "rl: a step 160 s + a checkpoint 30 s, planned")
+    assert stop_margin([SimpleNamespace(stage="x", step_time_s=60, checkpoint_s=30, rollout_s=0, longest_step_s=60)],
+                       tmp_path) == (195, "x: a step 60 s + a checkpoint 30 s, planned")
+    rl = SimpleNamespace(stage="rl", step_time_s=60, checkpoint_s=30, rollout_s=100, longest_step_s=160)
+    assert stop_margin([rl], tmp_path) == (345, "rl: a step 160 s + a checkpoint 30 s, planned")
+    (tmp_path / "rl").mkdir()  # two steps measured, neither with a rollout in it: the planned one stands
+    (tmp_path / "rl" / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 70}\n{"step": 2, "step_time_s": 65}\n')
+    assert stop_margin([rl], tmp_path) == (345, "rl: a step 160 s + a checkpoint 30 s, planned")
     (tmp_path / slowest.stage).mkdir()
     times = {1: 90.0, 2: 12.0, 3: 20.0, 4: 12.0}
     (tmp_path / slowest.stage / "metrics.jsonl").write_text("".join(
@@ -155,8 +158,8 @@ def test_the_stop_margin_covers_a_step_and_a_checkpoint_planned_or_measured(tmp_
         for i, t in times.items()) + '{"step": 5, "step_ti')  # a job still appending
     assert stop_margin(stages, tmp_path) == (math.ceil(1.5 * 320 + 60), f"{slowest.stage}: a step 20 s + a "
                                                                           "checkpoint 300 s, measured")
-    assert stop_margin([SimpleNamespace(stage="tiny", step_time_s=0.1, checkpoint_s=0.01, rollout_s=0)],
-                       tmp_path)[0] == 120
+    assert stop_margin([SimpleNamespace(stage="tiny", step_time_s=0.1, checkpoint_s=0.01, rollout_s=0,
+                                        longest_step_s=0.1)], tmp_path)[0] == 120
 
 
 def test_sigusr1_asks_the_run_to_stop_and_a_new_run_forgets_it(tmp_path):

@@ -111,6 +111,7 @@ class StagePlan:
     implied_mfu: float | None
     checkpoint_s: float = 0.0  # a save of the weights and AdamW state at the storage's write rate
     rollout_s: float = 0.0  # GRPO: one rollout's generation, at most (already in step_time_s, averaged over steps)
+    longest_step_s: float = 0.0  # a step that waits for a whole rollout (GRPO); the step time otherwise
     nodes: int = 1
     notes: tuple[str, ...] = ()  # what to know or change on a stage that fits (HSDP, the interconnect)
 
@@ -177,18 +178,25 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
                      gpu_hours * hw.usd_per_gpu_hour, energy_kwh, tokens / (energy_kwh * 3.6e6),
                      tokens / gpu_hours, implied,
                      checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9),  # fp32 weights + 2 moments
-                     rollout_s=rollout, nodes=nodes,
+                     rollout_s=rollout, longest_step_s=train_time + rollout, nodes=nodes,
                      notes=(_multi_node_notes(stage, recipe, m, nodes) + _sampling_notes(stage, recipe, m, seq)
-                            if advise and fits else ()))
+                            + _unimplied_note(reported, implied) if advise and fits else ()))
+
+
+def _unimplied_note(reported: float | None, implied: float | None) -> tuple[str, ...]:
+    if not reported or implied is not None:
+        return ()
+    return (f"the {figure(reported)} GPU-hours reported are no more than the plan's rollouts and the GPUs held "
+            "beside the workers take: no training MFU can be implied from them",)
 
 
 def served_gpus(stage: TrainStageConfig, recipe: Recipe) -> int:
     """GPUs the reward models and judges a sampled stage serves hold for the whole stage: a GPU per reward model,
-    and each judge stage's replicas as the recipe's `serve` sizes them — at most, since judges that are LoRA stages
-    of one model share its engine."""
+    and each judge stage's replicas in use as the recipe's `serve` sizes them (more while they scale up under load;
+    fewer where judges that are LoRA stages of one model share its engine)."""
     models = {r.model for r in stage.sampled_rewards if r.model is not None}
     judges = {r.judge.stage for r in stage.sampled_rewards if r.judge is not None and r.judge.stage is not None}
-    return len(models) + len(judges) * max(1, recipe.serve.min_replicas) * recipe.serve.replica_gpus
+    return len(models) + len(judges) * recipe.serve.replicas_in_use * recipe.serve.replica_gpus
 
 
 def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int) -> float:
@@ -244,7 +252,8 @@ def _sampling_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int) 
         return ()
     if served := served_gpus(stage, recipe):
         notes.append(f"the reward models and judges it serves hold {served} GPU(s) of their own for the whole "
-                     "stage, in the GPU-hours (at most: judges that are LoRA stages of one model share its engine)")
+                     "stage, in the GPU-hours (judges at serve.min_replicas, one at least: more while they scale up, "
+                     "fewer where LoRA judges share a model's engine)")
     return tuple(notes)
 
 

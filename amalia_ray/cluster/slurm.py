@@ -96,17 +96,20 @@ class SlurmJob:
 def stop_margin(plans: list, run_dir: Path, floor: int = 120) -> tuple[int, str]:
     """How long before the time limit a run must be told to stop, and why: the stop is seen at the end of a step,
     then a checkpoint is saved, so 1.5 × (a step + a save) of the slowest training stage plus a minute, at least
-    `floor` s. A step is the longest one: planned, a step with a whole rollout in it (GRPO samples before one step
-    in `num_iterations`); measured, the slowest after the first (which compiles and warms up). The run's own
-    measured steps and saves (slowest) replace the plan's (`plan.StagePlan`) where it has any."""
+    `floor` s. A step is the longest one: planned, one that waits for a whole rollout (GRPO samples before one
+    step in `num_iterations`); measured, the slowest after the first (which compiles and warms up). The run's own
+    measured steps and saves (slowest) replace the plan's (`plan.StagePlan`) where it has any, except that a stage
+    that samples keeps its planned step where that is longer (the steps measured so far may hold no rollout)."""
     worst, why = 0.0, ""
     for p in plans:
-        step, save, basis = p.step_time_s + p.rollout_s, p.checkpoint_s, "planned"
+        planned = max(p.step_time_s, p.longest_step_s)
+        step, save, basis = planned, p.checkpoint_s, "planned"
         metrics = run_dir / p.stage / "metrics.jsonl"
         if metrics.exists():
             rows = [row for line in metrics.read_text().splitlines() if (row := _record(line))]
             if steps := [r["step_time_s"] for r in rows if "step_time_s" in r]:
-                step, basis = max(steps[1:] or steps), "measured"
+                measured = max(steps[1:] or steps)
+                step, basis = (planned, "planned") if p.rollout_s and planned > measured else (measured, "measured")
             if saves := [r["last_checkpoint_s"] for r in rows if "last_checkpoint_s" in r]:
                 save = max(saves)
         if (need := 1.5 * (step + save) + 60) > worst:

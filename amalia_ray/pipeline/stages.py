@@ -227,7 +227,7 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         models, adapters = served_models(p)
         tasks = {f"task:{t.name}": p.loaded.resolve(t.path) for t in r.eval.tasks}
         tasks |= {f"fewshot:{t.name}": p.loaded.resolve(t.fewshot_path) for t in r.eval.tasks if t.fewshot_path}
-        replicas = len(models) * r.serve.min_replicas  # adapters add no replica: they run on their base's engine
+        replicas = len(models) * r.serve.replicas_in_use  # adapters add no replica: they run on their base's engine
         serve_held = _serve_held(r.serve, replicas, use_gpu(p), p.cluster_info["billable_cpus"])
         served = {**models, **{serve_app.adapter_id(m, a): path for m, named in adapters.items()
                                for a, path in named.items()}}
@@ -325,7 +325,7 @@ def _judges_held(p: RunContext, stage, gpu: bool) -> dict[str, float]:
     """What the engines serving a stage's judges hold while it trains (one application, as the eval stage's)."""
     judged_by = judge_stages(stage)
     engines = len(judge_engines(p, judged_by)[0]) if judged_by else 0
-    return _serve_held(p.recipe.serve, engines * p.recipe.serve.min_replicas, gpu, p.cluster_info["billable_cpus"])
+    return _serve_held(p.recipe.serve, engines * p.recipe.serve.replicas_in_use, gpu, p.cluster_info["billable_cpus"])
 
 
 def _serve_held(serve, replicas: int, gpu: bool, billable_cpus: float) -> dict[str, float]:
@@ -414,7 +414,7 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
     rms, judged_by = reward_models(p, stage), judge_stages(stage)
     engines, adapters, ids = judge_engines(p, judged_by) if judged_by else ({}, {}, {})
     if gpu and (rms or engines or stage.engine_gpus(True)):
-        judges = _serve_held(r.serve, len(engines) * r.serve.min_replicas, True, float("inf"))["GPU"]
+        judges = _serve_held(r.serve, len(engines) * r.serve.replicas_in_use, True, float("inf"))["GPU"]
         check_gpus_beside_workers(stage, len(rms) + judges, cluster_gpus())
     try:
         if engines:  # first: where it starts Serve, it starts it with the HTTP proxy the judges are reached by

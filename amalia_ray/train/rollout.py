@@ -151,26 +151,36 @@ def this_worker(use_gpu: bool) -> tuple[str, str | None]:
     return node, visible.split(",")[index] if visible else str(index)
 
 
-# how long a sharded engine waits for a node with its GPUs free: an autoscaler starting a GPU node (a p5.48xlarge
-# booting and running its setup) takes ten minutes or more
-ENGINE_PLACEMENT_TIMEOUT_S = 1800.0
+# how long the sharded engines of a fleet wait, together, for nodes with their GPUs free: an autoscaler starting a GPU
+# node (a p5.48xlarge booting and running its setup) takes ten minutes or more; and well within the training workers'
+# collective timeout (Ray Train's 1,800 s), which the other ranks wait in while the first starts the fleet
+ENGINE_PLACEMENT_TIMEOUT_S = 1200.0
 
 
-def sharded_engine_group(tensor_parallel: int, timeout_s: float = ENGINE_PLACEMENT_TIMEOUT_S):
-    """The placement group of one sharded engine: a bundle for its own process, then one per GPU, all on one node
-    (STRICT_PACK). vLLM's Ray executor puts its workers in the GPU bundles of the group its process runs in, so the
-    engine's GPUs are free ones of one node, and its process is on that node (vLLM picks its platform from the
-    devices that process sees: on a CPU-only node it would plan GPU workers as CPU ones)."""
-    from ray.util.placement_group import placement_group, remove_placement_group
+def sharded_engine_groups(tensor_parallel: int, count: int, timeout_s: float = ENGINE_PLACEMENT_TIMEOUT_S) -> list:
+    """The placement groups of `count` sharded engines, each a bundle for the engine's own process, then one per
+    GPU, all on one node (STRICT_PACK). vLLM's Ray executor puts its workers in the GPU bundles of the group its
+    process runs in, so an engine's GPUs are free ones of one node, and its process is on that node (vLLM picks its
+    platform from the devices that process sees: on a CPU-only node it would plan GPU workers as CPU ones). Asked
+    for at once and waited for together, so an autoscaler starts their nodes side by side."""
+    from ray.util.placement_group import placement_group
 
-    group = placement_group([{"CPU": 1}] + [{"GPU": 1}] * tensor_parallel, strategy="STRICT_PACK")
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
+    groups = [placement_group([{"CPU": 1}] + [{"GPU": 1}] * tensor_parallel, strategy="STRICT_PACK")
+              for _ in range(count)]
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=count, timeout=timeout_s)
+    if len(ready) < count:
+        remove_groups(groups)
+        raise RuntimeError(f"rollout.tensor_parallel {tensor_parallel}: {count - len(ready)} of {count} engine(s) "
+                           f"found no node with {tensor_parallel} GPUs free within {timeout_s:.0f} s (the training "
+                           "workers hold theirs): use fewer or smaller engines, or a cluster with nodes of more GPUs")
+    return groups
+
+
+def remove_groups(groups: list) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
         remove_placement_group(group)
-        raise RuntimeError(f"rollout.tensor_parallel {tensor_parallel}: no node had {tensor_parallel} GPUs free for "
-                           f"an engine within {timeout_s:.0f} s (the training workers hold theirs): use fewer or "
-                           "smaller engines, or a cluster with nodes of more GPUs")
-    return group
 
 
 def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, sizing: dict | None = None,
@@ -178,7 +188,7 @@ def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, s
     """A rollout engine on `model_dir`. Colocated (the default), it is pinned to the node of the training worker
     `beside` (`this_worker()`; default: the calling one), takes no resource of its own and sees that worker's GPU.
     Separate, it holds `tensor_parallel` GPUs of its own: sharded on GPUs, those of its placement group `group`
-    (`sharded_engine_group`), its process in the group's first bundle. `sizing` (weights, KV per token, sequences
+    (`sharded_engine_groups`), its process in the group's first bundle. `sizing` (weights, KV per token, sequences
     per step, tokens per sequence, trainer bytes) sizes its memory when the recipe does not."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -195,7 +205,7 @@ def start_engine(model_dir: str, cfg: RolloutConfig, seed: int, use_gpu: bool, s
         if use_gpu and cfg.tensor_parallel > 1:
             if group is None:
                 raise ValueError("a sharded engine on GPUs starts in a placement group of its GPUs "
-                                 "(sharded_engine_group)")
+                                 "(sharded_engine_groups)")
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
     utilization, kv = cfg.gpu_memory_utilization, None
     if sizing is not None and not colocated:  # the trainer is not on the engine's GPU

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from amalia_ray.core.config import RolloutConfig
 from amalia_ray.train.reward_scoring import RewardScorer
-from amalia_ray.train.rollout import kv_bytes_per_token, sharded_engine_group, start_engine, this_worker
+from amalia_ray.train.rollout import (kv_bytes_per_token, remove_groups, sharded_engine_groups, start_engine,
+                                      this_worker)
 from amalia_ray.train.weight_sync import Bucket, WeightSender
 
 log = logging.getLogger("amalia_ray.train")
@@ -142,26 +143,18 @@ def start_fleet(model_dir: str, config: RolloutConfig, seed: int, use_gpu: bool,
         prompts = -(-sizing["sequences"] // per_prompt)
         sizing |= {"sequences": -(-prompts // n) * per_prompt, "weight_bytes": sizing["weight_bytes"] // tp,
                    "kv_per_token": sizing["kv_per_token"] * -(-kv_heads // tp) // kv_heads}
-    engines, groups = [], []
+    engines = []
+    groups = sharded_engine_groups(config.tensor_parallel, n) if use_gpu and config.tensor_parallel > 1 else []
     try:
         for i in range(n):
-            if use_gpu and config.tensor_parallel > 1:
-                groups.append(sharded_engine_group(config.tensor_parallel))
             engines.append(start_engine(model_dir, config, seed, use_gpu, sizing, beside=workers[i % len(workers)],
-                                        group=groups[-1] if groups else None))
+                                        group=groups[i] if groups else None))
         return RolloutFleet(engines, config, use_gpu, weight_sync, groups)
     except BaseException:
         for engine in engines:
             ray.kill(engine)
         remove_groups(groups)
         raise
-
-
-def remove_groups(groups: list) -> None:
-    from ray.util.placement_group import remove_placement_group
-
-    for group in groups:
-        remove_placement_group(group)
 
 
 def push_weights(model, fleet: RolloutFleet | None, dtype: torch.dtype, bucket_bytes: int = PUSH_BUCKET_BYTES) -> None:
@@ -233,7 +226,7 @@ def fleet_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutCo
                    weight_sync: bool = True, per_prompt: int = 1) -> RolloutFleet | None:
     """Export the model's current weights as a HF folder and start the fleet on it from rank 0 (a collective:
     every rank calls this, and tells rank 0 where it runs), sized for `sequences` of up to `tokens_per_sequence`
-    tokens at once, `per_prompt` of them for each prompt, leaving each trainer its gradients, AdamW state and `step_transient_bytes` (a step's
+    tokens at once (`per_prompt` of them for each prompt), leaving each trainer its gradients, AdamW state and `step_transient_bytes` (a step's
     activations and the like, from `amalia plan`'s arithmetic); None on the other ranks."""
     from amalia_ray.train.hf_weights import export_hf
 

@@ -82,3 +82,9 @@ class ServeConfig(Strict):
     def replica_gpus(self) -> int:
         """The GPUs one replica holds on a GPU cluster."""
         return max(1, self.gpus_per_replica)
+
+    @property
+    def replicas_in_use(self) -> int:
+        """The replicas a model holds while it is being asked: min_replicas, and at least one (a request wakes a
+        model scaled to zero)."""
+        return max(1, self.min_replicas)
