@@ -39,8 +39,9 @@ def test_device_auto_counts_the_gpu_nodes_the_autoscaler_may_start(monkeypatch, 
                    "[1, 2]", "available_node_types: {a: {resources: {GPU: x}, max_workers: 2}}"):
         (tmp_path / "launcher.yaml").write_text(broken)
         assert local.launcher_gpus(tmp_path / "launcher.yaml") == 0, broken
-    (tmp_path / "launcher.yaml").write_text("max_workers: 3\navailable_node_types: {gpu: {resources: {GPU: 2}}}")
-    assert local.launcher_gpus(tmp_path / "launcher.yaml") == 6, "a type without max_workers: the cluster's"
+    (tmp_path / "launcher.yaml").write_text("max_workers: 3\nhead_node_type: head\navailable_node_types: "
+                                            "{gpu: {resources: {GPU: 2}}, head: {resources: {GPU: 1}}}")
+    assert local.launcher_gpus(tmp_path / "launcher.yaml") == 6, "a type without max_workers: the cluster's (the head: 0)"
 
 
 def test_cluster_yaml_is_sized_for_the_9b_recipe_and_runs_ray_from_its_python_311_venv():

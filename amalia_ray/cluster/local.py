@@ -168,7 +168,8 @@ def autoscaled_gpus() -> int:
 
 
 def launcher_gpus(config: Path) -> int:
-    """GPUs the node types of a Ray cluster-launcher config may bring up: GPUs per node × max_workers, summed."""
+    """GPUs the node types of a Ray cluster-launcher config may bring up as workers: GPUs per node × max_workers,
+    summed (a type's max_workers defaults, as the launcher's do, to the cluster's, and to 0 for the head's type)."""
     import yaml
 
     try:
@@ -177,11 +178,12 @@ def launcher_gpus(config: Path) -> int:
         return 0
     types = launcher.get("available_node_types") if isinstance(launcher, dict) else None
     total = 0
-    for node_type in (types or {}).values():
+    for name, node_type in (types or {}).items():
         if not isinstance(node_type, dict):
             continue
         gpus = (node_type.get("resources") or {}).get("GPU", 0)
-        workers = node_type.get("max_workers", launcher.get("max_workers", 0))
+        default = 0 if name == launcher.get("head_node_type") else launcher.get("max_workers", 0)
+        workers = node_type.get("max_workers", default)
         if isinstance(gpus, (int, float)) and isinstance(workers, int):
             total += int(gpus) * max(workers, 0)
     return total

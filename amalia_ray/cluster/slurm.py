@@ -215,9 +215,11 @@ say() {{ echo "[amalia $(date +%H:%M:%S)] $*"; }}
 {auth}
 nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 head_node=${{nodes[0]}}
-# the head's address as the other nodes reach it, and free ports there (two jobs may share a node)
+# the head's address as the other nodes reach it, and free ports there (two jobs may share a node); the last line
+# printed, whatever a site's Python start-up prints before it
 read -r head_ip ray_port dashboard_port client_port < <(srun --nodes=1 --ntasks=1 --overlap -w "$head_node" \\
-  python -c "from amalia_ray.cluster.slurm import head_endpoint; print(head_endpoint({job.ray_port}, {job.dashboard_port}))")
+  python -c "from amalia_ray.cluster.slurm import head_endpoint; print(head_endpoint({job.ray_port}, {job.dashboard_port}))" \\
+  | tail -n 1)
 if [ -z "${{client_port:-}}" ]; then say "could not read the head node's address"; exit 1; fi
 client_server=$( [ "$client_port" != 0 ] && echo "--ray-client-server-port=$client_port" )
 export RAY_ADDRESS=$head_ip:$ray_port  # Ray's own processes too: a node may run other Ray instances
