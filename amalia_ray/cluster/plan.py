@@ -179,8 +179,9 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
                      tokens / gpu_hours, implied,
                      checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9),  # fp32 weights + 2 moments
                      rollout_s=rollout, longest_step_s=train_time + rollout, nodes=nodes,
-                     notes=(_multi_node_notes(stage, recipe, m, nodes) + _sampling_notes(stage, recipe, m, seq)
-                            + _unimplied_note(reported, implied) if advise and fits else ()))
+                     notes=(_multi_node_notes(stage, recipe, m, nodes)
+                            + _sampling_notes(stage, recipe, m, seq, rollout) + _unimplied_note(reported, implied)
+                            if advise and fits else ()))
 
 
 def _unimplied_note(reported: float | None, implied: float | None) -> tuple[str, ...]:
@@ -194,9 +195,8 @@ def served_gpus(stage: TrainStageConfig, recipe: Recipe) -> int:
     """GPUs the reward models and judges a sampled stage serves hold for the whole stage: a GPU per reward model,
     and each judge stage's replicas in use as the recipe's `serve` sizes them (more while they scale up under load;
     fewer where judges that are LoRA stages of one model share its engine)."""
-    models = {r.model for r in stage.sampled_rewards if r.model is not None}
-    judges = {r.judge.stage for r in stage.sampled_rewards if r.judge is not None and r.judge.stage is not None}
-    return len(models) + len(judges) * recipe.serve.replicas_in_use * recipe.serve.replica_gpus
+    return (len(stage.reward_models_named)
+            + len(stage.judge_stages) * recipe.serve.replicas_in_use * recipe.serve.replica_gpus)
 
 
 def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int) -> float:
@@ -225,18 +225,16 @@ def stage_seconds(stage: TrainStageConfig, train_step_s: float, rollout_s: float
         return stage.steps * train_step_s
     k = stage.num_iterations
     rollouts = -(-stage.steps // k)
-    if getattr(stage, "async_rollout", False):
+    if stage.async_rollout:  # a stage with rollouts is a GRPO stage
         overlapped = rollouts - 1
         return (rollout_s + overlapped * ((k - 1) * train_step_s + max(train_step_s, rollout_s))
                 + (stage.steps - overlapped * k) * train_step_s)
     return stage.steps * train_step_s + rollouts * rollout_s
 
 
-def _sampling_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int) -> tuple[str, ...]:
-    """What the plan of a stage that samples estimates, and what it leaves out."""
-    hw = recipe.plan
+def _sampling_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int, rollout: float) -> tuple[str, ...]:
+    """What the plan of a stage that samples estimates (`rollout`: GRPO's, as planned), and what it leaves out."""
     if stage.objective == "grpo":
-        rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size // stage.num_generations)
         apart = stage.engine_gpus(True)
         notes = [f"rollouts: at most {figure(rollout)} s each on {stage.rollout.engines} engine(s), one per "
                  f"{stage.num_iterations} step(s)" + (", each overlapping the last step on the one before"
@@ -244,7 +242,7 @@ def _sampling_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int) 
                  + (f"; the engines' {apart} GPU(s) of their own are in the GPU-hours" if apart else "")
                  + "; weight pushes and engines waking are not"]
     elif getattr(stage, "on_policy", False):
-        per_thousand = rollout_seconds(stage, m, hw, seq, 1000)
+        per_thousand = rollout_seconds(stage, m, recipe.plan, seq, 1000)
         notes = [f"samples its pairs once before training, about {figure(per_thousand)} s per 1,000 task prompts "
                  f"({stage.num_generations} completions each) on {stage.rollout.engines} engine(s): not in the "
                  "step time or GPU-hours (the plan does not read the tasks file)"]

@@ -79,7 +79,7 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
     if judge and judge.base_url is None and judge.model not in served:
         raise AmaliaError(f"eval.judge.model '{judge.model}' is not one of the run's served checkpoints {served}; "
                           "name one of them, or set eval.judge.base_url to reach another server")
-    if any(judge_stages(s) for s in r.train):  # judges served from the recipe's stages while one trains
+    if any(s.judge_stages for s in r.train):  # judges served from the recipe's stages while one trains
         serve_app.require_vllm()
         serve_app.check_can_serve(r.serve)
     if needs_serving and r.eval.tasks:
@@ -147,7 +147,7 @@ def logical_cpus_needed(r) -> int:
     served = len(r.policy_stages) + (1 if r.model.base else 0)  # a base model is served beside its stages (at most)
     serve = 2 * served * r.serve.cpus_per_replica * r.serve.max_replicas + 4
     train = max((s.worker_range[1] * s.cpus_per_worker + 3
-                 + len(reward_models_named(s)) + 2 * r.serve.cpus_per_replica * len(judge_stages(s))
+                 + len(s.reward_models_named) + 2 * r.serve.cpus_per_replica * len(s.judge_stages)
                  for s in r.train), default=0)
     return max(serve if r.eval.tasks else 0, train)
 
@@ -209,7 +209,7 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         inputs, named = by_content({**data, "tokenizer": d("tokenizer"), **({"init_checkpoint": init} if init else {}),
                                     **variety_models(p, stage),
                                     **{f"reward_model:{ref}": path for ref, path in reward_models(p, stage).items()},
-                                    **{f"judge:{name}": judge_checkpoint(p, name) for name in judge_stages(stage)}})
+                                    **{f"judge:{name}": judge_checkpoint(p, name) for name in stage.judge_stages}})
         gpu = use_gpu(p)
         # a LoRA stage exports its adapter folder, and the merged weights when it merges
         outputs = {**({"adapter": d(stage.name) / "adapter"} if stage.lora else {}),
@@ -310,7 +310,7 @@ def _train_held(stage, gpu: bool, billable_cpus: float, judges: dict[str, float]
     # each reward model's replica holds a GPU (on GPU clusters) or a CPU while the stage trains, the judges' engines
     # what their replicas hold (`judges`), and rollout engines placed apart from the workers their own GPUs
     # (colocated ones share the workers')
-    scorers = len(reward_models_named(stage))
+    scorers = len(stage.reward_models_named)
     engines = stage.engine_gpus(gpu)
     judges = judges or {"CPU": 0, "GPU": 0}
 
@@ -323,7 +323,7 @@ def _train_held(stage, gpu: bool, billable_cpus: float, judges: dict[str, float]
 
 def _judges_held(p: RunContext, stage, gpu: bool) -> dict[str, float]:
     """What the engines serving a stage's judges hold while it trains (one application, as the eval stage's)."""
-    judged_by = judge_stages(stage)
+    judged_by = stage.judge_stages
     engines = len(judge_engines(p, judged_by)[0]) if judged_by else 0
     return _serve_held(p.recipe.serve, engines * p.recipe.serve.replicas_in_use, gpu, p.cluster_info["billable_cpus"])
 
@@ -356,21 +356,11 @@ def variety_models(p: RunContext, section) -> dict[str, Path]:
     return {"variety_model": variety_model_folder(model, p.loaded.resolve)} if model else {}
 
 
-def reward_models_named(stage) -> list[str]:
-    """The reward models a sampled stage's rewards name, as the recipe names them (a stage or a folder)."""
-    return list(dict.fromkeys(r.model for r in stage.sampled_rewards if r.model is not None))
-
-
 def reward_models(p: RunContext, stage) -> dict[str, Path]:
     """The reward models a sampled stage's rewards name -> their checkpoint folders: an earlier reward stage's
     export, or a folder relative to the recipe."""
     names = {s.name for s in p.recipe.train}
-    return {m: p.checkpoint_of(m) if m in names else p.loaded.resolve(m) for m in reward_models_named(stage)}
-
-
-def judge_stages(stage) -> list[str]:
-    """The stages of the recipe a sampled stage's judge rewards are served from (`judge: {stage: …}`)."""
-    return sorted({r.judge.stage for r in stage.sampled_rewards if r.judge is not None and r.judge.stage is not None})
+    return {m: p.checkpoint_of(m) if m in names else p.loaded.resolve(m) for m in stage.reward_models_named}
 
 
 def judge_engines(p: RunContext, names: list[str]) -> tuple[dict[str, Path], dict[str, dict[str, Path]],
@@ -411,7 +401,7 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
     apps: list[str] = []
     reward_apps: dict[str, str] = {}
     judge_servers: dict[str, dict] = {}
-    rms, judged_by = reward_models(p, stage), judge_stages(stage)
+    rms, judged_by = reward_models(p, stage), stage.judge_stages
     engines, adapters, ids = judge_engines(p, judged_by) if judged_by else ({}, {}, {})
     if gpu and (rms or engines or stage.engine_gpus(True)):
         judges = _serve_held(r.serve, len(engines) * r.serve.replicas_in_use, True, float("inf"))["GPU"]

@@ -226,8 +226,9 @@ def fleet_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutCo
                    weight_sync: bool = True, per_prompt: int = 1) -> RolloutFleet | None:
     """Export the model's current weights as a HF folder and start the fleet on it from rank 0 (a collective:
     every rank calls this, and tells rank 0 where it runs), sized for `sequences` of up to `tokens_per_sequence`
-    tokens at once (`per_prompt` of them for each prompt), leaving each trainer its gradients, AdamW state and `step_transient_bytes` (a step's
-    activations and the like, from `amalia plan`'s arithmetic); None on the other ranks."""
+    tokens at once (`per_prompt` of them for each prompt), leaving each trainer its gradients, AdamW state and
+    `step_transient_bytes` (a step's activations and the like, from `amalia plan`'s arithmetic); None on the other
+    ranks."""
     from amalia_ray.train.hf_weights import export_hf
 
     init_dir = work_dir / "rollout-init"

@@ -247,6 +247,17 @@ class TrainStageConfig(Strict):
         """GPUs the stage's rollout engines hold beside its workers: none for a stage that samples nothing."""
         return 0
 
+    @property
+    def reward_models_named(self) -> list[str]:
+        """The reward models the stage's rewards name, as the recipe names them (a stage or a folder), each once."""
+        return list(dict.fromkeys(r.model for r in self.sampled_rewards if r.model is not None))
+
+    @property
+    def judge_stages(self) -> list[str]:
+        """The stages of the recipe the stage's judge rewards are served from (`judge: {stage: …}`)."""
+        return sorted({r.judge.stage for r in self.sampled_rewards
+                       if r.judge is not None and r.judge.stage is not None})
+
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainStageConfig:
         low, high = self.worker_range
