@@ -127,7 +127,7 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     completion token bounded by reading the weights and KV cache at the stated bandwidth; engines of their own, and
     served reward models and judges, add their GPUs for the whole stage; an asynchronous rollout overlaps the last
     step on the rollout before it. On-policy DPO's one sampling pass is a note."""
-    from amalia_ray.core.config import train_stage
+    from amalia_ray.core.config import LoraConfig, train_stage
     from amalia_ray.core.console import figure
 
     r, dims = _dims(AMALIA_9B)
@@ -189,6 +189,15 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     r2 = r.model_copy(update={"serve": r.serve.model_copy(update={"gpus_per_replica": 2, "min_replicas": 2})})
     assert plan_stage(train_stage(judged), r2, dims).gpu_hours == pytest.approx(
         100 * one.step_time_s * (8 + 1 + 2 * 2) / 3600), "one reward model, named twice; a judge of 2 × 2 GPUs"
+    # judges that are one checkpoint and a LoRA stage trained on it share that checkpoint's engine
+    lora_sft = r2.train[1].model_copy(update={"lora": LoraConfig(r=8, merge=True)})
+    r3 = r2.model_copy(update={"train": [r2.train[0], lora_sft, *r2.train[2:]]})
+    assert r3.served_engines()["pretrain"] == ["sft"] and r3.engine_serving("sft") == "pretrain"
+    shared = {**grpo, "rewards": [{"judge": {"stage": s, "rubric": "r"}} for s in ("pretrain", "sft")]}
+    assert plan_stage(train_stage(shared), r3, dims).gpu_hours == pytest.approx(
+        100 * one.step_time_s * (8 + 2 * 2) / 3600), "two judges on one engine of 2 × 2 GPUs"
+    assert plan_stage(train_stage(shared), r2, dims).gpu_hours == pytest.approx(
+        100 * one.step_time_s * (8 + 2 * 2 * 2) / 3600), "trained in full, each judge has its own engine"
 
 
 def test_plan_and_the_training_loop_count_the_same_model_flops():

@@ -193,10 +193,10 @@ def _unimplied_note(reported: float | None, implied: float | None) -> tuple[str,
 
 def served_gpus(stage: TrainStageConfig, recipe: Recipe) -> int:
     """GPUs the reward models and judges a sampled stage serves hold for the whole stage: a GPU per reward model,
-    and each judge stage's replicas in use as the recipe's `serve` sizes them (more while they scale up under load;
-    fewer where judges that are LoRA stages of one model share its engine)."""
-    return (len(stage.reward_models_named)
-            + len(stage.judge_stages) * recipe.serve.replicas_in_use * recipe.serve.replica_gpus)
+    and the replicas in use of each engine the judges run on, as the recipe's `serve` sizes them (more while they
+    scale up under load); judges that are LoRA stages of one checkpoint share its engine."""
+    engines = {recipe.engine_serving(name) for name in stage.judge_stages}
+    return len(stage.reward_models_named) + len(engines) * recipe.serve.replicas_in_use * recipe.serve.replica_gpus
 
 
 def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int) -> float:

@@ -240,32 +240,17 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
 
 
 def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | None], dict[str, dict[str, Path]]]:
-    """What the eval stage serves: the checkpoints that get an engine each (model id -> folder: the base model, so
-    the report shows what each stage changed, and every policy stage trained in full; not the reward models), and
-    per engine the LoRA stages' adapters that run on it (engine id -> {stage name -> adapter folder}), each stage's on the checkpoint it was
-    trained from. A LoRA stage is served in full (its merged export) instead when a later LoRA stage was trained on
-    its merged weights (that one's adapter needs them as its engine) or when vLLM cannot serve its adapter
-    (modules_to_save, or no starting checkpoint to run on: random initial weights). paths=False leaves the base
-    model's folder None (finding it may mean downloading it)."""
-    r = p.recipe
-    base_id = p.model_id("base") if r.model.base else None
-    previous = [r.previous_policy(i) for i in range(len(r.train))]
-    starts = [(p.model_id(r.train[previous[i]].name) if previous[i] is not None else base_id)
-              if s.init_from == "previous" else None for i, s in enumerate(r.train)]
-    as_adapter = [s.adapter_servable(r.starts_from_checkpoint(i)) for i, s in enumerate(r.train)]
-    for j in range(len(r.train)):
-        if as_adapter[j] and r.train[j].init_from == "previous" and previous[j] is not None:
-            as_adapter[previous[j]] = False
-    models = {base_id: base_model_dir(p) if paths else None} if base_id else {}
-    adapters: dict[str, dict[str, Path]] = {}
-    for i, s in enumerate(r.train):
-        if s.objective == "reward":  # a reward model scores text; it does not generate
-            continue
-        if as_adapter[i]:
-            adapters.setdefault(starts[i], {})[s.name] = p.stage_dir(s.name) / "adapter"
-        else:
-            models[p.model_id(s.name)] = p.checkpoint_of(s.name)
-    return models, adapters
+    """What the eval stage serves (Recipe.served_engines), by model id: the checkpoints that get an engine each
+    (model id -> folder) and per engine the LoRA stages' adapters that run on it (engine id -> {stage name -> adapter
+    folder}). paths=False leaves the base model's folder None (finding it may mean downloading it)."""
+    engines = p.recipe.served_engines()
+
+    def folder(name: str) -> Path | None:
+        if name == "base":
+            return base_model_dir(p) if paths else None
+        return p.checkpoint_of(name)
+    return ({p.model_id(e): folder(e) for e in engines},
+            {p.model_id(e): {a: p.stage_dir(a) / "adapter" for a in named} for e, named in engines.items() if named})
 
 
 def decontamination_tasks(p: RunContext) -> list:
@@ -372,14 +357,13 @@ def judge_engines(p: RunContext, names: list[str]) -> tuple[dict[str, Path], dic
     on: dict[str, dict[str, Path]] = {}
     ids: dict[str, str] = {}
     for name in names:
-        model_id = p.model_id(name)
-        if model_id in engines:
-            models[model_id], ids[name] = engines[model_id], model_id
-            continue
-        engine = next(m for m, named in adapters.items() if name in named)  # a LoRA stage: its adapter
+        engine = p.model_id(p.recipe.engine_serving(name))
         models[engine] = engines[engine]
-        on.setdefault(engine, {})[name] = adapters[engine][name]
-        ids[name] = serve_app.adapter_id(engine, name)
+        if engine == p.model_id(name):
+            ids[name] = engine
+        else:  # a LoRA stage: its adapter
+            on.setdefault(engine, {})[name] = adapters[engine][name]
+            ids[name] = serve_app.adapter_id(engine, name)
     return models, on, ids
 
 

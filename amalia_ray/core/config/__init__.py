@@ -99,6 +99,34 @@ class Recipe(Strict):
         model's (else it starts from random weights)."""
         return self.train[i].init_from == "previous" and (self.previous_policy(i) is not None or bool(self.model.base))
 
+    def served_engines(self) -> dict[str, list[str]]:
+        """What the eval stage serves, by name: the checkpoints that get a vLLM engine each ('base': the base model,
+        so the report shows what each stage changed; and every policy stage trained in full; not the reward models)
+        -> the LoRA stages whose adapters run on that engine, the one of the checkpoint each was trained from. A LoRA
+        stage is served in full (its merged export) instead when a later LoRA stage was trained on its merged weights
+        (that one's adapter needs them as its engine) or when vLLM cannot serve its adapter (modules_to_save, or no
+        starting checkpoint to run on: random initial weights)."""
+        previous = [self.previous_policy(i) for i in range(len(self.train))]
+        as_adapter = [s.adapter_servable(self.starts_from_checkpoint(i)) for i, s in enumerate(self.train)]
+        for j in range(len(self.train)):
+            if as_adapter[j] and previous[j] is not None:
+                as_adapter[previous[j]] = False
+        engines: dict[str, list[str]] = {"base": []} if self.model.base else {}
+        for i, stage in enumerate(self.train):
+            if stage.objective == "reward":  # a reward model scores text; it does not generate
+                continue
+            if as_adapter[i]:  # its start is an engine already: an earlier stage served in full, or the base model
+                engines[self.train[previous[i]].name if previous[i] is not None else "base"].append(stage.name)
+            else:
+                engines[stage.name] = []
+        return engines
+
+    def engine_serving(self, name: str) -> str:
+        """The engine (a key of served_engines) that serves stage `name` ('base': the base model): its own, or the
+        one its adapter runs on."""
+        engines = self.served_engines()
+        return name if name in engines else next(e for e, adapters in engines.items() if name in adapters)
+
     @property
     def policy_stages(self) -> list:
         """The stages that train a generating model (every one but the reward models): what the eval stage serves."""
