@@ -23,7 +23,11 @@ Variants (each a logistic regression over hashed n-grams, as `core/variety_model
   sides only;
 - `no_letter_unigrams`: no character unigrams, and one-letter and function words left out of the word unigrams and
   of the character n-grams (word bigrams keep them): the frequency of "a", "à", "se" differs with the register
-  (interface strings against prose), not only the variety.
+  (interface strings against prose), not only the variety;
+- `naive_bayes`: multinomial naive Bayes (alpha 0.1) on the n-grams' presence, as the HeLI-style identifiers of
+  the VarDial shared tasks add up each n-gram's evidence; calibrated on the training texts (Platt);
+- `cross_team_ngrams`: `shipped`, with only the n-grams found in at least 10 teams' texts (a package of "other"
+  counting as a team), so no team's own wording can be learned.
 
 Measured on the held-out teams' texts of at least --min-words words: `symmetric`, the smallest margin at which both
 varieties are labelled >= --accuracy right and the share of each variety's texts labelled then; `best_threshold`,
@@ -56,7 +60,8 @@ from amalia_ray.data.variety.variety_training import (DEFAULT_C, _FUNCTION_WORDS
 from variety_accuracy import at_margin, evaluation_sets  # this folder is on the path: `python bench/...`
 
 VARIANTS = ("shipped", "presence", "pair_difference", "cross_team_calibration", "confident_learning",
-            "self_training", "no_letter_unigrams")
+            "self_training", "no_letter_unigrams", "naive_bayes", "cross_team_ngrams")
+CROSS_TEAM_MIN_TEAMS = 10
 N_FEATURES = 1 << 20
 _TOKEN = re.compile(r"(?u)\b\w+(?:-\w+)*\b")
 # a one-letter or function word standing alone (not "se" in "pode-se")
@@ -124,10 +129,54 @@ def best_threshold(z: np.ndarray, truth: np.ndarray, accuracy: float) -> dict:
 CONFIDENT = math.log(0.9 / 0.1)  # a score 0.4 away from 0.5, as a logit
 
 
+def teams(train: list[dict]) -> list[str]:
+    """Each training pair's team: its group, or for "other" (many small teams) its package."""
+    return [p["group"] if p["group"] != "other" else f"package:{p.get('package')}" for p in train]
+
+
+class NaiveBayes:
+    """Multinomial naive Bayes whose decision value is the log-odds of pt-PT, as a linear model's."""
+
+    def __init__(self, x, y: np.ndarray, alpha: float = 0.1):
+        from sklearn.naive_bayes import MultinomialNB
+
+        self.model = MultinomialNB(alpha=alpha).fit(x, y)
+
+    def decision_function(self, x) -> np.ndarray:
+        joint = self.model.predict_joint_log_proba(x)
+        return joint[:, 1] - joint[:, 0]
+
+
+class ColumnsKept:
+    """A linear model trained on some columns of the features only: the others are zeroed before scoring."""
+
+    def __init__(self, x, y: np.ndarray, keep: np.ndarray):
+        from scipy.sparse import diags
+
+        self.mask = diags(keep.astype(np.float32))
+        self.model = logistic(x @ self.mask, y, DEFAULT_C)
+
+    def decision_function(self, x) -> np.ndarray:
+        return self.model.decision_function(x @ self.mask)
+
+
+def columns_of_many_teams(x, team_of_row: np.ndarray, least: int) -> np.ndarray:
+    """The feature columns present in the texts of at least `least` teams; the cue counts (the last two) always."""
+    from scipy.sparse import csr_matrix
+
+    rows = csr_matrix((np.ones(len(team_of_row), np.float32), (team_of_row, np.arange(len(team_of_row)))),
+                      shape=(int(team_of_row.max()) + 1, len(team_of_row)))
+    present = x.copy()
+    present.data[:] = 1
+    keep = np.asarray(((rows @ present) > 0).sum(axis=0)).ravel() >= least
+    keep[-2:] = True
+    return keep
+
+
 def out_of_team_scores(train: list[dict], twin_of: list[int], x, y: np.ndarray) -> np.ndarray:
     """Each training text's decision value by a model that never saw its team: the named teams and the packages of
     "other" (many small teams) split in two halves by a hash, each half scored by a model of the other."""
-    unit = [p["group"] if p["group"] != "other" else f"package:{p.get('package')}" for p in train]
+    unit = teams(train)
     half = np.array([zlib.crc32(u.encode()) % 2 for u in unit])
     fold = np.r_[half, half, half[twin_of]]
     z = np.zeros(len(y))
@@ -190,7 +239,7 @@ def main() -> None:
 
     for variant in variants:
         started = time.perf_counter()
-        kind = {"presence": variant in ("presence", "pair_difference"),
+        kind = {"presence": variant in ("presence", "pair_difference", "naive_bayes"),
                 "letter_unigrams": variant != "no_letter_unigrams"}
         x, x_test = x_of("train", train_texts, **kind), x_of("test", test_texts, **kind)
         a, b = 1.0, 0.0  # Platt scaling of the decision function; identity unless a variant calibrates
@@ -200,6 +249,16 @@ def main() -> None:
             model = logistic(vstack([diff, -diff]).tocsr(), np.r_[np.ones(diff.shape[0]), np.zeros(diff.shape[0])],
                              0.1, intercept=False)
             a, b = platt(model.decision_function(x), y)
+        elif variant == "naive_bayes":
+            model = NaiveBayes(x, y)
+            a, b = platt(model.decision_function(x), y)
+        elif variant == "cross_team_ngrams":
+            team_ids = {t: i for i, t in enumerate(dict.fromkeys(teams(train)))}
+            team_of_pair = np.array([team_ids[t] for t in teams(train)])
+            keep = columns_of_many_teams(x, np.r_[team_of_pair, team_of_pair, team_of_pair[twin_of]],
+                                         CROSS_TEAM_MIN_TEAMS)
+            notes["teams"], notes["ngrams_kept"] = len(team_ids), int(keep.sum()) - 2
+            model = ColumnsKept(x, y, keep)
         elif variant != "confident_learning":
             model = logistic(x, y, 0.1 if variant == "presence" else DEFAULT_C)
         if variant in ("cross_team_calibration", "confident_learning"):
