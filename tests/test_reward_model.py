@@ -355,6 +355,20 @@ def test_a_judge_served_from_an_earlier_stage_is_checked_when_the_recipe_loads()
     with pytest.raises(ValueError, match="not an earlier stage that generates"):
         _sampled_recipe([{"judge": {"stage": "rm"}}],
                         [{"name": "rm", "objective": "reward", "dataset": "pairs.jsonl", "steps": 10}])
+    # a LoRA stage that judges is served as the eval stage would serve it: its adapter, or its merged weights
+    chat = {"name": "chat", "objective": "sft", "dataset": "chat.jsonl", "steps": 10, "lora": {}}
+    judged = {"init_from": "scratch"}  # rl starts afresh: a LoRA stage it started from would have to merge anyway
+    assert _sampled_recipe([{"judge": {"stage": "chat"}}], [chat], **judged).served_engines() == {
+        "sft": ["chat"], "rl": []}
+    for lora, why in [({"modules_to_save": ["lm_head"]}, "cannot serve an adapter with modules_to_save "
+                                                          r"\(it judges stage\(s\) \['rl'\]\)"),
+                      ({}, "its adapters train on random initial weights")]:
+        unservable = {**chat, "lora": lora, **({} if lora else {"init_from": "scratch"})}
+        with pytest.raises(ValueError, match=why):
+            _sampled_recipe([{"judge": {"stage": "chat"}}], [unservable], **judged)
+        merged = {**unservable, "lora": {**lora, "merge": True}}
+        assert _sampled_recipe([{"judge": {"stage": "chat"}}], [merged], **judged).served_engines()["chat"] == []
+        _sampled_recipe(["format"], [unservable], **judged)  # served by nothing: neither evaluated nor judging
 
 
 def test_a_stage_judged_by_an_earlier_stage_serves_it_first_and_reaches_it_with_the_serve_key(

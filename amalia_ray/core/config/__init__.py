@@ -173,16 +173,19 @@ class Recipe(Strict):
                 if self.train[j].init_from == "previous" and self.previous_policy(j) == i:
                     raise ValueError(f"train stage '{self.train[j].name}' starts from '{stage.name}', a LoRA stage: "
                                      f"set lora.merge: true on '{stage.name}' so it exports the merged weights")
-            if not self.eval.tasks:
+            judge_of = [later.name for later in self.train[i + 1:] if stage.name in later.judge_stages]
+            if not self.eval.tasks and not judge_of:
                 continue
-            # evaluated as an adapter on the engine of the weights it was trained from (see the eval stage)
+            # served as an adapter on the engine of the weights it was trained from (see served_engines), to be
+            # evaluated or to judge a later stage's samples
             if stage.adapter_servable(self.starts_from_checkpoint(i)):
                 continue
+            why = f"(it judges stage(s) {judge_of})" if judge_of else "(the eval stage serves it)"
             if not stage.lora.adapters_only:
                 raise ValueError(f"train stage '{stage.name}': vLLM's LoRA engine cannot serve an adapter with "
-                                 "modules_to_save; set lora.merge: true to serve and evaluate the merged weights")
+                                 f"modules_to_save {why}; set lora.merge: true to serve the merged weights")
             raise ValueError(f"train stage '{stage.name}': its adapters train on random initial weights, which "
-                             "no engine serves; set lora.merge: true to serve and evaluate the merged weights")
+                             f"no engine serves {why}; set lora.merge: true to serve the merged weights")
         for i, stage in enumerate(self.train):
             for reward in stage.sampled_rewards:
                 judged_by = reward.judge.stage if reward.judge else None
