@@ -357,6 +357,25 @@ def test_the_eval_stage_serves_each_adapter_on_the_checkpoint_it_was_trained_fro
         "the report's columns in the recipe's order"
 
 
+def test_a_stage_named_base_in_a_recipe_without_a_base_model_is_served_from_its_own_export(tmp_path):
+    """'base' names the base model only where the recipe has one (model.from); otherwise it may name a stage."""
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline.runner import Pipeline
+    from amalia_ray.pipeline.stages import judge_checkpoint, served_models
+
+    stages = [{"name": "base", "objective": "sft", "dataset": "chats.jsonl", "steps": 20},
+              {"name": "dpo", "objective": "dpo", "dataset": "pairs.jsonl", "steps": 20, "lora": {}}]
+    pipeline = Pipeline(load_recipe(_recipe(tmp_path, stages)))
+    run = pipeline.run_name
+    assert served_models(pipeline) == ({f"{run}-pretrain": pipeline.checkpoint_of("pretrain"),
+                                        f"{run}-base": pipeline.checkpoint_of("base")},
+                                       {f"{run}-base": {"dpo": pipeline.run_dir / "dpo" / "adapter"}})
+    assert judge_checkpoint(pipeline, "base") == pipeline.checkpoint_of("base")
+    assert pipeline.recipe.engine_serving("dpo") == "base"
+    with pytest.raises(ValueError, match="'nope' is not served"):
+        pipeline.recipe.engine_serving("nope")
+
+
 def test_modules_to_save_train_in_full_and_travel_with_the_adapter(trained, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file

@@ -250,8 +250,8 @@ def _sampling_notes(stage: TrainStageConfig, recipe: Recipe, m: Dims, seq: int, 
         return ()
     if served := served_gpus(stage, recipe):
         notes.append(f"the reward models and judges it serves hold {served} GPU(s) of their own for the whole "
-                     "stage, in the GPU-hours (judges at serve.min_replicas, one at least: more while they scale up, "
-                     "fewer where LoRA judges share a model's engine)")
+                     "stage, in the GPU-hours (judges at serve.min_replicas, one at least: more while they scale up; "
+                     "judges on one engine count once)")
     return tuple(notes)
 
 

@@ -100,8 +100,9 @@ class Recipe(Strict):
         return self.train[i].init_from == "previous" and (self.previous_policy(i) is not None or bool(self.model.base))
 
     def served_engines(self) -> dict[str, list[str]]:
-        """What the eval stage serves, by name: the checkpoints that get a vLLM engine each ('base': the base model,
-        so the report shows what each stage changed; and every policy stage trained in full; not the reward models)
+        """What the pipeline serves (the eval stage all of it, a sampling stage its judges), by name: the checkpoints
+        that get a vLLM engine each ('base': the base model, so the report shows what each stage changed; and every
+        policy stage trained in full; not the reward models)
         -> the LoRA stages whose adapters run on that engine, the one of the checkpoint each was trained from. A LoRA
         stage is served in full (its merged export) instead when a later LoRA stage was trained on its merged weights
         (that one's adapter needs them as its engine) or when vLLM cannot serve its adapter (modules_to_save, or no
@@ -125,7 +126,12 @@ class Recipe(Strict):
         """The engine (a key of served_engines) that serves stage `name` ('base': the base model): its own, or the
         one its adapter runs on."""
         engines = self.served_engines()
-        return name if name in engines else next(e for e, adapters in engines.items() if name in adapters)
+        if name in engines:
+            return name
+        if (engine := next((e for e, adapters in engines.items() if name in adapters), None)) is None:
+            raise ValueError(f"'{name}' is not served: served are {sorted(engines)} and the LoRA stages on them, "
+                             "not the reward models")
+        return engine
 
     @property
     def policy_stages(self) -> list:
@@ -180,7 +186,7 @@ class Recipe(Strict):
             # evaluated or to judge a later stage's samples
             if stage.adapter_servable(self.starts_from_checkpoint(i)):
                 continue
-            why = f"(it judges stage(s) {judge_of})" if judge_of else "(the eval stage serves it)"
+            why = f"(it judges stage(s) {', '.join(judge_of)})" if judge_of else "(the eval stage serves it)"
             if not stage.lora.adapters_only:
                 raise ValueError(f"train stage '{stage.name}': vLLM's LoRA engine cannot serve an adapter with "
                                  f"modules_to_save {why}; set lora.merge: true to serve the merged weights")
