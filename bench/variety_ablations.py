@@ -27,7 +27,13 @@ Variants (each a logistic regression over hashed n-grams, as `core/variety_model
 - `naive_bayes`: multinomial naive Bayes (alpha 0.1) on the n-grams' presence, as the HeLI-style identifiers of
   the VarDial shared tasks add up each n-gram's evidence; calibrated on the training texts (Platt);
 - `cross_team_ngrams`: `shipped`, with only the n-grams found in at least 10 teams' texts (a package of "other"
-  counting as a team), so no team's own wording can be learned.
+  counting as a team), so no team's own wording can be learned;
+- `masked_300`, `masked_3000`: `shipped` on distorted text (Stamatatos's text distortion, to learn style without
+  topic): every word but the 300 (3,000) that the most teams use has its letters masked but the last three
+  ("utilizador" -> "*******dor"), so what is left is function words and their order, punctuation, word lengths and
+  endings (gerunds, -ção); the cue counts are of the text itself;
+- `longer_ngrams`: `shipped` with character 2-6-grams and word 1-3-grams, hashed to 2^22 columns (fewer
+  collisions): more of each text's wording, against fewer texts sharing each n-gram.
 
 Measured on the held-out teams' texts of at least --min-words words: `symmetric`, the smallest margin at which both
 varieties are labelled >= --accuracy right and the share of each variety's texts labelled then; `best_threshold`,
@@ -60,38 +66,70 @@ from amalia_ray.data.variety.variety_training import (DEFAULT_C, _FUNCTION_WORDS
 from variety_accuracy import at_margin, evaluation_sets  # this folder is on the path: `python bench/...`
 
 VARIANTS = ("shipped", "presence", "pair_difference", "cross_team_calibration", "confident_learning",
-            "self_training", "no_letter_unigrams", "naive_bayes", "cross_team_ngrams")
+            "self_training", "no_letter_unigrams", "naive_bayes", "cross_team_ngrams", "masked_300", "masked_3000",
+            "longer_ngrams")
 CROSS_TEAM_MIN_TEAMS = 10
+MASKED_SUFFIX = 3  # letters a masked word keeps at its end
 N_FEATURES = 1 << 20
+LONGER = {"char_ngrams": (2, 6), "word_ngrams": 3, "n_features": 1 << 22}  # `longer_ngrams`
 _TOKEN = re.compile(r"(?u)\b\w+(?:-\w+)*\b")
 # a one-letter or function word standing alone (not "se" in "pode-se")
 _SHORT_OR_FUNCTION_WORD = re.compile(r"(?<![\w-])(?:\w|" + "|".join(sorted(_FUNCTION_WORDS, key=len, reverse=True))
                                      + r")(?![\w-])", re.IGNORECASE)
 
 
-def features(texts: list[str], *, presence: bool = False, letter_unigrams: bool = True):
+def features(texts: list[str], *, presence: bool = False, letter_unigrams: bool = True,
+             kept_words: frozenset[str] | None = None, char_ngrams: tuple[int, int] = (1, 4), word_ngrams: int = 2,
+             n_features: int = N_FEATURES):
     """Hashed character n-grams (within words), word n-grams and the cue counts, as the shipped model's
     `featurize`; `presence`: 0/1 n-grams, not normalized; `letter_unigrams=False`: no character unigrams, and
     one-letter and function words neither as word unigrams nor in the character n-grams (`char_wb` pads each word
-    with spaces, so " a " and " se " would carry them); word bigrams keep them."""
+    with spaces, so " a " and " se " would carry them); word bigrams keep them; `kept_words`: the n-grams are of
+    the text with every other word masked (`masked`); `char_ngrams`, `word_ngrams` (1 to n), `n_features`: as
+    `longer_ngrams` sets them."""
     from scipy.sparse import csr_matrix, hstack
     from sklearn.feature_extraction.text import HashingVectorizer
 
     def words(text: str) -> list[str]:
         tokens = _TOKEN.findall(text.lower())
         unigrams = tokens if letter_unigrams else [t for t in tokens if len(t) > 1 and t not in _FUNCTION_WORDS]
-        return unigrams + [f"{a} {b}" for a, b in zip(tokens, tokens[1:])]
+        return unigrams + [" ".join(tokens[i:i + n]) for n in range(2, word_ngrams + 1)
+                           for i in range(len(tokens) - n + 1)]
 
     texts = [t[:5000] for t in texts]
+    ngram_texts = texts if kept_words is None else [masked(t, kept_words) for t in texts]
     norm = None if presence else "l2"
-    chars = HashingVectorizer(analyzer="char_wb", ngram_range=(1 if letter_unigrams else 2, 4), binary=presence,
-                              n_features=N_FEATURES, alternate_sign=False, norm=norm, dtype=np.float32)
-    word = HashingVectorizer(analyzer=words, n_features=N_FEATURES, alternate_sign=False, norm=norm,
+    low = char_ngrams[0] if letter_unigrams else max(2, char_ngrams[0])
+    chars = HashingVectorizer(analyzer="char_wb", ngram_range=(low, char_ngrams[1]), binary=presence,
+                              n_features=n_features, alternate_sign=False, norm=norm, dtype=np.float32)
+    word = HashingVectorizer(analyzer=words, n_features=n_features, alternate_sign=False, norm=norm,
                              binary=presence, dtype=np.float32)
     cues = np.array([[math.log1p(s.pt_cues), math.log1p(s.br_cues)] for s in map(score_variety, texts)], np.float32)
-    spelled = texts if letter_unigrams else [_SHORT_OR_FUNCTION_WORD.sub(" ", t) for t in texts]
-    return hstack([chars.transform(spelled), word.transform(texts), csr_matrix(cues.reshape(len(texts), 2))],
+    spelled = ngram_texts if letter_unigrams else [_SHORT_OR_FUNCTION_WORD.sub(" ", t) for t in ngram_texts]
+    return hstack([chars.transform(spelled), word.transform(ngram_texts), csr_matrix(cues.reshape(len(texts), 2))],
                   format="csr")
+
+
+_WORD = re.compile(r"(?u)\w+")
+
+
+def masked(text: str, kept_words: frozenset[str]) -> str:
+    """`text` with each word not in `kept_words` (lowercase) masked but for its last letters: "*******dor"."""
+    def mask(m: re.Match) -> str:
+        word = m.group(0)
+        if word.lower() in kept_words:
+            return word
+        return "*" * max(0, len(word) - MASKED_SUFFIX) + word[-MASKED_SUFFIX:]
+    return _WORD.sub(mask, text)
+
+
+def words_of_most_teams(texts: list[str], team_of_text: list[str], k: int) -> frozenset[str]:
+    """The `k` words (lowercase) used by the most teams; ties by first use."""
+    users: dict[str, set[str]] = {}
+    for team, text in zip(team_of_text, texts):
+        for w in set(_WORD.findall(text.lower())):
+            users.setdefault(w, set()).add(team)
+    return frozenset(sorted(users, key=lambda w: -len(users[w]))[:k])
 
 
 def logistic(x, y, c: float, weights=None, intercept: bool = True):
@@ -232,7 +270,7 @@ def main() -> None:
     out_of_team = None  # shared by the two variants that use it
 
     def x_of(part: str, texts: list[str], **kind):
-        key = (part, *sorted(kind.items()))
+        key = (part, *sorted((k, len(v) if k == "kept_words" and v else v) for k, v in kind.items()))
         if key not in cache:
             cache[key] = features(texts, **kind)
         return cache[key]
@@ -241,6 +279,12 @@ def main() -> None:
         started = time.perf_counter()
         kind = {"presence": variant in ("presence", "pair_difference", "naive_bayes"),
                 "letter_unigrams": variant != "no_letter_unigrams"}
+        if variant == "longer_ngrams":
+            kind.update(LONGER)
+        if variant.startswith("masked_"):
+            team_of_pair = teams(train)
+            kind["kept_words"] = words_of_most_teams(
+                train_texts, team_of_pair + team_of_pair + [team_of_pair[i] for i in twin_of], int(variant[7:]))
         x, x_test = x_of("train", train_texts, **kind), x_of("test", test_texts, **kind)
         a, b = 1.0, 0.0  # Platt scaling of the decision function; identity unless a variant calibrates
         notes = {}
