@@ -28,12 +28,13 @@ Variants (each a logistic regression over hashed n-grams, as `core/variety_model
   the VarDial shared tasks add up each n-gram's evidence; calibrated on the training texts (Platt);
 - `cross_team_ngrams`: `shipped`, with only the n-grams found in at least 10 teams' texts (a package of "other"
   counting as a team), so no team's own wording can be learned;
-- `masked_300`, `masked_3000`: `shipped` on distorted text (Stamatatos's text distortion, to learn style without
-  topic): every word but the 300 (3,000) that the most teams use has its letters masked but the last three
-  ("utilizador" -> "*******dor"), so what is left is function words and their order, punctuation, word lengths and
-  endings (gerunds, -ção); the cue counts are of the text itself;
-- `longer_ngrams`: `shipped` with character 2-6-grams and word 1-3-grams, hashed to 2^22 columns (fewer
-  collisions): more of each text's wording, against fewer texts sharing each n-gram.
+- `masked_300`, `masked_3000`: `shipped` on distorted text (a variant of Stamatatos's text distortion, to learn
+  style without topic): every word outside the 300 (3,000) that the most teams use has all but its last three
+  letters masked ("utilizador" -> "*******dor"; words of up to three letters stay whole), so what is left is those
+  words and their order, punctuation, word lengths and endings (gerunds, -ção); the cue counts are of the unmasked
+  text (some of the cues are content words: ecrã / tela);
+- `longer_ngrams`: `shipped` with character 2-6-grams (no unigrams) and word 1-3-grams, hashed to 2^22 columns
+  (fewer collisions): more of each text's wording, against fewer texts sharing each n-gram.
 
 Measured on the held-out teams' texts of at least --min-words words: `symmetric`, the smallest margin at which both
 varieties are labelled >= --accuracy right and the share of each variety's texts labelled then; `best_threshold`,
@@ -124,12 +125,13 @@ def masked(text: str, kept_words: frozenset[str]) -> str:
 
 
 def words_of_most_teams(texts: list[str], team_of_text: list[str], k: int) -> frozenset[str]:
-    """The `k` words (lowercase) used by the most teams; ties by first use."""
+    """The `k` words (lowercase) used by the most teams; ties alphabetically (a set's order changes from one process
+    to the next)."""
     users: dict[str, set[str]] = {}
     for team, text in zip(team_of_text, texts):
-        for w in set(_WORD.findall(text.lower())):
+        for w in _WORD.findall(text.lower()):
             users.setdefault(w, set()).add(team)
-    return frozenset(sorted(users, key=lambda w: -len(users[w]))[:k])
+    return frozenset(sorted(users, key=lambda w: (-len(users[w]), w))[:k])
 
 
 def logistic(x, y, c: float, weights=None, intercept: bool = True):
@@ -270,7 +272,7 @@ def main() -> None:
     out_of_team = None  # shared by the two variants that use it
 
     def x_of(part: str, texts: list[str], **kind):
-        key = (part, *sorted((k, len(v) if k == "kept_words" and v else v) for k, v in kind.items()))
+        key = (part, *sorted(kind.items()))
         if key not in cache:
             cache[key] = features(texts, **kind)
         return cache[key]
