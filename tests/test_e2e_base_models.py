@@ -136,6 +136,8 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
     if off_policy:  # the clip watches every step: the engine's log-probabilities are the old policy
         assert all(0 <= h["clip_ratio"] <= 1 for h in history)
         assert history[0]["reward"] == history[1]["reward"], "the second step trains on the first rollout again"
+    # the first step waits for a whole rollout (sampled and judged), and no step waits longer than it takes
+    assert history[0]["rollout_wait_s"] > 0 and all(0 <= h["rollout_wait_s"] < h["step_time_s"] for h in history)
     for h in history:
         assert math.isfinite(h["loss"]) and h["kl"] >= 0 and 0 < h["completion_length"] <= 12
         assert all(0 <= h[f"rewards/{r}"] <= 1 for r in ("format", "exact_answer", "has_number")) and "reward_std" in h

@@ -16,6 +16,7 @@ rollout (as TRL's async GRPO), so the ratio is clipped from its first step on.""
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -183,7 +184,10 @@ class GRPO(Objective):
         between train on the same completions again. Every rank gets the same completions. Async, the rollout is the
         one sampled while the previous step trained, and the last step on a rollout starts the next one (with the
         weights it starts from) before it trains. A resumed stage starts with a fresh rollout: completions are not
-        part of the checkpoint."""
+        part of the checkpoint. Records `rollout_wait_s`: how long rank 0 took to get the step's rows (weights pushed,
+        completions sampled or, async, what was left of their sampling, and scored), the part of `step_time_s` that
+        is not training."""
+        started = time.perf_counter()
         prompts, at = global_batch_size // self.G, self._steps_on_rollout % self.num_iterations
         pushed = sampled = prompt_rows = None
         if at == 0:
@@ -206,6 +210,7 @@ class GRPO(Objective):
         self._steps_on_rollout += 1
         # every step on a rollout reports the rollout's rewards: they are those of the completions it trains on
         self._stats = dict(self._rollout_stats)
+        self._stats["rollout_wait_s"] = (time.perf_counter() - started, 1) if dist.get_rank() == 0 else (0.0, 0)
         return np.arange(len(self.buffer))
 
     def _share(self, prompt_rows: np.ndarray, sampled: list | None) -> None:
