@@ -184,9 +184,9 @@ class GRPO(Objective):
         between train on the same completions again. Every rank gets the same completions. Async, the rollout is the
         one sampled while the previous step trained, and the last step on a rollout starts the next one (with the
         weights it starts from) before it trains. A resumed stage starts with a fresh rollout: completions are not
-        part of the checkpoint. Records `rollout_wait_s`: how long rank 0 took to get the step's rows (weights pushed,
-        completions sampled or, async, what was left of their sampling, and scored), the part of `step_time_s` that
-        is not training."""
+        part of the checkpoint. Records `rollout_wait_s`: how long rank 0 spent on the rollout in the step (weights
+        pushed, completions sampled or, async, what was left of their sampling, scored, and async the next rollout
+        started), part of `step_time_s`; about 0 on a step that trains on a rollout again."""
         started = time.perf_counter()
         prompts, at = global_batch_size // self.G, self._steps_on_rollout % self.num_iterations
         pushed = sampled = prompt_rows = None
