@@ -246,7 +246,7 @@ def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | N
     engines = p.recipe.served_engines()
 
     def folder(name: str) -> Path | None:
-        if name == "base" and p.recipe.model.base:  # without a base model, "base" may be a stage's name
+        if p.recipe.names_base_model(name):
             return base_model_dir(p) if paths else None
         return p.checkpoint_of(name)
     return ({p.model_id(e): folder(e) for e in engines},
@@ -370,7 +370,7 @@ def judge_engines(p: RunContext, names: list[str]) -> tuple[dict[str, Path], dic
 def judge_checkpoint(p: RunContext, name: str) -> Path:
     """The weights a judge served from stage `name` answers with (what decides whether the judged stage reruns): the
     base model's, a LoRA stage's adapter where it exports no merged weights, else the stage's export."""
-    if name == "base" and p.recipe.model.base:  # without a base model, "base" may be a stage's name
+    if p.recipe.names_base_model(name):
         return base_model_dir(p)
     stage = next(s for s in p.recipe.train if s.name == name)
     return p.stage_dir(name) / "adapter" if stage.lora and not stage.lora.merge else p.checkpoint_of(name)

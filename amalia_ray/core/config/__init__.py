@@ -94,6 +94,11 @@ class Recipe(Strict):
         is not a reward model (a reward stage branches off the policy); None: the base model, or random weights."""
         return next((j for j in range(i - 1, -1, -1) if self.train[j].objective != "reward"), None)
 
+    def names_base_model(self, name: str) -> bool:
+        """Whether `name` (a served engine, a judge's stage) is the base model: 'base' in a recipe that has one
+        (model.from, and then no stage may be named 'base'); without one, 'base' may be a stage's name."""
+        return name == "base" and bool(self.model.base)
+
     def starts_from_checkpoint(self, i: int) -> bool:
         """Whether train stage i starts from weights that exist before it: the previous policy stage's, or the base
         model's (else it starts from random weights)."""
@@ -195,7 +200,7 @@ class Recipe(Strict):
         for i, stage in enumerate(self.train):
             for reward in stage.sampled_rewards:
                 judged_by = reward.judge.stage if reward.judge else None
-                if judged_by is not None and not (judged_by == "base" and self.model.base) and (
+                if judged_by is not None and not self.names_base_model(judged_by) and (
                         judged_by not in names[:i] or self.train[names.index(judged_by)].objective == "reward"):
                     raise ValueError(f"train stage '{stage.name}': a judge reward's stage '{judged_by}' is not an "
                                      "earlier stage that generates (nor 'base' with a base model): a judge served "
