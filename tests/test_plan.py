@@ -185,6 +185,21 @@ def test_a_grpo_stage_is_planned_with_its_rollouts_and_the_gpus_its_engines_hold
     too_few = r.model_copy(update={"plan": r.plan.model_copy(update={"reported_gpu_hours": {"rl": 0.001}})})
     assert plan_stage(train_stage(grpo), too_few, dims).notes[-1].startswith(
         "the 0.001 GPU-hours reported are no more than the plan's rollouts")
+    # a rollout time a past run measured: the decode bandwidth share at which the bound equals it
+    def measured(seconds):
+        return plan_stage(train_stage(grpo), r.model_copy(update={"plan": r.plan.model_copy(
+            update={"reported_rollout_s": {"rl": seconds}})}), dims)
+    assert measured(one.rollout_s).implied_decode_utilization == pytest.approx(0.6, rel=1e-6)
+    slow = measured(2 * one.rollout_s)
+    # the prefill does not slow with the bandwidth: the decoding took more than twice as long
+    assert slow.implied_decode_utilization == pytest.approx(0.6 * decode / (2 * one.rollout_s - prefill), rel=1e-6)
+    assert slow.rollout_s == one.rollout_s and slow.step_time_s == one.step_time_s, "it informs, it does not plan"
+    assert slow.notes[-1].startswith(f"the {figure(2 * one.rollout_s)} s a past run's rollouts took "
+                                     f"(plan.reported_rollout_s) imply decoding at "
+                                     f"{figure(100 * slow.implied_decode_utilization)}% of memory_tb_per_s")
+    fast = measured(one.rollout_s / 10)  # faster than reading the weights at 3.35 TB/s allows
+    assert fast.implied_decode_utilization is None and "are less than the plan's bound at the whole of " \
+        "memory_tb_per_s" in fast.notes[-1]
     judged = {**grpo, "rewards": [{"judge": {"stage": "sft", "rubric": "r"}}, {"model": "rm"}, {"model": "rm"}]}
     r2 = r.model_copy(update={"serve": r.serve.model_copy(update={"gpus_per_replica": 2, "min_replicas": 2})})
     assert plan_stage(train_stage(judged), r2, dims).gpu_hours == pytest.approx(
@@ -251,12 +266,17 @@ def test_the_plan_shows_every_figure_whole_at_any_terminal_width(columns):
         assert any("┃" in line and "GPU-hours" in line and "implied MFU" in line for line in lines)
 
 
-def test_reported_hours_must_name_a_stage(tmp_path):
+@pytest.mark.parametrize("reported, error", [
+    ({"reported_gpu_hours": {"rlhf": 100}}, r"reported_gpu_hours names unknown train stage\(s\) \['rlhf'\]"),
+    ({"reported_gpu_hours": {"sft": -5}}, r"plan\.reported_gpu_hours\.sft.*greater than 0"),
+    ({"reported_rollout_s": {"sft": 30}}, r"reported_rollout_s names train stage\(s\) \['sft'\] that are not GRPO"),
+])
+def test_reported_figures_must_name_a_stage_that_has_them(tmp_path, reported, error):
     data = yaml.safe_load(AMALIA_9B.read_text())
-    data["plan"]["reported_gpu_hours"] = {"rlhf": 100}
+    data["plan"].update(reported)
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(RecipeError, match=r"reported_gpu_hours names unknown train stage\(s\) \['rlhf'\]"):
+    with pytest.raises(RecipeError, match=error):
         load_recipe(path)
 
 

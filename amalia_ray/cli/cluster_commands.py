@@ -149,7 +149,7 @@ def _print_plans(title: list[str], plans: list) -> None:
 def _print_notes(plans: list) -> None:
     for p in plans:
         for note in p.notes:
-            console.print(f"{p.stage} ({p.nodes} nodes): {note}", markup=False)
+            console.print(f"{p.stage} ({p.nodes} node{'s' if p.nodes > 1 else ''}): {note}", markup=False)
 
 
 def _base_config(loaded) -> dict | None:

@@ -28,9 +28,12 @@ completions, at most ENGINE_MAX_SEQS decoded at once; a prefill at the stage's M
 completion token, each bounded by reading the engine's bf16 weights and its sequences' KV cache at
 `decode_bandwidth_utilization` of `memory_tb_per_s` (or by its compute, where that is slower). With `async_rollout`
 a rollout overlaps the last step on the rollout before it. GPU-hours count, for the whole stage, the GPUs of rollout
-engines placed apart from the workers and of the reward models and judges a sampled stage serves; weight pushes
-and engines waking are left out. On-policy DPO samples once before training, from a tasks file the plan does not
-read: a note gives the time per 1,000 prompts.
+engines placed apart from the workers and of the reward models and judges a sampled stage serves; weight pushes and
+engines waking are left out. A rollout time a past run measured (`plan.reported_rollout_s`) gives the share of
+`memory_tb_per_s` that makes the bound equal it: the decode bandwidth utilization to plan the stage with (not its
+engines' own: completions that ended before max_completion_length, weight pushes and scoring are in the time).
+On-policy DPO samples once before training, from a tasks file the plan does not read: a note gives the time per
+1,000 prompts.
 
 A stage on more GPUs than one node has (`plan.gpus_per_node`) gets notes: HSDP's smallest shard group of whole nodes
 that fits, when the stage shards over every GPU; and a warning when the nodes are linked by TCP only
@@ -113,6 +116,7 @@ class StagePlan:
     rollout_s: float = 0.0  # GRPO: one rollout's generation, at most (already in step_time_s, averaged over steps)
     longest_step_s: float = 0.0  # a step that waits for a whole rollout (GRPO); the step time otherwise
     nodes: int = 1
+    implied_decode_utilization: float | None = None  # GRPO: what plan.reported_rollout_s implies
     notes: tuple[str, ...] = ()  # what to know or change on a stage that fits (HSDP, the interconnect)
 
     @property
@@ -161,8 +165,10 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
     rows = stage.global_batch_size + fillers_per_step(stage.global_batch_size, stage.micro_batch_size, gpus)
     step_flops = rows * seq * per_pair * flops_per_token
     train_time = step_flops / (gpus * hw.peak_tflops * 1e12 * hw.mfu)
-    rollout = rollout_seconds(stage, m, hw, seq, stage.global_batch_size // stage.num_generations) \
-        if stage.objective == "grpo" else 0.0
+    prompts = stage.global_batch_size // stage.num_generations if stage.objective == "grpo" else 0
+    rollout = rollout_seconds(stage, m, hw, seq, prompts) if prompts else 0.0
+    measured = hw.reported_rollout_s.get(stage.name)
+    decode_utilization = implied_decode_utilization(stage, m, hw, seq, prompts, measured) if measured else None
     wall = stage_seconds(stage, train_time, rollout)
     step_time = wall / stage.steps
     gpu_hours = wall * (gpus + stage.engine_gpus(True) + served_gpus(stage, recipe)) / 3600
@@ -179,8 +185,10 @@ def plan_stage(stage: TrainStageConfig, recipe: Recipe, dims: Dims | None = None
                      tokens / gpu_hours, implied,
                      checkpoint_s=12 * params / (hw.storage_write_gb_per_s * 1e9),  # fp32 weights + 2 moments
                      rollout_s=rollout, longest_step_s=train_time + rollout, nodes=nodes,
+                     implied_decode_utilization=decode_utilization,
                      notes=(_multi_node_notes(stage, recipe, m, nodes)
                             + _sampling_notes(stage, recipe, m, seq, rollout) + _unimplied_note(reported, implied)
+                            + _measured_rollout_note(stage, m, hw, seq, prompts, measured, decode_utilization)
                             if advise and fits else ()))
 
 
@@ -199,9 +207,11 @@ def served_gpus(stage: TrainStageConfig, recipe: Recipe) -> int:
     return len(stage.reward_models_named) + len(engines) * recipe.serve.replicas_in_use * recipe.serve.replica_gpus
 
 
-def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int) -> float:
+def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int,
+                    decode_utilization: float | None = None) -> float:
     """One rollout of `num_generations` completions for each of `prompts` prompts on the stage's engines, at most
-    (see the module's docstring); an engine samples whole prompts."""
+    (see the module's docstring); an engine samples whole prompts. `decode_utilization`: in place of the plan's
+    decode_bandwidth_utilization."""
     tp, out = stage.rollout.tensor_parallel, stage.max_completion_length
     prompt = max(seq - out, 0)
     per_engine = -(-prompts // stage.rollout.engines) * stage.num_generations
@@ -209,12 +219,39 @@ def rollout_seconds(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, 
     batch = -(-per_engine // waves)
     params = parameter_count(m)[0]
     flops_per_s = tp * hw.peak_tflops * 1e12 * hw.mfu
-    bytes_per_s = tp * hw.memory_tb_per_s * 1e12 * hw.decode_bandwidth_utilization
+    bytes_per_s = tp * hw.memory_tb_per_s * 1e12 * (decode_utilization or hw.decode_bandwidth_utilization)
     kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * 2  # K and V of every layer, bf16
     prefill = 2 * params * batch * prompt / flops_per_s
     decode_step = max((2 * params + batch * (prompt + out / 2) * kv_per_token) / bytes_per_s,
                       2 * params * batch / flops_per_s)
     return waves * (prefill + out * decode_step)
+
+
+def implied_decode_utilization(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int,
+                               measured_s: float) -> float | None:
+    """The share of `memory_tb_per_s` at which the plan's rollout bound takes `measured_s`; None where the bound is
+    longer even at the whole bandwidth (the completions ended early, or the decoding is bound by compute). The bound
+    falls as the share grows: bisected on its logarithm."""
+    if rollout_seconds(stage, m, hw, seq, prompts, 1.0) > measured_s:
+        return None
+    low, high = 1e-9, 1.0
+    for _ in range(100):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if rollout_seconds(stage, m, hw, seq, prompts, mid) > measured_s else (low, mid)
+    return high
+
+
+def _measured_rollout_note(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq: int, prompts: int,
+                           measured_s: float | None, utilization: float | None) -> tuple[str, ...]:
+    if not measured_s:
+        return ()
+    said = f"the {figure(measured_s)} s a past run's rollouts took (plan.reported_rollout_s)"
+    if utilization is None:
+        fastest = rollout_seconds(stage, m, hw, seq, prompts, 1.0)
+        return (f"{said} are less than the plan's bound at the whole of memory_tb_per_s ({figure(fastest)} s): its "
+                "completions ended before max_completion_length, or its batch differs from this stage's",)
+    return (f"{said} imply decoding at {figure(100 * utilization)}% of memory_tb_per_s for this batch (the plan assumes "
+            f"{hw.decode_bandwidth_utilization:.0%}: set plan.decode_bandwidth_utilization to plan with it)",)
 
 
 def stage_seconds(stage: TrainStageConfig, train_step_s: float, rollout_s: float) -> float:

@@ -157,6 +157,9 @@ class Recipe(Strict):
         if unknown := set(self.plan.reported_gpu_hours) - set(names):
             raise ValueError(f"plan.reported_gpu_hours names unknown train stage(s) {sorted(unknown)}; "
                              f"stages: {names}")
+        if unknown := set(self.plan.reported_rollout_s) - {s.name for s in self.train if s.objective == "grpo"}:
+            raise ValueError(f"plan.reported_rollout_s names train stage(s) {sorted(unknown)} that are not GRPO "
+                             f"stages (the ones with rollouts); stages: {names}")
         if self.model.base and self.tokenizer and self.tokenizer.from_ != "model":
             raise ValueError("model.from starts from a base model, whose embeddings fit its own tokenizer: set "
                              "tokenizer: {from: model}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, PositiveFloat, field_validator
 
 from amalia_ray.core.config.strict import NAME_PATTERN, Strict
 
@@ -61,9 +61,14 @@ class PlanConfig(Strict):
         "tcp", description="what links the nodes for NCCL: tcp (sockets; a multi-node stage is warned about: at tens "
         "of GPUs the all-gathers take most of the step), efa (AWS, through the aws-ofi-nccl plugin the cluster files "
         "wire) or infiniband. The first training step logs the transport NCCL chose on each node")
-    reported_gpu_hours: dict[str, float] = Field(
+    reported_gpu_hours: dict[str, PositiveFloat] = Field(
         default_factory=dict, description="train stage name -> GPU-hours a past run reported: the plan states the "
         "MFU those imply for the stage's batch shape")
+    reported_rollout_s: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="GRPO stage name -> seconds one rollout took in a past run (the "
+        "`rollout_wait_s` its steps that sampled record in the stage's metrics.jsonl; asynchronous, only the first "
+        "step waits for a whole rollout): the plan states the share of memory_tb_per_s its decoding implies, the "
+        "figure to put in decode_bandwidth_utilization")
 
 
 class AccountingConfig(Strict):
