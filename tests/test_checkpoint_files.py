@@ -6,12 +6,15 @@ import os
 from pathlib import Path
 
 import pyarrow.fs as pafs
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from amalia_ray.train.checkpoint import CHUNK, TRAIN_STATE, CheckpointFiles, problems, write_checksums
 from tests.conftest import free_port
+
+pytestmark = pytest.mark.reliability  # damaged, truncated and forged checkpoints (docs/reliability.md)
 
 KEY = "a-test-key"
 

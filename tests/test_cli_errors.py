@@ -64,6 +64,7 @@ def test_a_decontamination_task_is_an_eval_task_name_or_a_path(tmp_path):
     assert "or a task {name, path, format}" in lines[0] and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.reliability
 def test_a_model_that_cannot_be_served_stops_amalia_serve_with_its_reason(tmp_path, monkeypatch):
     """Without --keep-going, one model whose engine failed its first request (serve_app.start says so: a real one,
     test_e2e_base_models.py) is one error line naming it and the engine's reason, exit 1."""
@@ -94,6 +95,7 @@ def test_a_model_that_cannot_be_served_stops_amalia_serve_with_its_reason(tmp_pa
     assert code == 1 and lines[-1] == f"error: model 'heads-24' cannot be served: {why}" and asked["stopped"]
 
 
+@pytest.mark.reliability
 def test_an_endpoint_off_loopback_needs_an_api_key(tmp_path, monkeypatch):
     """`amalia serve --host 0.0.0.0` (and a recipe's serve.host) with no API key is refused before anything
     starts; an open endpoint is allowed only when asked for by name (--allow-no-auth / serve.allow_no_auth)."""
@@ -118,6 +120,7 @@ def test_an_endpoint_off_loopback_needs_an_api_key(tmp_path, monkeypatch):
         check_auth(ServeConfig(host="node-7.lab"))
 
 
+@pytest.mark.reliability
 def test_a_secret_is_not_passed_in_a_jobs_environment(tmp_path):
     """A job's runtime environment is listed to anyone who can list jobs: `amalia submit --env HF_TOKEN=…` is
     refused before the cluster is contacted, naming where secrets go instead."""

@@ -228,6 +228,7 @@ def test_the_image_python_satisfies_the_project_and_the_build_context_leaves_loc
     assert {".venv", "runs", ".git"} <= ignored, "COPY . must not take the virtualenv, run folders or history"
 
 
+@pytest.mark.reliability
 def test_a_jobs_upload_leaves_out_the_repository_history_and_local_secrets(tmp_path):
     """`amalia submit` uploads the working directory with Ray's own packager: built here with our excludes, the
     package holds the code and not .git, .env files, keys, runs or environments."""

@@ -16,8 +16,9 @@ import yaml
 
 from tests.conftest import ROOT
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
-                                                  reason="the node stand-in needs Linux namespaces (root)")]
+pytestmark = [pytest.mark.e2e, pytest.mark.reliability,
+              pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
+                                 reason="the node stand-in needs Linux namespaces (root)")]
 
 CHECK = """
 import urllib.error, urllib.request

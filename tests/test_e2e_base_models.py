@@ -148,6 +148,7 @@ def test_r1_zero_grpo_from_a_base_model_rolls_out_with_vllm_of_its_architecture(
         assert (tmp_path / "grpo" / "adapter" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.reliability
 def test_every_family_export_is_served_by_vllm_over_http(trained, other_team, tmp_path):
     """`amalia serve EXPORT... --address` on the shared cluster, where another team's Serve application runs: the
     exports side by side in one application of their own (two at a time: each vLLM engine on CPU reserves its share

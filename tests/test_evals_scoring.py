@@ -345,6 +345,7 @@ def test_llm_judge_scores_and_counts_unreadable_verdicts(tmp_path):
     ({"base_url": "http://judge/v1", "api_key_env": "JUDGE_KEY"}, {"fake": {"Bearer served-key"},
                                                                    "judge": {"Bearer judge-key"}}),
 ])
+@pytest.mark.reliability
 def test_the_judge_gets_only_its_own_key(tmp_path, monkeypatch, judge, keys):
     monkeypatch.setenv("JUDGE_KEY", "judge-key")
     fake = FakeModel()

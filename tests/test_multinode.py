@@ -21,7 +21,7 @@ import yaml
 
 from tests.conftest import DATA_STAGES, DEMO_PRETRAIN_METRICS, STEPS, carry_over_data_stages, read_jsonl
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.reliability]
 
 
 def test_a_hub_base_model_trains_on_a_node_whose_cache_does_not_have_it(tmp_path):

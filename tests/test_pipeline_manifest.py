@@ -49,6 +49,7 @@ def test_second_run_skips_unchanged_and_reruns_on_change(pipeline, tmp_path, cap
     assert len(calls) == 2
 
 
+@pytest.mark.reliability
 def test_a_skip_checks_the_outputs_are_what_the_run_made(pipeline, tmp_path, capsys):
     """A completed stage is skipped only while its outputs hash to what it recorded: an output changed on disk
     (half-written by another process, edited by hand) runs the stage again."""
@@ -63,6 +64,7 @@ def test_a_skip_checks_the_outputs_are_what_the_run_made(pipeline, tmp_path, cap
     assert (pipeline.stage_dir("thing") / "result.txt").read_text() == "OLÁ"
 
 
+@pytest.mark.reliability
 def test_a_second_process_on_a_stage_is_refused_naming_the_first(pipeline, tmp_path):
     """Two `amalia run`s of one run name (or a run and a stage job) never run one stage side by side: the second
     is refused, naming the process that holds it; once that one exits, the stage runs."""
@@ -89,6 +91,7 @@ def test_a_second_process_on_a_stage_is_refused_naming_the_first(pipeline, tmp_p
     assert calls == [1]
 
 
+@pytest.mark.reliability
 def test_an_unreadable_record_reruns_its_stage_and_keeps_the_others(pipeline, tmp_path, capsys):
     source = tmp_path / "in.txt"
     source.write_text("x")

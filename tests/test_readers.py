@@ -6,6 +6,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import zstandard
 
 from amalia_ray.core.config import SourceConfig
@@ -144,6 +145,7 @@ def _zstd_bomb(good_before: list[bytes], bomb_line: bytes, copies: int, good_aft
 GOOD = [json.dumps({"text": f"{TEXT} Parágrafo {i}."}).encode() + b"\n" for i in range(200)]
 
 
+@pytest.mark.reliability
 def test_a_zstd_bomb_is_cut_where_it_passes_the_limits_and_what_came_before_is_kept(tmp_path):
     """A 4 KB-per-100-MB line: by default the expansion limit stops the file as soon as it passes 100× (once past
     64 MiB), never holding more than a chunk; with no expansion limit, the line is skipped as too large while it is
@@ -175,6 +177,7 @@ def test_the_boundary_after_a_document_over_the_limit_is_found_when_a_read_block
                 ("quarantine:record too large", "aaaaa"), (None, "o doc")], (split, cut)
 
 
+@pytest.mark.reliability
 def test_gzip_and_warc_bombs_stop_at_the_limits(tmp_path):
     import tests.web_archive as web
 
@@ -194,6 +197,7 @@ def test_gzip_and_warc_bombs_stop_at_the_limits(tmp_path):
     assert out[-1]["drop_reason"] == "quarantine:decompression limit" and "max_inflated_bytes" in out[-1]["metadata"]
 
 
+@pytest.mark.reliability
 def test_a_parquet_value_repeated_by_its_dictionary_is_measured_before_it_is_decoded(tmp_path):
     """A 20 MB value stored once in a column's dictionary and referenced by 50,000 rows (1 TB decoded) in a file
     of a few hundred KB: those rows are quarantined as too large without being decoded; the others are kept."""

@@ -102,6 +102,7 @@ def test_each_objective_has_its_own_default_learning_rate():
     assert parse_recipe(_post_training(objective="dpo", on_policy=True, num_generations=8)).train[1].num_generations == 8
 
 
+@pytest.mark.reliability
 def test_rewards_and_curriculum_hooks_are_checked_when_the_recipe_loads():
     with pytest.raises(RecipeError, match=r"<recipe>:\d+: train\[1\]\.rewards\[1\]: unknown reward 'exact'"):
         parse_recipe(_post_training(objective="grpo", rewards=["format", "exact"]))

@@ -92,6 +92,7 @@ def test_the_head_is_reached_at_an_address_other_nodes_can_use(monkeypatch):
     assert ip == "127.0.0.1" and int(dashboard) == 8270 and len({ray_port, dashboard, client}) == 3
 
 
+@pytest.mark.reliability
 def test_the_batch_script_starts_ray_with_token_auth_unless_told_not_to(tmp_path, monkeypatch):
     """Other users of the allocation's nodes can reach Ray's ports: the script turns token auth on with a token
     file only its owner reads (made once per run folder, or the site's RAY_AUTH_TOKEN_PATH); --allow-no-auth is
@@ -115,6 +116,7 @@ def test_the_batch_script_starts_ray_with_token_auth_unless_told_not_to(tmp_path
     assert auth_token(tmp_path / "other") == Path("/etc/site/ray_token")
 
 
+@pytest.mark.reliability
 def test_a_control_character_never_reaches_the_batch_script(tmp_path):
     """A newline in a value written to the script (a run folder from `run.output_dir`, a module, an sbatch argument)
     would start a line of its own — `#SBATCH --output=/x` then a command. Refused, naming the value."""
@@ -174,6 +176,7 @@ def test_sigusr1_asks_the_run_to_stop_and_a_new_run_forgets_it(tmp_path):
     assert stop_requested(tmp_path) is None
 
 
+@pytest.mark.reliability
 @pytest.mark.e2e
 def test_a_chained_job_stopped_before_its_time_limit_is_carried_on_by_the_next(demo_run, recipe_path, tmp_path):
     if missing := missing_tools():
