@@ -47,3 +47,16 @@ def test_ftfy_is_skipped_only_where_it_would_change_nothing():
     out = Clean(cfg)(pa.table({"id": [str(i) for i in range(len(texts))], "text": texts}))["text"].to_pylist()
     assert out == [ftfy.fix_text(t, normalization="NFC") for t in texts]
     assert out[0] == "Informação sobre o sistema" and out[4] == texts[4]
+
+
+@pytest.mark.parametrize("text", ["a:" * 6000 + "g", "a." * 200_000, "x@y." * 50_000])
+def test_a_long_run_shaped_like_an_address_is_scanned_in_linear_time(text):
+    """Unbounded repeats in the e-mail and IPv6 patterns backtracked in quadratic and cubic time: the first of these
+    took minutes. Run in a thread so that a regression fails here instead of hanging the suite."""
+    import threading
+
+    out = []
+    worker = threading.Thread(target=lambda: out.append(scrub_pii(text)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert out == [text], "still scanning after 60 s (a minute for what takes milliseconds)"

@@ -410,7 +410,7 @@ def test_a_large_web_archive_is_read_in_ranges_of_whole_records_with_the_ids_of_
 def test_a_large_text_file_is_read_in_ranges_of_whole_documents_with_the_ids_of_a_whole_read(ray_cluster, tmp_path):
     """A plain text file over `range_bytes` (paragraphs or separator blocks; UTF-8 or a one-byte encoding) is read
     by a task per range of whole documents: each cut moves to the end of the next boundary found on the bytes by the
-    reader's own rule (runs of blank lines with spaces, a separator line only at a line start, a boundary right
+    reader's own rule (runs of blank lines with spaces or CRs, a separator line only at a line start, a boundary right
     after a document over max_record_bytes), and every document is read once, numbered as a whole-file read numbers
     it. Text in UTF-16 cannot be cut on its bytes: one task."""
     import hashlib
@@ -429,7 +429,7 @@ def test_a_large_text_file_is_read_in_ranges_of_whole_documents_with_the_ids_of_
     for i in range(100, 300, 3):  # a document that starts with spaces or tabs (no cut before it: the blank run
         docs[i] = rng.choice(["  ", "\t", " " * 100]) + docs[i]  # could go on) or a carriage return
     docs[101] = "\r" + docs[101]
-    gaps = [rng.choice(["\n\n", "\n  \n\t\n", "\n\n\n\n", "\n \n"]) for _ in docs]
+    gaps = [rng.choice(["\n\n", "\n  \n\t\n", "\n\n\n\n", "\n \n", "\r\n\r\n", "\r\n \r\n\n"]) for _ in docs]
     paragraphs = "".join(d + g for d, g in zip(docs, gaps)).encode()
     blocks = "".join(d.replace(" e ", "\n%% e\n", 1) + ("\n%\n" if i % 7 else "\n% \t\n%\n")
                      for i, d in enumerate(docs)).encode("latin-1")
@@ -452,7 +452,7 @@ def test_a_large_text_file_is_read_in_ranges_of_whole_documents_with_the_ids_of_
         ranges = [i for i in plan if i["source"] == source]
         assert len(ranges) > 20 and ranges[0]["start"] == 0 and ranges[-1]["end"] == len(data)
         assert all(a["end"] == b["start"] for a, b in zip(ranges, ranges[1:])), "the ranges tile the file"
-        ends = {m.end() for m in re.finditer(rb"\n(?:[ \t]*\n)+" if source == 0 else rb"(?m)^%[ \t\r]*\n", data)}
+        ends = {m.end() for m in re.finditer(rb"\n(?:[ \t\r]*\n)+" if source == 0 else rb"(?m)^%[ \t\r]*\n", data)}
         assert {i["start"] for i in ranges[1:]} <= ends, "every cut ends a boundary"
     ledger = ReadLedger()
     read = pa.concat_tables(ray_cluster.get(read_sources(sources, list_sources(sources, Path), ledger).to_arrow_refs()))

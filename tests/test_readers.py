@@ -130,6 +130,33 @@ def test_text_paragraphs_and_locations(tmp_path):
     assert [r["id"] for r in out] == ["s/t.txt#paragraph 0", "s/t.txt#paragraph 1"]
 
 
+def test_a_windows_text_file_is_split_into_its_paragraphs(tmp_path):
+    """CRLF line ends: a blank line is "\r\n" (spaces, tabs and CRs only), and the line end before it is not the
+    paragraph's."""
+    (tmp_path / "w.txt").write_bytes(f"{TEXT}\r\nSegunda linha.\r\n\r\n{TEXT} Dois.\r\n \r\n\r\nTrês.\r\n".encode())
+    out = rows(read_file(str(tmp_path / "w.txt"), src("text")))
+    assert [r["text"].rstrip("\r\n") for r in out] == [f"{TEXT}\r\nSegunda linha.", f"{TEXT} Dois.", "Três."]
+    assert out[0]["text"] == f"{TEXT}\r\nSegunda linha." and out[1]["text"] == f"{TEXT} Dois."
+
+
+@pytest.mark.reliability
+def test_a_lone_surrogate_or_a_huge_number_costs_its_own_line_only(tmp_path):
+    """JSON's "\\ud83d" (half an emoji's UTF-16 pair) decodes to a string Arrow cannot write as UTF-8, and an integer
+    of over 4,300 digits makes json.loads raise a plain ValueError: each quarantines its line, never the file or
+    the lines after it; a surrogate in metadata is kept, escaped."""
+    lines = [json.dumps({"text": f"{TEXT} {i}."}) for i in range(3)]
+    lines[1:1] = ['{"text": "meio emoji \\ud83d aqui"}', '{"text": "n", "n": ' + "7" * 5000 + "}",
+                  '{"text": "%s", "autor": "\\udc80"}' % TEXT]
+    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
+    out = rows(read_file(str(tmp_path / "s.jsonl"), src("jsonl")))
+    assert [(r["location"], r["drop_reason"]) for r in out] == [
+        ("line 1", None), ("line 2", "quarantine:invalid UTF-8"), ("line 3", "quarantine:invalid JSON"),
+        ("line 4", None), ("line 5", None), ("line 6", None)]
+    assert "lone surrogate" in out[1]["metadata"] and out[1]["text"] == "meio emoji \ufffd aqui"
+    assert "4300" in out[2]["metadata"]
+    assert json.loads(out[3]["metadata"]) == {"autor": "\udc80"} and out[3]["text"] == TEXT
+
+
 def _zstd_bomb(good_before: list[bytes], bomb_line: bytes, copies: int, good_after: list[bytes]) -> bytes:
     """A real .zst: good lines, then one line of `bomb_line` × `copies` (a few KB that inflate to hundreds of MB),
     then good lines again, all in one frame."""

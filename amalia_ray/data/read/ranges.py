@@ -154,11 +154,12 @@ def _separator_bytes(source: SourceConfig) -> bytes | None:
 
 def _boundary_pattern(source: SourceConfig) -> re.Pattern:
     """The bytes that end a document in a text file, by the reader's own rule (`readers._text_documents`): a line
-    of the separator, or a run of blank lines after a line. A run of blank lines counts only when the line after it
-    starts with neither a space nor a tab, so the run cannot go on past what was read (the reader's greedy rule)."""
+    of the separator, or a run of blank lines (spaces, tabs and CRs) after a line. A run of blank lines counts only
+    when the line after it starts with none of those, so the run cannot go on past what was read (the reader's
+    greedy rule)."""
     if source.split == "separator":
         return re.compile(rb"(?m)^" + re.escape(_separator_bytes(source)) + rb"[ \t\r]*\n")
-    return re.compile(rb"\n(?:[ \t]*\n)+(?=[^ \t\n])")
+    return re.compile(rb"\n(?:[ \t\r]*\n)+(?=[^ \t\r\n])")
 
 
 @ray.remote(num_cpus=1)

@@ -95,7 +95,7 @@ class _Document:
 def _may_be_boundary(line: str, src: SourceConfig) -> bool:
     """Whether a line under way (no newline yet) could still turn out a boundary line."""
     if src.split == "paragraph":
-        return not line.strip(" \t")
+        return not line.strip(" \t\r")
     head = line[:len(src.separator)]
     return src.separator.startswith(head) and not line[len(src.separator):].strip(" \t\r")
 
@@ -103,8 +103,8 @@ def _may_be_boundary(line: str, src: SourceConfig) -> bool:
 def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, bool, bool, Exception | None]]:
     """(document, cut over max_record_bytes, has text other than whitespace, error) in file order, streamed. The
     documents are those of splitting the whole text at once, whatever blocks it is read in (so a byte range gives
-    the documents a whole read gives there): paragraphs end at a run of blank lines (spaces and tabs only) after a
-    line, and the newline before the run is not theirs (`\n(?:[ \t]*\n)+`); separator blocks end at lines of the
+    the documents a whole read gives there): paragraphs end at a run of blank lines (spaces, tabs and CRs only) after a
+    line, and the line end before the run is not theirs (`\r?\n(?:[ \t\r]*\n)+`); separator blocks end at lines of the
     separator (trailing spaces, tabs or CR allowed), which belong to no block. Each block's whole lines are split
     by one regex search; only the line under way is carried to the next block, and one that grows past a block
     without being able to end a document is added to it and skipped to its newline, so memory stays bounded."""
@@ -116,7 +116,7 @@ def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, b
         return
     paragraph, separator = src.split == "paragraph", src.separator
     keep = max(cap + len(separator) + 66, _RAW_LIMIT)  # a block's trailing separator line fits beside its text
-    boundary = re.compile(r"(?m)^(?:[ \t]*\n)+" if paragraph else rf"(?m)^(?:{re.escape(separator)}[ \t\r]*\n)+")
+    boundary = re.compile(r"(?m)^(?:[ \t\r]*\n)+" if paragraph else rf"(?m)^(?:{re.escape(separator)}[ \t\r]*\n)+")
     doc, line, seen_a_line, line_is_text = _Document(keep), "", False, False
 
     def done(document: _Document, last: bool = False) -> tuple[str, bool, bool]:
@@ -127,7 +127,7 @@ def _text_documents(file: InputFile, src: SourceConfig) -> Iterator[tuple[str, b
 
     def whole(text: str, last: bool = False) -> tuple[str, bool, bool]:
         if paragraph and not last and text:
-            text = text[:-1]  # the newline before the blank line
+            text = text[:-2] if text.endswith("\r\n") else text[:-1]  # the line end before the blank line
         elif last and not paragraph:
             text = re.sub(rf"(?m)^{re.escape(separator)}\s*\Z", "", text)
         return (text if len(text) <= cap else text[:_RAW_LIMIT]), len(text) > cap, bool(text) and not text.isspace()
@@ -232,7 +232,9 @@ def read_jsonl(file: InputFile, src: SourceConfig) -> Iterator[Record]:
                 continue
             try:
                 row = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            # ValueError: JSONDecodeError, UnicodeDecodeError and the rest json.loads raises for one line's content
+            # (an integer of over 4,300 digits): that line is quarantined, never the rest of the file
+            except (ValueError, RecursionError) as e:
                 yield None, where, preview(line), {}, Quarantine(
                     "invalid UTF-8" if isinstance(e, UnicodeDecodeError) else "invalid JSON",
                     "nested too deeply" if isinstance(e, RecursionError) else str(e))
@@ -399,6 +401,38 @@ def read_html(file: InputFile, src: SourceConfig) -> Iterator[Record]:
             yield None, "file", preview(raw), {}, Quarantine("no main text in HTML")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8(value: str | None) -> bool:
+    if value is None:
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _quarantine_lone_surrogates(rows: dict[str, list]) -> None:
+    """Values Arrow cannot encode: a lone surrogate (half of a UTF-16 pair, as JSON's "\\ud83d" decodes to; a
+    file name that is not UTF-8). A document whose text holds one is quarantined as invalid UTF-8 with the text
+    made readable; metadata is kept, its JSON escaping the surrogate; any other column gets U+FFFD in its place."""
+    for i, text in enumerate(rows["text"]):
+        if not _utf8(text):
+            rows["text"][i] = _SURROGATE.sub("\ufffd", text)[:_RAW_LIMIT]
+            if rows["drop_reason"][i] is None:
+                rows["drop_reason"][i] = "quarantine:invalid UTF-8"
+                meta = json.loads(rows["metadata"][i]) if rows["metadata"][i] else {}
+                rows["metadata"][i] = json.dumps({**meta, "error": "a lone surrogate (half of a UTF-16 pair) in the "
+                                                  "text"}, ensure_ascii=False)
+        if not _utf8(rows["metadata"][i]):
+            rows["metadata"][i] = json.dumps(json.loads(rows["metadata"][i]), ensure_ascii=True)
+        for column in ("id", "source", "path", "location"):
+            if not _utf8(rows[column][i]):
+                rows[column][i] = _SURROGATE.sub("\ufffd", rows[column][i])
+
+
 READERS = {"text": read_text, "jsonl": read_jsonl, "parquet": read_parquet, "html": read_html, "warc": read_warc}
 
 
@@ -460,7 +494,12 @@ def _file_tables(file: InputFile, src: SourceConfig, name: str | None) -> Iterat
 
     def table() -> pa.Table:
         nonlocal held
-        out, held = pa.table(rows, schema=DOC_SCHEMA), 0
+        try:
+            out = pa.table(rows, schema=DOC_SCHEMA)
+        except UnicodeEncodeError:  # rare, so looked for only when Arrow cannot encode a value
+            _quarantine_lone_surrogates(rows)
+            out = pa.table(rows, schema=DOC_SCHEMA)
+        held = 0
         for column in rows.values():
             column.clear()
         return out

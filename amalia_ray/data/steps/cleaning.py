@@ -13,14 +13,18 @@ import pyarrow.compute as pc
 from amalia_ray.core.config import CleaningConfig
 from amalia_ray.data.steps.base import DocumentStep, map_text
 
-EMAIL = re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}\b")
+# Every repeat is bounded (an address's own limits: 64 characters before the @, labels of 63, a top-level domain of
+# at most 24 letters), and an IPv6 candidate needs two colons within its first two groups and is at most 39
+# characters, so a run of "a.a.a.…" or "a:a:a:…" costs linear time: unbounded repeats backtrack in quadratic and cubic
+# time, and one such run of a few MB would hold a task for hours.
+EMAIL = re.compile(r"\b[\w.+-]{1,64}@[\w-]{1,63}(?:\.[\w-]{1,63}){0,8}\.[A-Za-z]{2,24}\b")
 # international (+351 912 345 678, +55 (11) 91234-5678) and Portuguese national numbers (912 345 678, 213456789)
 PHONE = re.compile(
     r"(?<![\w+])(?:\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{2,4}(?:[ .-]?\d{2,4}){2,3}"
     r"|(?:2\d|9[1236])\d(?:[ .-]?\d{3}){2})(?![\w])"
 )
 IPV4 = re.compile(r"\b(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)\b")
-IPV6_CANDIDATE = re.compile(r"(?<![\w:])[0-9A-Fa-f:]*:[0-9A-Fa-f:]*:[0-9A-Fa-f:]*(?![\w:])")
+IPV6_CANDIDATE = re.compile(r"(?<![\w:])(?=[0-9A-Fa-f]{0,4}:[0-9A-Fa-f]{0,4}:)[0-9A-Fa-f:]{2,39}(?![\w:])")
 
 # ftfy only changes a text that has one of these: UTF-8 read as Latin-1/cp1252 (a lead byte's character followed by
 # a continuation byte's), HTML entities, control characters, curly quotes, ligatures, full-width forms, odd line

@@ -7,6 +7,7 @@ the source's url/date fields for jsonl and Parquet). `select_captures` keeps one
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import re
 from datetime import datetime, timezone
@@ -101,7 +102,8 @@ def normalize_url(url: str | None) -> str | None:
     return host + path + (f"?{query_str}" if query_str else "")
 
 
-_DIGITS = re.compile(r"^\d{4,14}$")
+_DIGITS = re.compile(r"^[0-9]{4,14}$")
+_LATEST = 253402300800  # 10000-01-01 in UTC seconds: datetime's range, well inside int64
 
 
 def parse_capture_time(value) -> int | None:
@@ -110,8 +112,9 @@ def parse_capture_time(value) -> int | None:
     None when it cannot be read: such a capture loses to any dated capture of the same page."""
     if value is None or isinstance(value, bool):
         return None
-    if isinstance(value, int | float):
-        return int(value / 1000 if value > 1e11 else value)
+    if isinstance(value, int | float):  # NaN (a missing value in a float column), infinities, years past 9999: None
+        seconds = value / 1000 if value > 1e11 else value
+        return int(seconds) if math.isfinite(seconds) and abs(seconds) < _LATEST else None
     text = str(value).strip()
     if _DIGITS.match(text) and len(text) in (4, 6, 8, 10, 12, 14):
         padded = text + "0101000000"[len(text) - 4:] if len(text) < 14 else text
@@ -119,15 +122,18 @@ def parse_capture_time(value) -> int | None:
             return int(datetime.strptime(padded, "%Y%m%d%H%M%S").replace(tzinfo=timezone.utc).timestamp())
         except ValueError:
             return None
-    if text.isdigit():
-        return parse_capture_time(int(text))
+    if text.isascii() and text.isdigit():  # str.isdigit() also takes "²", which int() refuses
+        return parse_capture_time(int(text)) if len(text) < 20 else None
     try:
         parsed = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
         return None
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=timezone.utc)
-    return int(parsed.timestamp())
+    try:
+        return int(parsed.timestamp())
+    except (OverflowError, ValueError):  # an offset that moves year 1 or 9999 out of datetime's range
+        return None
 
 
 class CaptureKeys(DocumentStep):
