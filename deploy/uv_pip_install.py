@@ -1,6 +1,7 @@
 """`uv pip install ARGS...` with this machine's pip configuration, which uv does not read: the package sources,
 constraints and certificate that pip.conf and PIP_* variables give pip (a mirror, a folder of local wheels, a
-version cap, a proxy's CA) are passed to uv as its own flags, and uv weighs all indexes alike, as pip does.
+version cap, a proxy's CA) are passed to uv in its own environment variables, and uv weighs all indexes alike, as
+pip does.
 `make install` runs it with the venv's Python (standard library only: nothing is installed yet) and falls back to
 pip when it fails.
 
@@ -13,9 +14,12 @@ import os
 import subprocess
 import sys
 
-# pip's list-valued settings and the uv flag each value becomes
-LISTS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-         "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
+# pip's list-valued settings, the uv environment variable each becomes and how uv splits that variable's list. They
+# go to uv through its environment, never its command line: an index URL may hold a password (https://user:TOKEN@…),
+# and any user of the machine can read a process's command line (ps, /proc/PID/cmdline) but not its environment
+LISTS = {"index-url": ("UV_INDEX_URL", " "), "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
+         "find-links": ("UV_FIND_LINKS", ","), "constraint": ("UV_CONSTRAINT", " "),
+         "trusted-host": ("UV_INSECURE_HOST", " ")}
 SCOPES = ("global", "user", "site", ":env:")  # lowest to highest priority, as pip reads them
 
 
@@ -34,16 +38,16 @@ def pip_settings(listed: str) -> dict[str, str]:
 
 
 def uv_command(uv: str, args: list[str], settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    flags = ["--index-strategy", "unsafe-best-match"]
-    for key, flag in LISTS.items():
-        for value in settings.get(key, "").split():
-            flags += [flag, value]
-    if settings.get("no-index", "").lower() in ("1", "true", "yes", "on"):
-        flags.append("--no-index")
+    """The command (ARGS and the index strategy) and the environment that carries pip's settings to uv."""
     env = dict(os.environ)
+    for key, (variable, separator) in LISTS.items():
+        if values := settings.get(key, "").split():
+            env[variable] = separator.join(values)
+    if settings.get("no-index", "").lower() in ("1", "true", "yes", "on"):
+        env["UV_NO_INDEX"] = "1"
     if settings.get("cert"):
         env["SSL_CERT_FILE"] = settings["cert"]
-    return [uv, *args, *flags], env
+    return [uv, *args, "--index-strategy", "unsafe-best-match"], env
 
 
 def main(argv: list[str]) -> int:

@@ -128,6 +128,13 @@ def test_a_secret_is_not_passed_in_a_jobs_environment(tmp_path):
                          "--env", "TOKENIZERS_PARALLELISM=false")
     assert code == 1 and len(lines) == 1 and "hf_x" not in lines[0]
     assert lines[0].startswith("error: --env HF_TOKEN=…: a job's environment is shown to anyone who can list")
+    # a secret in a value whatever the variable's name, or in a requirement pip would fetch with it
+    leaks = [("--env", "MLFLOW_TRACKING_URI=https://me:pa55word@mlflow.example", "--env MLFLOW_TRACKING_URI"),
+             ("--pip", "git+https://oauth2:glpat-x1y2z3@gitlab.example/a.git", "--pip entry 1")]
+    for flag, value, where in leaks:
+        code, lines = invoke("submit", str(DEMO_RECIPE), "--address", "http://127.0.0.1:9", flag, value)
+        assert code == 1 and len(lines) == 1 and "pa55word" not in lines[0] and "glpat" not in lines[0]
+        assert lines[0].startswith(f"error: {where} holds a secret (a URI's password or a token)"), lines
 
 
 def test_port_in_use(tmp_path):

@@ -248,3 +248,32 @@ def test_a_jobs_upload_leaves_out_the_repository_history_and_local_secrets(tmp_p
     assert {"amalia_ray/__init__.py", "recipes/demo.yaml"} <= names
     assert not {n for n in names if n.split("/")[0] in (".git", ".env", ".env.local", "runs", ".venv")
                 or n.endswith(".pem")}, names
+
+
+@pytest.mark.reliability
+def test_the_image_and_the_launchers_copy_leave_out_what_a_jobs_upload_does(tmp_path):
+    """`docker build` (.dockerignore) and the cluster launcher's rsync of the project to every node (cluster.yaml's
+    rsync_exclude) leave out what `amalia submit` does: a developer's .env, keys and .netrc never reach an image
+    layer or a node. The launcher's list is given to rsync as it is: rsync run with it copies none of them."""
+    import shutil
+    import subprocess
+
+    from amalia_ray.cluster.jobs import EXCLUDES
+
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    missing = [p for p in EXCLUDES if not {p, f"{p}/", f"**/{p}", f"**/{p}/"} & ignored]
+    assert not missing, f".dockerignore lacks {missing}"
+    launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    assert set(launcher["rsync_exclude"]) == set(EXCLUDES)
+    if not shutil.which("rsync"):  # the lists above are checked; rsync itself only where it is installed
+        return
+    work = tmp_path / "project"
+    for name in ("amalia_ray/__init__.py", ".env", "deploy/.env.local", "deploy/key.pem", ".netrc", "runs/x/a.txt",
+                 "ckpt/model.safetensors", ".git/config"):
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text("x")
+    subprocess.run(["rsync", "-a", *(f"--exclude={p}" for p in launcher["rsync_exclude"]), f"{work}/",
+                    str(tmp_path / "node")], check=True)
+    copied = {str(p.relative_to(tmp_path / "node")) for p in (tmp_path / "node").rglob("*") if p.is_file()}
+    assert copied == {"amalia_ray/__init__.py"}

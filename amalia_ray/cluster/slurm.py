@@ -43,6 +43,7 @@ SHARED_FILESYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph
 
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+SBATCH_UNSAFE = re.compile(r"[\s#%'\"\\]")  # what an #SBATCH line's path cannot hold
 
 
 @dataclass
@@ -87,6 +88,13 @@ class SlurmJob:
             if value is not None and CONTROL.search(str(value)):
                 raise AmaliaError(f"{name}: a control character (newline, tab, …) in {str(value)!r}: it would be "
                                   "written into the batch script")
+        # sbatch reads an #SBATCH line's arguments split at spaces, up to a '#', with its own quoting, and expands
+        # '%' patterns in --output: the folders written on such lines must hold none of those
+        for name, value in (("the working directory (--chdir)", self.workdir),
+                            ("run folder (run.output_dir / run.name)", self.run_dir)):
+            if bad := sorted(set(SBATCH_UNSAFE.findall(str(value)))):
+                raise AmaliaError(f"{name} {str(value)!r} holds {' '.join(map(repr, bad))}: sbatch would split or "
+                                  "cut its #SBATCH line there; run from, or write the run to, a path without them")
 
     @property
     def folder(self) -> Path:

@@ -28,6 +28,11 @@ def is_secret_key(key) -> bool:
     return isinstance(key, str) and bool(SECRET_KEY.search(key))
 
 
+def holds_secret(value: str) -> bool:
+    """Whether a value carries a secret by its shape: a URI's password, a well-known token."""
+    return _mask_shapes(value) != value
+
+
 def redact(data):
     """`data` (parsed YAML/JSON) with secrets replaced by MASK: whatever is under a secret-looking key (a string, or
     a whole mapping such as a service account's), a URI's password, values shaped like known tokens and the secrets
