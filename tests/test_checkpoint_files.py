@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from amalia_ray.train.checkpoint import CHUNK, TRAIN_STATE, CheckpointFiles, problems, write_checksums
+from amalia_ray.train.checkpoint import _sign as checkpoint_sign
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.reliability  # damaged, truncated and forged checkpoints (docs/reliability.md)
@@ -180,6 +181,46 @@ def test_a_forged_metadata_with_valid_plain_checksums_is_refused_before_it_is_un
     assert found and all("not signed with this machine's checkpoint key" in f for f in found), found
     assert not marker.exists(), "nothing was unpickled"
     assert problems(local(folder), None, 0, "the forger's guess") != []
+
+
+@pytest.mark.parametrize("world", [0, None, "2", True, -1])
+def test_a_train_state_that_names_no_writers_cannot_skip_the_checks(tmp_path, world):
+    """The signed checksums are left alone and .metadata replaced by a code-running pickle; train_state.json (read
+    before it is verified: it says how many writers there were) is made to name no writer, so that no checksum would
+    be read and nothing checked: refused before .metadata is unpickled."""
+    import pickle
+
+    folder = fake_checkpoint(tmp_path, "checkpoint_000003", 30)
+    marker = tmp_path / "code-ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    state = json.loads((folder / TRAIN_STATE).read_text())
+    if world is None:
+        del state["world_size"]
+    else:
+        state["world_size"] = world
+    (folder / TRAIN_STATE).write_text(json.dumps(state))
+    found = problems(local(folder), {"model": {"w": torch.zeros(2)}}, 0, KEY)
+    assert found and "is not a count of ranks" in found[0], found
+    assert not marker.exists(), "nothing was unpickled"
+
+
+def test_metadata_without_a_signed_checksum_is_not_read(tmp_path):
+    """Every writer's checksums signed, but none lists .metadata (a forger dropped it from a manifest it could not
+    re-sign: impossible; or a writer that never listed it): refused, not read unchecked."""
+    import pickle
+
+    folder = fake_checkpoint(tmp_path, "checkpoint_000003", 30)
+    marker = tmp_path / "code-ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    for rank in range(2):  # re-signed with the key, .metadata left out: what the check must not take as enough
+        path = folder / f"checksums_rank{rank}.json"
+        listed = json.loads(path.read_text())
+        listed["files"].pop(".metadata", None)
+        listed["hmac"] = checkpoint_sign(KEY, listed["files"])
+        path.write_text(json.dumps(listed))
+    found = problems(local(folder), {"model": {"w": torch.zeros(2)}}, 0, KEY)
+    assert found == [".metadata has no checksum"], found
+    assert not marker.exists()
 
 
 def _save_in_background(rank: int, world: int, port: int, root: str, out: str) -> None:

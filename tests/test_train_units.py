@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -477,3 +479,18 @@ def test_a_stop_seen_while_a_checkpoint_is_written_stops_at_that_checkpoint(monk
     else:
         assert calls == [("report", 1), ("save", 2, "background"), ("finished", 2), ("report", 3),
                          ("save", 4, "in place")], calls
+
+
+def test_a_metrics_line_cut_short_is_left_out_not_fatal(tmp_path):
+    """Rank 0 killed while it appended a step: the next attempt, dropping the steps after its checkpoint, keeps the
+    whole records and leaves out the cut one (it raised JSONDecodeError on every later attempt); the driver's
+    summary and the report read the same records."""
+    from amalia_ray.core.formats.step_metrics import read_step_records
+    from amalia_ray.train.loop import _log
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
+    assert [r["step"] for r in read_step_records(path)] == [1, 2, 3, 4]
+    _log(path, {"step": 4, "loss": 0.3}, keep_through=3)
+    assert [(r["step"], r["loss"]) for r in read_step_records(path)] == [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.3)]
+    assert path.read_text().count("\n") == 4 and not (tmp_path / "metrics.jsonl.partial").exists()

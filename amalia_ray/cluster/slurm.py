@@ -12,7 +12,6 @@ another reason) cancels the rest of its chain."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.formats.step_metrics import read_step_records
 from amalia_ray.core.secrets import secret_file
 from amalia_ray.core.stop import EXIT_STOPPED, STOP_FILE
 
@@ -114,7 +114,7 @@ def stop_margin(plans: list, run_dir: Path, floor: int = 120) -> tuple[int, str]
         step, save, basis = planned, p.checkpoint_s, "planned"
         metrics = run_dir / p.stage / "metrics.jsonl"
         if metrics.exists():
-            rows = [row for line in metrics.read_text().splitlines() if (row := _record(line))]
+            rows = read_step_records(metrics)
             if steps := [r["step_time_s"] for r in rows if "step_time_s" in r]:
                 measured = max(steps[1:] or steps)
                 step, basis = (planned, "planned") if p.rollout_s and planned > measured else (measured, "measured")
@@ -124,14 +124,6 @@ def stop_margin(plans: list, run_dir: Path, floor: int = 120) -> tuple[int, str]
             worst, why = need, f"{p.stage}: a step {step:.0f} s + a checkpoint {save:.0f} s, {basis}"
     seconds = max(floor, math.ceil(worst))
     return seconds, why if seconds > floor else f"at least {floor} s" + (f"; {why}" if why else "")
-
-
-def _record(line: str) -> dict | None:
-    """A metrics line, or None for a blank one or the half-written last line of a job still appending."""
-    try:
-        return json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-        return None
 
 
 def seconds_of(limit: str) -> int:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from amalia_ray.core import secrets
+from amalia_ray.core.formats.step_metrics import read_step_records
 from amalia_ray.pipeline.accounting import total_cost
 from amalia_ray.pipeline.manifest import Manifest
 
@@ -20,10 +21,6 @@ def _table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.exists() else []
 
 
 # One panel per kind of objective, each on its own axes: pretraining's and SFT's cross-entropy share a unit; DPO's
@@ -62,7 +59,7 @@ def plot_losses(run_dir: Path, train_stages: list[str], objectives: dict[str, st
 
     curves: dict[str, list[tuple[str, list[dict]]]] = {}
     for name in train_stages:
-        if history := _read_metrics(run_dir / name / "metrics.jsonl"):
+        if history := read_step_records(run_dir / name / "metrics.jsonl"):
             panel = loss_panel_of((objectives or {}).get(name), history)
             curves.setdefault(panel, []).append((name, history))
     if not curves:
@@ -372,7 +369,7 @@ def write_report(run_dir: Path, manifest: Manifest, objectives: dict[str, str] |
     if train_stages:
         rows = []
         for n in train_stages:
-            history = _read_metrics(run_dir / n / "metrics.jsonl")
+            history = read_step_records(run_dir / n / "metrics.jsonl")
             vals = [h["val_loss"] for h in history if h.get("val_loss") is not None]
             steady = history[1:] or history  # the first step of an attempt waits for start-up work
             tps = [h["tokens_per_s"] for h in steady]
@@ -386,7 +383,7 @@ def write_report(run_dir: Path, manifest: Manifest, objectives: dict[str, str] |
         parts += ["## Training", "", _table(
             ["stage", "steps", "first loss", "last loss", "validation loss", "tokens", "tokens/s (mean)",
              "MFU (mean)", "workers (placement, sharding, network)"], rows), ""]
-        bases = sorted({h["peak_basis"] for n in train_stages for h in _read_metrics(run_dir / n / "metrics.jsonl")
+        bases = sorted({h["peak_basis"] for n in train_stages for h in read_step_records(run_dir / n / "metrics.jsonl")
                         if h.get("peak_basis")})
         if bases:
             parts += ["MFU counts model FLOPs (6 × matmul parameters + 12 · layers · attention width · sequence per "

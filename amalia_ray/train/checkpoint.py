@@ -227,12 +227,16 @@ def problems(files: CheckpointFiles, state: dict | None, rank: int, key: str) ->
     train_state = files.get(TRAIN_STATE)
     if train_state is None:
         return [f"{TRAIN_STATE} missing"]
+    # world_size is read before the file is verified (it says how many writers' checksums to read), so it must be
+    # a count: none, zero or a string would read no checksums, and with none nothing below would be checked
     try:
         world = json.loads(train_state.read_text()).get("world_size")
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return [f"{TRAIN_STATE} unreadable"]
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= 1 << 20:
+        return [f"{TRAIN_STATE}: world_size {world!r} is not a count of ranks"]
     digests, found = {}, []
-    for writer in range(world or 0):
+    for writer in range(world):
         manifest = files.get(CHECKSUMS.format(rank=writer))
         if manifest is None:
             found.append(f"checksums of rank {writer} of {world} missing")
@@ -245,7 +249,10 @@ def problems(files: CheckpointFiles, state: dict | None, rank: int, key: str) ->
         return found
     if state is None:
         return _damaged(files, {name: None for name in digests}, digests)
-    whole = {name: None for name in (TRAIN_STATE, DCP_METADATA, RNG.format(rank=rank)) if name in digests}
+    # the train state and DCP's metadata (a pickle) must have signed checksums; a rank's RNG file only where its
+    # writer was (an elastic stage may resume on more ranks than saved)
+    rng = RNG.format(rank=rank)
+    whole = {TRAIN_STATE: None, DCP_METADATA: None, **({rng: None} if rng in digests else {})}
     wrong = _damaged(files, whole, digests)
     if wrong:
         return wrong

@@ -28,6 +28,7 @@ from amalia_ray.train.lr_schedule import lr_at
 from amalia_ray.core.config import TrainStageConfig
 from amalia_ray.core.flops import flops_per_token_of
 from amalia_ray.core.formats.shards import fillers_per_step, micro_batches_per_rank
+from amalia_ray.core.formats.step_metrics import keep_steps_through
 from amalia_ray.train.train_metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives.base import Objective, StageInputs
@@ -101,9 +102,8 @@ def _tokens_in(batch: dict) -> int:
 def _log(path: Path, record: dict, keep_through: int | None = None) -> None:
     """Append a metrics line. On (re)start first drop the lines of steps after the checkpoint being resumed from
     (they are about to be trained again), so the file stays one history with every step once."""
-    if keep_through is not None and path.exists():
-        kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= keep_through]
-        path.write_text("".join(ln + "\n" for ln in kept))
+    if keep_through is not None:
+        keep_steps_through(path, keep_through)
     if record:
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from amalia_ray.core.config import ModelConfig, TrainStageConfig
+from amalia_ray.core.formats.step_metrics import read_step_records
 from amalia_ray.core.vocabulary import read_extension
 from amalia_ray.train.loop import LoopConfig, train_loop
 from amalia_ray.train.model import base_config, llama_config
@@ -170,8 +171,7 @@ def run_train_stage(
 
         raise StageStopped(f"[{stage.name}] stopped on request at step {final['step']} of {stage.steps}, its "
                            "checkpoint saved: run the same recipe again to carry on from it")
-    final.update(summarize_history([json.loads(line) for line in (stage_dir / "metrics.jsonl").read_text()
-                                    .splitlines() if line], final.get("loss")))
+    final.update(summarize_history(read_step_records(stage_dir / "metrics.jsonl"), final.get("loss")))
     final["placement"] = stage.placement
     final["checkpoint"] = result.checkpoint.path if result.checkpoint else None
     return final
