@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from amalia_ray.cli import app
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.variety_model import VarietyModel, label_texts
+from amalia_ray.core.variety_model import VarietyModel, label_texts, pt_pt_scores
 from amalia_ray.data.variety.variety_corpus import _doc_paragraphs, build_pairs, clean_message, group_of
 from amalia_ray.data.variety.variety_training import (coverage_accuracy, reform_respellings, respelled,
                                                         smallest_margin, train_variety_model)
@@ -227,7 +227,7 @@ def test_the_data_step_and_the_command_tag_with_the_model(tmp_path):
     from amalia_ray.core.config import VarietyConfig
     from amalia_ray.data.steps.language import VarietyTag
 
-    train_variety_model(tmp_path / "m", synthetic_pairs(120), holdout=0.0)
+    train_variety_model(tmp_path / "m", synthetic_pairs(120), holdout=0.0, label_margin=0.15)
     batch = pa.table({"text": ["O utilizador está a guardar a imagem no ecrã", "O usuário está salvando a imagem",
                                "dropped before"], "drop_reason": [None, None, "too_short"]})
     out = VarietyTag(VarietyConfig(keep=["pt-PT"], model=str(tmp_path / "m")), str(tmp_path / "m"))(batch)
@@ -293,9 +293,9 @@ def test_a_recipes_variety_models_are_resolved_checked_before_work_and_decide_re
     from amalia_ray.pipeline.runner import Pipeline
     from tests.conftest import write_recipe
 
-    train_variety_model(tmp_path / "vm", synthetic_pairs(120), holdout=0.0)
+    train_variety_model(tmp_path / "vm", synthetic_pairs(120), holdout=0.0)  # measured on nothing: no margin
     p = Pipeline(load_recipe(write_recipe(tmp_path, **{"eval.variety": {"model": "vm", "margin": 0.2},
-                                                       "data.variety.model": "vm"})))
+                                                       "data.variety.model": "vm", "data.variety.margin": 0.3})))
     settings = stages.with_variety_model(p, p.recipe.eval)
     assert Path(settings.variety.model) == tmp_path / "vm" and settings.variety.margin == 0.2
     assert stages.variety_models(p, p.recipe.eval) == {"variety_model": tmp_path / "vm"}
@@ -303,6 +303,10 @@ def test_a_recipes_variety_models_are_resolved_checked_before_work_and_decide_re
 
     p = Pipeline(load_recipe(write_recipe(tmp_path, **{"eval.variety": {"model": "gone"}})))
     with pytest.raises(AmaliaError, match="variety model not found"):
+        p.preflight(until="data")
+    # labels at the model's own margin, which this one does not record: refused before any work, naming the fix
+    p = Pipeline(load_recipe(write_recipe(tmp_path, **{"eval.variety": {"model": "vm"}})))
+    with pytest.raises(AmaliaError, match=r"records no label margin .*: set variety.margin"):
         p.preflight(until="data")
 
 
@@ -326,6 +330,42 @@ def test_the_shipped_model_is_named_builtin_anywhere_a_model_is_and_tells_the_va
                              "Se você quiser salvar o arquivo, clique no botão e escolha a pasta na tela."],
                             "builtin", 0.15)
     assert labels == ["pt-PT", "pt-BR"]
+
+
+def test_a_model_labels_at_its_own_margin_unless_one_is_set(tmp_path):
+    """Without a margin set, labels are given at the margin the model records: the smallest >= 97% right on what its
+    training held out (teams left out, else a share of its pairs), or one given when it was trained (the shipped
+    model's 0.375, measured on unseen teams by bench/variety_accuracy.py); the cue scorer's is 0.15."""
+    from amalia_ray.core.config import VarietyConfig
+    from amalia_ray.core.variety import CUE_MARGIN
+    from amalia_ray.core.variety_model import label_margin
+
+    pairs = synthetic_pairs(240)
+    meta = train_variety_model(tmp_path / "share", pairs, holdout=0.2)
+    assert meta["margin"] == smallest_margin(meta["measured"]["held_out_pairs"]["curve"], 0.97) is not None
+    assert meta["margin_basis"] == "smallest >= 97% right on held_out_pairs"
+    teams = train_variety_model(tmp_path / "teams", pairs, exclude_groups=("gnome",), holdout=0.2)
+    assert teams["margin"] == smallest_margin(teams["measured"]["group:gnome"]["curve"], 0.97)
+    given = train_variety_model(tmp_path / "given", pairs, holdout=0.0, label_margin=0.3)
+    assert (given["margin"], given["margin_basis"]) == (0.3, "given (--label-margin)")
+    assert label_margin(tmp_path / "given") == 0.3 and label_margin(tmp_path / "given", 0.1) == 0.1
+    assert label_margin("builtin") == 0.375 and label_margin(None) == CUE_MARGIN == 0.15
+    assert VarietyConfig(model="builtin").margin is None, "the recipe's default: the model's own"
+    train_variety_model(tmp_path / "none", pairs, holdout=0.0)  # held nothing out: measured on nothing
+    with pytest.raises(AmaliaError, match="records no label margin"):
+        label_margin(tmp_path / "none")
+
+    # the command too: at 0.375 the builtin model leaves "Clique no botão…" (P(pt-PT) about 0.26) unlabelled
+    texts = ["O ficheiro foi guardado.", "Clique no botão para continuar."]
+    scores = pt_pt_scores(texts, "builtin")
+    assert scores[0] > 0.875 and 0.125 < scores[1] < 0.35, scores
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    for extra, expected in (([], ["pt-PT", "unknown"]), (["--margin", "0.15"], ["pt-PT", "pt-BR"])):
+        r = CliRunner().invoke(app, ["data", "variety", str(tmp_path / "in.txt"), str(tmp_path / "out.jsonl"),
+                                     "--model", "builtin", *extra])
+        assert r.exit_code == 0, r.output
+        rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert [row["pt_variety"] for row in rows] == expected
 
 
 def test_pt_pt_text_in_the_1990_spelling_is_trained_on_as_a_respelled_twin(tmp_path):

@@ -211,7 +211,9 @@ def eval_(
     variety_model: Annotated[Path | None, typer.Option(help="variety tasks: a variety classifier (`amalia data "
                                                        "train-variety`), or `builtin` (the one shipped); without "
                                                        "one, the cue scorer")] = None,
-    variety_margin: Annotated[float, typer.Option(help="variety tasks: how far from 0.5 a label needs")] = 0.15,
+    variety_margin: Annotated[float | None, typer.Option(help="variety tasks: how far from 0.5 a label needs "
+                                                         "(default: the model's own; 0.15 for the cue "
+                                                         "scorer)")] = None,
     contamination_of: Annotated[list[Path] | None, typer.Option(
         "--contamination-of", help="a run folder (its curated corpus) or a jsonl/Parquet corpus the model trained on "
         "(repeatable): each item is flagged when it shares a 13-gram with it, and the unseen items are scored "

@@ -42,6 +42,9 @@ def data_train_variety(
     holdout: Annotated[float, typer.Option(help="share of the other pairs held back to measure on")] = 0.1,
     c: Annotated[float | None, typer.Option("--c", help="inverse regularization strength of the logistic "
                                             "regression (default: variety_training.DEFAULT_C, 3)")] = None,
+    label_margin: Annotated[float | None, typer.Option(help="the label margin the model records, measured elsewhere "
+                                                       "(default: the smallest at which what it holds out, the "
+                                                       "excluded groups if any, is >= 97% right)")] = None,
     seed: int = 0,
 ) -> None:
     """Train the pt-PT / pt-BR classifier that `variety: {model: PATH}` applies in the data stage, the eval
@@ -54,8 +57,10 @@ def data_train_variety(
         raise AmaliaError(f"pairs not found: {pairs}")
     if not 0 <= holdout < 1:
         raise AmaliaError(f"--holdout must be within [0, 1), got {holdout}")
+    if label_margin is not None and not 0 <= label_margin < 0.5:
+        raise AmaliaError(f"--label-margin must be within [0, 0.5), got {label_margin}")
     meta = train_variety_model(output, read_pairs(pairs), exclude_groups=tuple(exclude_group), holdout=holdout,
-                               c=DEFAULT_C if c is None else c, seed=seed)
+                               c=DEFAULT_C if c is None else c, seed=seed, label_margin=label_margin)
     console.print_json(json.dumps({"model": str(output), "train_pairs": meta["train_pairs"],
                                    "respelled_pt_twins": meta["respelled_pt_twins"],
                                    "measured": {k: {"pairs": v["pairs"], "margin_0": v["curve"][0],
@@ -72,7 +77,8 @@ def data_variety(
                                            "parts written in parallel by Ray Data")],
     model: Annotated[Path | None, typer.Option(help="a variety model folder (`amalia data train-variety`), or "
                                                "`builtin` (the one shipped); without one, the cue scorer")] = None,
-    margin: Annotated[float, typer.Option(help="pt_pt_score must be this far from 0.5 for a label")] = 0.15,
+    margin: Annotated[float | None, typer.Option(help="pt_pt_score must be this far from 0.5 for a label (default: "
+                                                 "the model's own margin; 0.15 for the cue scorer)")] = None,
     text_field: Annotated[str, typer.Option(help="jsonl: the field holding the text")] = "text",
 ) -> None:
     """Tag each text pt-PT, pt-BR or unknown with its pt_pt_score."""
@@ -80,7 +86,7 @@ def data_variety(
     from amalia_ray.core.errors import AmaliaError
     from amalia_ray.data.variety.variety_tagging import LOCAL_BYTES, tag_file
 
-    if not 0 <= margin < 0.5:
+    if margin is not None and not 0 <= margin < 0.5:
         raise AmaliaError(f"--margin must be within [0, 0.5), got {margin}")
     if input.is_file() and input.stat().st_size > LOCAL_BYTES:  # Ray Data reads, scores and writes it in parts
         with ray_session(dashboard=False):

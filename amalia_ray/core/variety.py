@@ -73,13 +73,17 @@ _PT_WORDS = _phrase_pattern([pt for pt, br in LEXICAL_PAIRS if pt.lower() != br.
 _BR_WORDS = _phrase_pattern([br for pt, br in LEXICAL_PAIRS if pt.lower() != br.lower()] + BR_EXTRA)
 
 
+# how far from 0.5 the cue scorer's share must be for a label: a model records its own (variety_model.json `margin`)
+CUE_MARGIN = 0.15
+
+
 @dataclass(frozen=True)
 class VarietyScore:
     pt_pt: float  # share of pt-PT evidence in [0, 1]; 0.5 = none either way
     pt_cues: float
     br_cues: float
 
-    def label(self, margin: float = 0.15) -> str:
+    def label(self, margin: float = CUE_MARGIN) -> str:
         return variety_label(self.pt_pt, margin)
 
 

@@ -5,7 +5,9 @@ regression over them (scikit-learn), trained on separately translated text (`dat
 
 The model is a folder holding `variety_model.json` (settings, what it was trained on, its held-out figures) and
 `weights.npz` (the non-zero weights): plain arrays and JSON, nothing executable, so a model from elsewhere is safe
-to load. Its score is P(pt-PT); a label needs the score `margin` away from 0.5, as the cue scorer's does.
+to load. Its score is P(pt-PT); a label needs the score `margin` away from 0.5, as the cue scorer's does: by default
+the margin the model records (`margin` in variety_model.json: the smallest at which it labelled ≥ 97% right on
+text held out from its training), the cue scorer's 0.15 without a model.
 
 `builtin` names the model shipped in `pt_variety_model/` beside this file: what `make variety-model` trains on
 ~1,200 Debian packages (its variety_model.json records the pairs and their groups; docs/data.md its accuracy).
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.variety import score_variety, variety_label
+from amalia_ray.core.variety import CUE_MARGIN, score_variety, variety_label
 
 MODEL_FILE = "variety_model.json"
 WEIGHTS_FILE = "weights.npz"
@@ -99,6 +101,12 @@ class VarietyModel:
         self.weights = np.zeros(size, np.float32)
         self.weights[index] = value
         self.bias = bias
+        margin = m.get("margin")
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
+                                   or not 0 <= margin < 0.5):
+            raise AmaliaError(f"{meta_path}: margin {margin!r} is not within [0, 0.5)")
+        self.margin: float | None = margin
+        self.folder = folder
 
     def score(self, texts: list[str]) -> np.ndarray:
         """P(pt-PT) of each text."""
@@ -131,7 +139,22 @@ def pt_pt_scores(texts: list[str], model: str | Path | None = None) -> list[floa
 
 
 
-def label_texts(texts: list[str], model: str | Path | None, margin: float) -> tuple[list[str], list[float]]:
-    """(pt-PT / pt-BR / unknown, P(pt-PT)) of each text, by the model or the cue scorer."""
+def label_margin(model: str | Path | None, margin: float | None = None) -> float:
+    """The margin labels are given at: `margin` when set, else the model's own, else the cue scorer's."""
+    if margin is not None:
+        return margin
+    if model is None:
+        return CUE_MARGIN
+    loaded = load_variety_model(str(model))
+    if loaded.margin is None:
+        raise AmaliaError(f"the variety model at {loaded.folder} records no label margin (none of the margins it was "
+                          "measured at was >= 97% right on what it held out): set variety.margin (--margin)")
+    return loaded.margin
+
+
+def label_texts(texts: list[str], model: str | Path | None,
+                margin: float | None = None) -> tuple[list[str], list[float]]:
+    """(pt-PT / pt-BR / unknown, P(pt-PT)) of each text, by the model or the cue scorer, at `label_margin`."""
     scores = pt_pt_scores(texts, model)
-    return [variety_label(s, margin) for s in scores], scores
+    at = label_margin(model, margin)
+    return [variety_label(s, at) for s in scores], scores

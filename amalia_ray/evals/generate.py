@@ -87,7 +87,7 @@ async def score_cloze(client: OpenAIClient, item: ClozeItem, *, max_tokens: int,
 
 
 async def score_variety_of_generation(client: OpenAIClient, item: PromptItem, *, max_tokens: int,
-                                      chat: bool, variety_model: str | None = None, variety_margin: float = 0.15,
+                                      chat: bool, variety_model: str | None = None, variety_margin: float | None = None,
                                       **sampling) -> dict:
     """The generation's final answer labelled pt-PT / pt-BR / unknown by the variety model (or the cue scorer),
     with the cue counts beside it."""

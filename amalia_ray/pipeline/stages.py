@@ -16,7 +16,7 @@ from amalia_ray.core.config import EvalConfig
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
 from amalia_ray.core.stop import stop_file
-from amalia_ray.core.variety_model import VarietyModel, model_for_workers, variety_model_folder
+from amalia_ray.core.variety_model import VarietyModel, label_margin, model_for_workers, variety_model_folder
 from amalia_ray.data import curate as data_stage
 from amalia_ray.data.steps.quality_model import QualityModel
 from amalia_ray.evals.contamination import seen_items
@@ -67,10 +67,13 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
         load_task(p.loaded.resolve(task.path), task.format)
     if r.data.quality_model:
         QualityModel(p.loaded.resolve(r.data.quality_model))  # a missing or foreign model fails here, not in a worker
-    # a missing or foreign variety model fails here, not in a worker hours in
-    for model in [*(v.model for v in (r.data.variety, r.eval.variety) if v and v.model),
-                  *(s.variety_model for s in r.train if getattr(s, "variety_model", None))]:
-        VarietyModel(variety_model_folder(model, p.loaded.resolve))
+    # a missing or foreign variety model fails here, not in a worker hours in; so does labelling with a model that
+    # records no margin where the recipe sets none (a sampled stage's reward is its score: no margin)
+    labelling = [(v.model, v.margin) for v in (r.data.variety, r.eval.variety) if v and v.model]
+    for model, margin in [*labelling, *((s.variety_model, 0.0) for s in r.train if getattr(s, "variety_model", None))]:
+        folder = variety_model_folder(model, p.loaded.resolve)
+        VarietyModel(folder)
+        label_margin(folder, margin)
     if r.model.base:
         check_base_model(r, p.loaded.resolve)
     judge = r.eval.judge

@@ -23,6 +23,7 @@ MARGINS = tuple(round(0.025 * i, 3) for i in range(20))  # 0 to 0.475
 # held out, pooled, 51.0% / 47.3% labelled at >= 97% against 47.3% / 44.3%; seen teams 68.2% / 62.1% against
 # 61.1% / 54.1%
 DEFAULT_C = 3.0
+LABEL_ACCURACY = 0.97  # what a model's own margin is chosen for, on text held out from its training
 
 
 def coverage_accuracy(scores: list[float], expected: list[str], margins=MARGINS) -> list[dict]:
@@ -110,10 +111,12 @@ def respelled(texts: list[str], respell: dict[str, str]) -> list[str]:
 def train_variety_model(out: Path, pairs: list[dict], *, exclude_groups: tuple[str, ...] = (), holdout: float = 0.1,
                         n_features: int = 1 << 20, char_ngrams: tuple[int, int] = (1, 4),
                         word_ngrams: tuple[int, int] = (1, 2), max_chars: int = 5000, c: float = DEFAULT_C,
-                        respell_reform: bool = True, seed: int = 0) -> dict:
+                        respell_reform: bool = True, seed: int = 0, label_margin: float | None = None) -> dict:
     """Fit on the pairs outside `exclude_groups` less a `holdout` share of them (chosen by a hash of the pair's
     id), with a respelled twin of each pt-PT text in the pre-1990 spelling (`respell_reform`); measure on the
-    held-out share and on each excluded group; write the model folder. Returns what variety_model.json records."""
+    held-out share and on each excluded group; record the label margin (`label_margin`, else the smallest that is
+    >= 97% right on the excluded groups, else on the held-out share); write the model folder. Returns what
+    variety_model.json records."""
     from sklearn.linear_model import LogisticRegression
 
     if missing := sorted(set(exclude_groups) - {p.get("group") for p in pairs}):
@@ -150,7 +153,18 @@ def train_variety_model(out: Path, pairs: list[dict], *, exclude_groups: tuple[s
     for group in exclude_groups:
         if group_pairs := [p for p in pairs if p.get("group") == group]:
             measured[f"group:{group}"] = measure(model, group_pairs)
+    if len(exclude_groups) > 1:
+        measured["excluded_groups"] = measure(model, [p for p in pairs if p.get("group") in exclude_groups])
     meta["measured"] = measured
+    # the margin labels are given at by default: one measured elsewhere when given, else the smallest >= 97% right
+    # on what this training held out, teams it never saw (the excluded groups) rather than its own teams' pairs
+    basis = ("excluded_groups" if len(exclude_groups) > 1 else f"group:{exclude_groups[0]}") if exclude_groups \
+        else "held_out_pairs"
+    if label_margin is not None:
+        meta["margin"], meta["margin_basis"] = label_margin, "given (--label-margin)"
+    else:
+        found = smallest_margin(measured[basis]["curve"], LABEL_ACCURACY) if basis in measured else None
+        meta["margin"], meta["margin_basis"] = found, f"smallest >= {LABEL_ACCURACY:.0%} right on {basis}"
     (out / MODEL_FILE).write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
     return meta
 
