@@ -359,9 +359,19 @@ def test_the_judge_gets_only_its_own_key(tmp_path, monkeypatch, judge, keys):
 
 
 @pytest.mark.parametrize("text, score", [("Nota: 5", 5), ("nota = 2.", 2), ("Dou-lhe 3.", 3), ("Nota: 7", None),
-                                         ("entre 2 e 4", None), ("3,5 de 5", None)])
+                                         ("entre 2 e 4", None), ("3,5 de 5", None), ("4/5", 4), ("4", 4),
+                                         # a count in a justification is no grade; two different named grades
+                                         ("A resposta tem 2 erros de concordância mas a fluência é", None),
+                                         ("Tem 3 frases claras; nota: 4", 4), ("Nota: 2. Melhor, nota: 4", None)])
 def test_judge_score_parsing(text, score):
     assert parse_score(text) == score
+
+
+def test_a_judge_reply_cut_at_max_tokens_counts_only_with_its_named_grade():
+    """What ends a reply cut at max_tokens is where it was cut ("… numa escala de 1 a 5, dou 3" may go on "… mas …"):
+    only an explicit "Nota: N" in it counts."""
+    assert parse_score("Avaliando a fluência, dou 3", cut_short=True) is None
+    assert parse_score("Nota: 3. A resposta é fluente mas", cut_short=True) == 3
 
 
 class TooLong(FakeModel):
@@ -511,3 +521,44 @@ def test_the_reason_an_engine_gives_is_its_first_error_line_not_the_wrapper_that
     assert error_line(log) == "RuntimeError: Unsupported CPU attention configuration: head_dim=24 isa=1"
     assert error_line("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.") is None
     assert error_line("torch.OutOfMemoryError: CUDA out of memory. " + "x" * 400).endswith("…")
+
+
+@pytest.mark.reliability
+def test_a_reply_that_is_endless_slow_or_not_the_apis_is_an_error_naming_the_server():
+    """A server (a judge elsewhere, a proxy) that sends no end of bytes, one byte now and then, HTML, or JSON without
+    the completions: each is an error naming the URL and model, after at most max_reply_bytes read and timeout_s per
+    attempt (httpx's own timeout bounds each read only); never a bare JSONDecodeError or KeyError."""
+    import asyncio
+
+    from amalia_ray.core.openai_client import OpenAIClient, generate
+
+    async def endless():
+        while True:
+            yield b"x" * 65536
+
+    async def drip():
+        while True:
+            yield b" "
+            await asyncio.sleep(0.2)
+
+    replies = {"endless": lambda: httpx.Response(200, content=endless()),
+               "drip": lambda: httpx.Response(200, content=drip()),
+               "html": lambda: httpx.Response(200, text="<html>Bad gateway</html>"),
+               "shape": lambda: httpx.Response(200, json={"choices": [{"delta": "x"}]})}
+
+    async def ask(kind):
+        async def handler(request):
+            return replies[kind]()
+
+        async with OpenAIClient("http://judge.example/v1", "juiz", timeout_s=1, retries=0,
+                                transport=httpx.MockTransport(handler), max_reply_bytes=1 << 20) as client:
+            return await generate(client, "Olá", max_tokens=4, chat=True)
+
+    expected = {"endless": "the reply runs past 1,048,576 bytes", "drip": "no whole reply within 1 s",
+                "html": "the reply is not a JSON object: '<html>Bad gateway</html>'",
+                "shape": "the reply does not hold 1 completion(s) (`choices` with message.content)"}
+    for kind, message in expected.items():
+        with pytest.raises(AmaliaError) as e:
+            asyncio.run(ask(kind))
+        assert "http://judge.example/v1/chat/completions" in str(e.value) and "juiz" in str(e.value)
+        assert message in str(e.value), (kind, str(e.value))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from amalia_ray.core.openai_client import OpenAIClient, generate
+from amalia_ray.core.openai_client import OpenAIClient, complete_n
 
 # the project's pt-PT rubric: fluency, correctness, and the European variety (what AMALIA's post-training aims at)
 DEFAULT_RUBRIC = ("fluência e correção linguística em português europeu (ortografia, gramática, vocabulário e "
@@ -43,22 +43,26 @@ def judge_prompt(question: str, answer: str, rubric: str | None = None, referenc
                                  answer=answer.strip() or "(resposta vazia)")
 
 
-def parse_score(text: str) -> int | None:
-    """The integer grade 1–5 in a judge's reply ("Nota: 4", "4/5", "Dou-lhe 4."); None for a non-integer grade, one
-    out of range, or several candidates."""
+def parse_score(text: str, cut_short: bool = False) -> int | None:
+    """The integer grade 1–5 in a judge's reply: after "Nota:" (or score, pontuação), else a grade that ends the
+    reply ("4", "4/5", "Dou-lhe 4."); None for a non-integer grade, one out of range, several candidates, or a digit
+    elsewhere ("tem 2 erros…": a count, not a grade). A reply `cut_short` (at max_tokens) counts only with its
+    "Nota:": what ends it is where it was cut."""
     text = re.sub(r"(?i)\s*(?:/|de|em|out of)\s*5(?!\d)", "", text)
     if re.search(r"\d[.,]\d", text):
         return None
-    m = re.search(r"(?i:nota|score|pontua[çc][ãa]o)\s*[:=]?\s*(\d+)", text)
-    if m:
-        return int(m.group(1)) if 1 <= int(m.group(1)) <= 5 else None
-    alone = set(re.findall(r"(?<!\d)([1-5])(?!\d)", text))
-    return int(alone.pop()) if len(alone) == 1 else None
+    named = re.findall(r"(?i:nota|score|pontua[çc][ãa]o)\s*[:=]?\s*(\d+)", text)
+    if named:
+        return int(named[0]) if len(set(named)) == 1 and 1 <= int(named[0]) <= 5 else None
+    if cut_short:
+        return None
+    last = re.search(r"(?<![\d.,])([1-5])\W*\Z", text)
+    return int(last.group(1)) if last and len(set(re.findall(r"(?<!\d)([1-5])(?!\d)", text))) == 1 else None
 
 
 async def grade(judge: OpenAIClient, question: str, answer: str, *, rubric: str | None = None,
                 reference: str | None = None, chat: bool = True, max_tokens: int = 32) -> tuple[int | None, str]:
     """The judge's grade of `answer` (its final answer: `final_answer`) to `question`, and its reply."""
-    reply = await generate(judge, judge_prompt(question, final_answer(answer), rubric, reference),
-                           max_tokens=max_tokens, chat=chat)
-    return parse_score(final_answer(reply)), reply
+    ((reply, finish),) = await complete_n(judge, judge_prompt(question, final_answer(answer), rubric, reference), n=1,
+                                          max_tokens=max_tokens, chat=chat)
+    return parse_score(final_answer(reply), cut_short=finish == "length"), reply

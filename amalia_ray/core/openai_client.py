@@ -5,6 +5,7 @@ over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 
@@ -13,6 +14,7 @@ import httpx
 from amalia_ray.core.errors import AmaliaError
 
 TRANSIENT = {408, 429, 500, 502, 503, 504}
+MAX_REPLY_BYTES = 64 << 20  # a reply is read up to this: a server (a judge elsewhere, a proxy) cannot fill memory
 REJECTED = {400, 413, 422}  # about this request's content (a prompt over the context), not the server or the key
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns everything else
 
@@ -23,10 +25,14 @@ class RequestRejected(AmaliaError):
 
 class OpenAIClient:
     def __init__(self, base_url: str, model: str, *, concurrency: int = 8, timeout_s: float = 120, retries: int = 3,
-                 api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None):
+                 api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                 max_reply_bytes: int = MAX_REPLY_BYTES):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.retries = retries
+        # httpx's timeout bounds each read; a server sending a byte now and then would never hit it: each attempt,
+        # connection to last byte, gets this much
+        self.timeout_s, self.max_reply_bytes = timeout_s, max_reply_bytes
         self._sem = asyncio.Semaphore(concurrency)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers, transport=transport)
@@ -74,26 +80,46 @@ class OpenAIClient:
         async with self._sem:
             for attempt in range(self.retries + 1):
                 try:
-                    r = await self._http.post(url, json=payload)
+                    status, content = await asyncio.wait_for(self._read(url, payload), self.timeout_s)
                 except httpx.TransportError as e:
                     error = f"{type(e).__name__}: {e}"
+                except TimeoutError:
+                    error = f"no whole reply within {self.timeout_s:g} s"
                 else:
-                    if r.status_code == 200:
-                        body = r.json()
+                    if status == 200:
+                        try:
+                            body = json.loads(content)
+                        except ValueError:
+                            body = None
+                        if not isinstance(body, dict):
+                            raise AmaliaError(f"{url} for model '{self.model}': the reply is not a JSON object: "
+                                              f"{content[:200].decode('utf-8', 'replace')!r}")
                         for k, n in (body.get("usage") or {}).items():
                             if k in self.usage and isinstance(n, int):
                                 self.usage[k] += n
                         return body
-                    error = f"HTTP {r.status_code}: {r.text[:300]}"
-                    if missing_ok and r.status_code in (404, 405):
+                    error = f"HTTP {status}: {content[:300].decode('utf-8', 'replace')}"
+                    if missing_ok and status in (404, 405):
                         return None
-                    if r.status_code in REJECTED:
+                    if status in REJECTED:
                         raise RequestRejected(f"{url} rejected for model '{self.model}': {error}")
-                    if r.status_code not in TRANSIENT:
+                    if status not in TRANSIENT:
                         break
                 if attempt < self.retries:
                     await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (1 + random.random()))
         raise AmaliaError(f"{url} failed for model '{self.model}': {error}")
+
+    async def _read(self, url: str, payload: dict) -> tuple[int, bytes]:
+        """The reply's status and body, read no further than `max_reply_bytes` (a longer one is an error: no
+        OpenAI-API reply this client asks for comes near it)."""
+        async with self._http.stream("POST", url, json=payload) as r:
+            body = bytearray()
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > self.max_reply_bytes:
+                    raise AmaliaError(f"{url} for model '{self.model}': the reply runs past {self.max_reply_bytes:,} "
+                                      "bytes; it was not read further")
+            return r.status_code, bytes(body)
 
 
 async def generate(client: OpenAIClient, prompt: str, *, max_tokens: int, chat: bool, seed: int = 0,
@@ -113,10 +139,32 @@ def chat_messages(prompt: str, system_prompt: str | None = None) -> list[dict]:
 async def generate_n(client: OpenAIClient, prompt: str, *, n: int, max_tokens: int, chat: bool, seed: int = 0,
                      temperature: float = 0.0, top_p: float = 1.0, system_prompt: str | None = None) -> list[str]:
     """n completions of one prompt in one request (the API's `n`: the server samples them together), in order."""
+    return [text for text, _ in await complete_n(client, prompt, n=n, max_tokens=max_tokens, chat=chat, seed=seed,
+                                                 temperature=temperature, top_p=top_p, system_prompt=system_prompt)]
+
+
+async def complete_n(client: OpenAIClient, prompt: str, *, n: int, max_tokens: int, chat: bool, seed: int = 0,
+                     temperature: float = 0.0, top_p: float = 1.0,
+                     system_prompt: str | None = None) -> list[tuple[str, str | None]]:
+    """`generate_n`'s completions with why each ended (the API's finish_reason: "stop", "length" for one cut at
+    max_tokens, None where the server does not say). A reply without them is an error naming the server."""
     params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
               **({"n": n} if n > 1 else {})}
     if chat:
-        r = await client.post("/chat/completions", {"messages": chat_messages(prompt, system_prompt), **params})
-        return [c["message"].get("content") or "" for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]
-    r = await client.post("/completions", {"prompt": prompt, **params})
-    return [c["text"] for c in sorted(r["choices"], key=lambda c: c.get("index", 0))]
+        path, body = "/chat/completions", {"messages": chat_messages(prompt, system_prompt), **params}
+    else:
+        path, body = "/completions", {"prompt": prompt, **params}
+    choices = (await client.post(path, body)).get("choices")
+    out = []
+    for c in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0) \
+            if isinstance(choices, list) else []:
+        text = ((c.get("message") or {}).get("content") if chat else c.get("text")) if isinstance(c, dict) else None
+        if chat and isinstance(c, dict) and isinstance(c.get("message"), dict) and text is None:
+            text = ""  # a chat reply may carry no content (a refusal, only tool calls)
+        if not isinstance(text, str):
+            break
+        out.append((text, c.get("finish_reason")))
+    if len(out) != n:
+        raise AmaliaError(f"{client.base_url}{path} for model '{client.model}': the reply does not hold {n} "
+                          f"completion(s) (`choices` with {'message.content' if chat else 'text'})")
+    return out

@@ -58,7 +58,7 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
                       variety_margin=settings.variety.margin)
     else:
         j = settings.judge
-        one = partial(judge.score_judged, client, judge_client, **gen, judge_chat=j.chat,
+        one = partial(judge.score_judged, client, judge_client, **gen, judge_chat=j.chat, judge_max_tokens=j.max_tokens,
                       rubric=j.rubric or judge.DEFAULT_RUBRIC)
 
     async def kept(i: int, item):  # an item the server refuses is reported, the others still scored

@@ -116,7 +116,7 @@ async def judge_grades(cfg: JudgeRewardConfig, questions: list[str], answers: li
         async def one(question: str, answer: str, reference: str | None) -> int | None:
             try:
                 score, _ = await grade(judge, question, answer, rubric=cfg.rubric, reference=reference,
-                                       chat=cfg.chat)
+                                       chat=cfg.chat, max_tokens=cfg.max_tokens)
             # failed after its retries, refused, or answered with something that is not a completion
             except (AmaliaError, httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
                 failures.append(f"{type(e).__name__}: {e}")

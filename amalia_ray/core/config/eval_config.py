@@ -87,6 +87,8 @@ class JudgeConfig(Strict):
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                     description="environment variable holding the judge's API key")
     chat: bool = Field(True, description="ask through /v1/chat/completions")
+    max_tokens: int = Field(32, ge=1, description="tokens the judge's reply may take (a reasoning judge needs "
+                            "hundreds): a reply cut there counts only with its \"Nota: N\"")
     rubric: str | None = Field(None, description="default rubric for items without their own; default: the "
                                "project's pt-PT rubric (fluency and correctness in European Portuguese, its variety, "
                                "a fitting answer: core/judge.py)")
