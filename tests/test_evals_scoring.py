@@ -507,6 +507,7 @@ def test_the_eval_stage_scores_the_models_that_answer_and_says_why_the_others_ca
     assert asked == {"keep_going": True} and scored == [("demo-pretrain", t) for t in tasks]
     assert all(out["results"][f"wide-heads/{t}"]["failed"] == why for t in tasks)
     assert all(out["results"][f"demo-pretrain/{t}"]["acc"] == 0.5 for t in tasks)
+    assert out["incomplete"] == "1 model(s) could not be served", "so the next run evaluates again"
     report = "\n".join(evaluation_section(tmp_path, out))
     assert "not served (below)" in report and f"- wide-heads: {why}" in report and "0.500 ± 0.100" in report
 

@@ -121,6 +121,25 @@ def test_failed_stage_is_recorded_then_resumed(pipeline, tmp_path, capsys):
     assert again.manifest.stages["thing"].attempts == 2
 
 
+def test_a_stage_that_completed_partially_runs_again(pipeline, tmp_path, capsys):
+    """A stage whose completed run left part of its work undone (the eval stage, with a model it could not serve:
+    its metrics say `incomplete`) is not skipped by the next run, as an unchanged complete one is."""
+    source = tmp_path / "in.txt"
+    source.write_text("olá")
+    calls, partial = [], [True]
+    spec = make_spec(pipeline, source, calls)
+    body = spec.body
+    spec.body = lambda: {**body(), **({"incomplete": "1 model(s) could not be served"} if partial[0] else {})}
+    pipeline.execute(spec)
+    capsys.readouterr()
+    partial[0] = False
+    pipeline.execute(spec)
+    assert len(calls) == 2 and "running again: its completed run was partial (1 model(s) could not be served)" in \
+        capsys.readouterr().out
+    pipeline.execute(spec)
+    assert len(calls) == 2, "complete now: skipped"
+
+
 def test_force_reruns(pipeline, tmp_path):
     source = tmp_path / "in.txt"
     source.write_text("x")

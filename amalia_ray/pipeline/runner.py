@@ -154,7 +154,11 @@ class Pipeline:
         # completed with the same config and inputs by other code: rerun, unless kept on purpose
         stale = (rec.status == "completed" and rec.fingerprint != fp
                  and rec.fingerprint == fingerprint_of(cfg, inputs, rec.code_hash))
-        if not self.force and rec.status == "completed" and (rec.fingerprint == fp or (stale and self.reuse_stale)):
+        # a stage that completed without all of its work (the eval stage, a model it could not serve) runs again
+        if incomplete := rec.status == "completed" and (rec.metrics or {}).get("incomplete"):
+            stage_line(spec.name, f"[yellow]running again[/]: its completed run was partial ({incomplete})")
+        if not self.force and not incomplete and rec.status == "completed" and (
+                rec.fingerprint == fp or (stale and self.reuse_stale)):
             self.pull_missing(spec.outputs.values())
             present = {k: p for k, p in spec.outputs.items() if p.exists()}
             changed = [k for k, h in hash_paths(present).items() if rec.output_hashes.get(k, h) != h]
@@ -181,8 +185,9 @@ class Pipeline:
                 rec.earlier_attempts_cost = total_cost([rec.earlier_attempts_cost, rec.cost])
         else:
             rec.attempts, rec.earlier_attempts_cost, rec.slurm_jobs = 0, {}, []  # tries at this fingerprint
-            stage_line(spec.name, "running again: the code changed since its completed run (--reuse-stale keeps "
-                       "such a result)" if stale else "running")
+            if not incomplete:  # said above
+                stage_line(spec.name, "running again: the code changed since its completed run (--reuse-stale "
+                           "keeps such a result)" if stale else "running")
         rec.status, rec.fingerprint, rec.config_hash, rec.inputs = "running", fp, cfg, inputs
         rec.code_version, rec.resources, rec.started_at, rec.error = self.code_version, spec.resources, now_iso(), None
         rec.code_hash, rec.reused_stale = code_hash(), None

@@ -493,6 +493,8 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
                 stage_line("eval", f"[red]cannot serve[/] {escape(f'{model_id}: {why}')}")
                 out["results"] |= {f"{model_id}/{task.name}": {"failed": why, "metric": metrics_of(task)[0]}
                                    for task in r.eval.tasks}
+                # recorded, and the next run evaluates again instead of skipping a stage that scored only some
+                out["incomplete"] = f"{len(served.failed)} model(s) could not be served"
                 continue
             for task in r.eval.tasks:
                 res = run_task(*eval_task(p, task), base_url=base_url, model=model_id,
