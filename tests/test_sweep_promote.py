@@ -32,7 +32,13 @@ def test_proxy_shrinks_the_stage_and_a_bad_proxy_model_fails_the_recipe(tmp_path
     stage = load_recipe(write_recipe(tmp_path, **{"train.0.proxy": {"steps": 12, "validate_every": 3}})).recipe.train[0]
     proxy = proxy_stage(stage)
     assert (proxy.steps, proxy.checkpoint_every, proxy.log_every, proxy.max_failures) == (12, 3, 3, 0)
-    assert sweep_id(proxy, SweepSpace.model_validate({"parameters": {"lr": {"values": [0.1]}}})).startswith("pretrain-")
+    space = SweepSpace.model_validate({"parameters": {"lr": {"values": [0.1]}}})
+    assert sweep_id(proxy, space).startswith("pretrain-")
+    # the model, seed and data the trials train on are part of it: a changed one is a new sweep, not a restore
+    context = {"model": {"hidden_size": 64}, "seed": 0, "inputs": {"pack": "f1"}}
+    assert sweep_id(proxy, space, context) == sweep_id(proxy, space, dict(context))
+    assert len({sweep_id(proxy, space, {**context, key: value}) for key, value in
+                [("model", {"hidden_size": 128}), ("seed", 1), ("inputs", {"pack": "f2"}), ("seed", 0)]}) == 4
     with pytest.raises(AmaliaError, match=r"proxy.model does not make a valid model"):
         load_recipe(write_recipe(tmp_path, **{"train.0.proxy": {"model": {"num_heads": 3}}}))
 

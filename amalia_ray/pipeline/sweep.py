@@ -34,8 +34,13 @@ def proxy_stage(stage: TrainStageConfig) -> TrainStageConfig:
     })
 
 
-def sweep_id(stage: TrainStageConfig, space: SweepSpace) -> str:
-    blob = json.dumps([stage.model_dump(mode="json"), space.model_dump(mode="json")], sort_keys=True)
+def sweep_id(stage: TrainStageConfig, space: SweepSpace, context: dict | None = None) -> str:
+    """The sweep's folder name: the stage and the space, and the `context` its trials train in (the model, the
+    seed, the sources' weights, the fingerprints of the stages whose outputs they read). A sweep run again with all
+    of these unchanged resumes its Tune experiment; any change makes a new sweep, not a restore of trials of an
+    older model or data."""
+    blob = json.dumps([stage.model_dump(mode="json"), space.model_dump(mode="json"), context or {}], sort_keys=True,
+                      default=str)
     return f"{stage.name}-{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
 
 
@@ -105,7 +110,11 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
     benchmark = stages.referenced_task(p, space.benchmark.task, "benchmark.task") if space.benchmark else None
 
     p.run(until=previous or "pack")  # what the trials read: packed data, tokenizer, the starting checkpoint
-    out = p.run_dir / "sweeps" / sweep_id(trial_stage, space)
+    read = [name for name in ("pack", "tokenizer", previous) if name and name in p.manifest.stages]
+    out = p.run_dir / "sweeps" / sweep_id(trial_stage, space, {
+        "model": model.model_dump(mode="json", by_alias=True), "seed": r.run.seed, "data_path": stage.data_path,
+        "weights": {s.name: s.weight for s in r.data.sources},
+        "inputs": {name: p.manifest.stages[name].fingerprint for name in read}})
     out.mkdir(parents=True, exist_ok=True)
     from amalia_ray.train.train_stage import hf_config_dict
 
