@@ -246,6 +246,12 @@ def test_a_served_reward_model_scores_a_rollout_in_batches_as_transformers_does(
     assert torch.allclose(scores[:, 0], torch.tensor(alone), atol=1e-5), (scores[:, 0], alone)
     with pytest.raises(AmaliaError, match="not served"):
         RewardScorer(sources)
+    # a replica that cannot be placed (a GPU asked of a cluster without one): an error within the timeout, and no
+    # application left waiting (serve.run waited for it with no limit)
+    stuck = reward_server.app_name("test", 1)
+    with pytest.raises(AmaliaError, match=r"could not be served: DEPLOYING after [56] s \(.*it asks a GPU per replica"):
+        reward_server.start(folder, stuck, use_gpu=True, timeout_s=5)
+    assert stuck not in (serve_app.running_serve() or {}).get("applications", {})
 
 
 def test_a_stage_finds_its_reward_models_and_a_gpu_cluster_too_small_for_them_is_refused(tmp_path):

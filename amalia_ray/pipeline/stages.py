@@ -403,7 +403,8 @@ def serving_rewards(p: RunContext, stage, gpu: bool) -> Iterator[tuple[dict[str,
             judge_servers = {s: {"base_url": url, "model": ids[s], "api_key_env": key_env} for s in judged_by}
         for i, (ref, folder) in enumerate(rms.items()):
             stage_line(stage.name, f"serving reward model {escape(ref)}")
-            apps.append(reward_server.start(folder, reward_server.app_name(f"{p.run_name}-{stage.name}", i), gpu))
+            apps.append(reward_server.start(folder, reward_server.app_name(f"{p.run_name}-{stage.name}", i), gpu,
+                                            r.serve.startup_timeout_s))
             reward_apps[ref] = apps[-1]
         yield reward_apps, judge_servers
     finally:

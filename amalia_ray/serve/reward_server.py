@@ -7,6 +7,8 @@ no HTTP proxy: nothing listens on a port for it."""
 from __future__ import annotations
 
 import asyncio
+import time
+from contextlib import suppress
 from pathlib import Path
 
 from amalia_ray.core.errors import AmaliaError
@@ -132,12 +134,14 @@ def check_checkpoint(checkpoint: Path) -> None:
         raise AmaliaError(f"reward model {checkpoint}: {outputs} outputs; a reward model has one (num_labels: 1)")
 
 
-def start(checkpoint: Path, name: str, use_gpu: bool) -> str:
-    """Deploy the reward model in `checkpoint` as the application `name` and wait until its replica is up; returns
-    the name (what `handle(name)` reaches). Where Serve does not run yet it is started without an HTTP proxy."""
+def start(checkpoint: Path, name: str, use_gpu: bool, timeout_s: float = 900, poll_s: float = 1.0) -> str:
+    """Deploy the reward model in `checkpoint` as the application `name` and wait, at most `timeout_s`, until its
+    replica is up; returns the name (what `handle(name)` reaches). Where Serve does not run yet it is started
+    without an HTTP proxy. A replica that cannot be placed (no free GPU) or does not start in time is an error, and
+    nothing of the application is left: serve.run would wait for it with no time limit."""
     from ray import serve
 
-    from amalia_ray.serve.app import note_started_serve, running_serve
+    from amalia_ray.serve.app import note_started_serve, running_serve, stop
 
     checkpoint = Path(checkpoint)
     check_checkpoint(checkpoint)
@@ -145,10 +149,32 @@ def start(checkpoint: Path, name: str, use_gpu: bool) -> str:
         serve.start(proxy_location="Disabled")
         note_started_serve(name)
     try:
-        serve.run(deployment(checkpoint, use_gpu), name=name, route_prefix=None)
-    except Exception as e:  # noqa: BLE001 - Serve reports a replica's failure as a RuntimeError with its trace
-        from amalia_ray.serve.app import stop
-
-        stop(name)
-        raise AmaliaError(f"reward model {checkpoint} could not be served: {e}") from None
+        serve.run_many([serve.RunTarget(target=deployment(checkpoint, use_gpu), name=name, route_prefix=None)],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        deadline = time.monotonic() + timeout_s
+        while (status := _status(name)) != "RUNNING":
+            if status in ("DEPLOY_FAILED", "UNHEALTHY") or time.monotonic() > deadline:
+                why = _message(name) or "no replica came up"
+                raise AmaliaError(f"reward model {checkpoint} could not be served: {status} after "
+                                  f"{timeout_s - max(0.0, deadline - time.monotonic()):.0f} s "
+                                  f"({why}; it asks {'a GPU' if use_gpu else '1 CPU'} per replica)")
+            time.sleep(poll_s)
+    except BaseException:
+        with suppress(Exception):  # the cause, not a failed clean-up, is what the caller hears of
+            stop(name)
+        raise
     return name
+
+
+def _status(name: str) -> str:
+    from ray import serve
+
+    app = serve.status().applications.get(name)
+    return str(getattr(app.status, "value", app.status)) if app else "NOT_STARTED"
+
+
+def _message(name: str) -> str:
+    from ray import serve
+
+    app = serve.status().applications.get(name)
+    return (app.message or "").strip().splitlines()[0][:500] if app and app.message else ""
