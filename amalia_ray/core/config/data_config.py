@@ -241,6 +241,10 @@ class TokenizerConfig(Strict):
     kind: Literal["byte_bpe"] = Field("byte_bpe", description="the trained tokenizer's kind (HF tokenizers)")
     vocab_size: int = Field(4096, ge=300, le=262144, description="byte_bpe: vocabulary size to train")
     min_frequency: int = Field(2, ge=1, description="byte_bpe: least count of a merge")
+    train_bytes: int | None = Field(2 * 10**9, ge=1, description="text the tokenizer is trained on (or, with "
+                                    "add_tokens, learns new tokens from), at most: a sample of the curated corpus's "
+                                    "row groups of about this many bytes, the same at every run; null: all of it. "
+                                    "BPE's time and memory grow with the text: 1 TB would hold one task for days")
     chat_template: str = Field(DEFAULT_CHAT_TEMPLATE, description="Jinja chat template of a trained tokenizer; with "
                                "from: model it replaces the base's only when set here (or when the base has none)")
     add_tokens: Annotated[int, Field(ge=1, le=262144)] | list[str] | None = Field(

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from amalia_ray.core.config import TokenizerConfig
 from amalia_ray.core.vocabulary import write_extension
+from amalia_ray.data.steps.base import unit_hash
 from amalia_ray.data.tokenize.vocab_extension import extend
 
 BOS, EOS, PAD = "<|bos|>", "<|endoftext|>", "<|pad|>"
@@ -19,9 +20,23 @@ CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 SPECIAL_TOKENS = [PAD, BOS, EOS, *CHAT_TOKENS]
 
 
-def iter_texts(parquet_dir: Path, batch_size: int = 1024) -> Iterator[list[str]]:
+def iter_texts(parquet_dir: Path, max_bytes: int | None = None, batch_size: int = 1024) -> Iterator[list[str]]:
+    """The corpus's texts in batches; with `max_bytes`, those of a sample of its row groups holding about that much
+    text (each kept with the same chance, chosen by a hash of its file and place: the same sample at every run),
+    sized from the files' footers, so a corpus of any size costs the reading of the sample only."""
+    groups = []
     for path in sorted(parquet_dir.rglob("*.parquet")):
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=["text"]):
+        meta = pq.ParquetFile(path).metadata
+        column = meta.schema.names.index("text")
+        groups += [(path, i, meta.row_group(i).column(column).total_uncompressed_size)
+                   for i in range(meta.num_row_groups)]
+    total = sum(size for _, _, size in groups)
+    share = 1.0 if max_bytes is None or total <= max_bytes else max_bytes / total
+    for path, i, _ in groups:
+        if share < 1 and unit_hash(f"{path.relative_to(parquet_dir)}:{i}") >= share:
+            continue
+        table = pq.ParquetFile(path).read_row_group(i, columns=["text"])
+        for batch in table.to_batches(max_chunksize=batch_size):
             yield batch.column("text").to_pylist()
 
 
@@ -38,7 +53,7 @@ def train_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig) -> di
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(iter_texts(corpus_dir), trainer=trainer)
+    tok.train_from_iterator(iter_texts(corpus_dir, cfg.train_bytes), trainer=trainer)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -65,7 +80,7 @@ def base_tokenizer(model_dir: Path, out_dir: Path, cfg: TokenizerConfig, trust_r
         tok.chat_template = cfg.chat_template
     extension = None
     if cfg.add_tokens is not None:
-        tok, extension = extend(tok, cfg.add_tokens, lambda: iter_texts(corpus_dir))
+        tok, extension = extend(tok, cfg.add_tokens, lambda: iter_texts(corpus_dir, cfg.train_bytes))
         if len(extension["added"]) < extension["requested"]:
             logging.getLogger("amalia_ray.data").warning(
                 f"tokenizer.add_tokens: {len(extension['added'])} of {extension['requested']} tokens added (the "
