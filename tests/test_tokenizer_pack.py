@@ -99,3 +99,30 @@ def test_the_tokenizer_learns_from_a_sample_of_a_large_corpus_the_same_at_every_
     assert len({t.split()[0] for t in sample}) > 1, "drawn from across the files"
     stats = train_tokenizer(kept, tmp_path / "tok", TokenizerConfig(vocab_size=300, train_bytes=100_000))
     assert stats["vocab_size"] <= 300
+
+
+def test_pack_streams_the_corpus_without_holding_it_in_the_object_store(ray_cluster, tokenizer_dir, tmp_path,
+                                                                           monkeypatch):
+    """At 1 TB the corpus cannot sit in the object store, nor can its tokens: each split is read as it is packed and
+    its rows staged to Parquet as they come (neither Dataset.materialize nor to_arrow_refs is called), and the
+    staging files are gone after. (The same output run after run: test_faults.py.)"""
+    import ray
+
+    from amalia_ray.core.config import PackConfig
+    from amalia_ray.data.curate import pack
+
+    paragraphs = [p for p in gzip.open(FAQ, "rt", encoding="utf-8").read().split("\n\n") if p.strip()]
+    (tmp_path / "corpus" / "kept").mkdir(parents=True)
+    pq.write_table(pa.table({"id": [f"faq/{i}" for i in range(len(paragraphs))], "source": ["faq"] * len(paragraphs),
+                             "text": paragraphs}), tmp_path / "corpus" / "kept" / "part-000000.parquet")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the corpus or its packed rows gathered in the object store")
+
+    monkeypatch.setattr(ray.data.Dataset, "materialize", refused)
+    monkeypatch.setattr(ray.data.Dataset, "to_arrow_refs", refused)
+    stats = pack(tmp_path / "corpus", tokenizer_dir, tmp_path / "out", PackConfig(seq_len=64), {"faq": 1.0}, 0)
+    assert stats["train_sequences"] > 100 and stats["validation_sequences"] > 0
+    written = sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*"))
+    assert written == ["train", "train/part-000000.parquet", "validation", "validation/part-000000.parquet"]
+    assert pq.read_table(tmp_path / "out" / "train").num_rows == stats["train_sequences"]

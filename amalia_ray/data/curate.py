@@ -237,30 +237,36 @@ def build_tokenizer(corpus_dir: Path, out_dir: Path, cfg: TokenizerConfig, base_
 
 
 def pack(corpus_dir: Path, tokenizer_dir: Path, out_dir: Path, cfg: PackConfig, weights: dict[str, float],
-         seed: int, num_actors: int = 2) -> dict:
+         seed: int, num_actors: int | None = None) -> dict:
     """Split documents into train/validation by id, mix the training documents by source weight, tokenize and pack
-    each split into `seq_len` sequences."""
+    each split into `seq_len` sequences. Streamed: each split reads the corpus as it goes (nothing of it is held in
+    the object store) and its packed rows are staged to Parquet as they come, then written as ordered shards, so
+    memory does not grow with the corpus. `num_actors`: tokenizing actors at most (default: one per cluster CPU)."""
     configure_data_context()
     tmp = fresh_dir(out_dir)
-    docs = ray.data.read_parquet(str(corpus_dir / "kept")).select_columns(["id", "source", "text"]).map_batches(
-        _mark_split(cfg.validation_fraction), batch_format="pyarrow"
-    ).materialize()
+    scratch = tmp / PASSES
+    actors = num_actors or max(1, int(ray.cluster_resources().get("CPU", 1)))
     stats = {"seq_len": cfg.seq_len, "source_weights": weights}
     tokenizer = tokenizer_for_workers(str(tokenizer_dir))
-    for split in ("train", "validation"):
-        part = docs.filter(expr=col("split") == split)
-        if split == "train" and any(w != 1.0 for w in weights.values()):
-            part = part.map_batches(MixBySource(weights, seed), batch_format="pyarrow")
-        if part.count() == 0:
-            stats[f"{split}_sequences"] = 0
-            continue
-        stats[f"{split}_sequences"] = write_ordered_shards(part.map_batches(
-            TokenizeAndPack,
-            fn_constructor_args=(tokenizer, cfg.seq_len),
-            batch_size=512,
-            batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=num_actors),
-        ), tmp / split, rows_per_group=rows_per_group(cfg.seq_len))
+    try:
+        for split in ("train", "validation"):
+            part = ray.data.read_parquet(str(corpus_dir / "kept")).select_columns(["id", "source", "text"]).map_batches(
+                _mark_split(cfg.validation_fraction), batch_format="pyarrow").filter(expr=col("split") == split)
+            if split == "train" and any(w != 1.0 for w in weights.values()):
+                part = part.map_batches(MixBySource(weights, seed), batch_format="pyarrow")
+            packed = stage(part.map_batches(
+                TokenizeAndPack,
+                fn_constructor_args=(tokenizer, cfg.seq_len),
+                batch_size=512,
+                batch_format="pyarrow",
+                compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors),
+            ), scratch / split)
+            stats[f"{split}_sequences"] = write_ordered_shards(packed, tmp / split,
+                                                              rows_per_group=rows_per_group(cfg.seq_len)) \
+                if packed.files else 0
+            shutil.rmtree(scratch / split, ignore_errors=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if not stats.get("train_sequences"):
         raise AmaliaError(
             f"corpus too small to pack: no training sequence of pack.seq_len={cfg.seq_len} tokens; "
