@@ -237,3 +237,30 @@ def test_a_parquet_value_repeated_by_its_dictionary_is_measured_before_it_is_dec
     reasons = out.column("drop_reason").to_pylist()
     assert reasons.count(None) == 25_000 and reasons.count("quarantine:record too large") == 25_000
     assert max(len(t) for t in out.column("text").to_pylist()) <= 2000
+
+
+@pytest.mark.reliability
+def test_a_warc_of_blank_runs_or_an_overshooting_record_is_read_in_linear_time():
+    """2 M blank lines after a record (a few KB gzipped), and a record whose Content-Length overshoots a 4 MB body
+    of short lines (taken back and read again line by line to find the next record): both used to cost their
+    length squared (minutes for these). Run in a thread so that a regression fails here instead of hanging."""
+    import threading
+
+    from amalia_ray.data.read.archives import warc_records
+
+    def record(body=b"<html><body><p>" + TEXT.encode() + b"</p></body></html>", length=None):
+        size = len(body) if length is None else length
+        return b"WARC/1.0\r\nWARC-Type: response\r\nContent-Length: %d\r\n\r\n" % size + body + b"\r\n\r\n"
+
+    short_lines = b"x\n" * 2_000_000
+    cases = {"blank run": record() + b"\r\n" * 2_000_000 + record(),
+             "overshoot": record(short_lines, len(short_lines) + 10) + record()}
+    for name, data in cases.items():
+        out = []
+        worker = threading.Thread(target=lambda: out.append(list(warc_records(
+            io.BufferedReader(io.BytesIO(data)), 1 << 24))), daemon=True)
+        worker.start()
+        worker.join(60)
+        assert out, f"{name}: still reading after 60 s"
+        problems = [p and p.reason for _, _, _, p in out[0]]
+        assert problems == ([None, None] if name == "blank run" else ["broken WARC record", None]), (name, problems)

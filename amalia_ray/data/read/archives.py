@@ -14,33 +14,38 @@ from amalia_ray.data.read.streams import InputFile
 
 
 class _Rewindable:
-    """A binary stream that can take bytes back, counting the offset of what it hands out."""
+    """A binary stream that can take bytes back, counting the offset of what it hands out. What was taken back is
+    handed out again from an index into it, never by copying what is left of it: a 16 MiB record taken back and
+    then read line by line while resyncing costs its length, not its length times its lines."""
 
     def __init__(self, f):
-        self.f, self.buf, self.pos = f, b"", 0
+        self.f, self.buf, self.at, self.pos = f, b"", 0, 0  # self.buf[self.at:] is what was taken back, still due
 
     def readline(self, limit: int) -> bytes:
-        if self.buf:
-            end = self.buf.find(b"\n", 0, limit)
-            if end >= 0 or len(self.buf) >= limit:
-                cut = end + 1 if end >= 0 else limit
-                line, self.buf = self.buf[:cut], self.buf[cut:]
+        if self.at < len(self.buf):
+            end = self.buf.find(b"\n", self.at, self.at + limit)
+            if end >= 0 or len(self.buf) - self.at >= limit:
+                cut = end + 1 if end >= 0 else self.at + limit
+                line, self.at = self.buf[self.at:cut], cut
             else:
-                line, self.buf = self.buf + self.f.readline(limit - len(self.buf)), b""
+                line = self.buf[self.at:] + self.f.readline(limit - (len(self.buf) - self.at))
+                self.buf, self.at = b"", 0
         else:
             line = self.f.readline(limit)
         self.pos += len(line)
         return line
 
     def read(self, n: int) -> bytes:
-        data, self.buf = self.buf[:n], self.buf[n:]
+        data = self.buf[self.at:self.at + n]
+        self.at += len(data)
         if len(data) < n:
+            self.buf, self.at = b"", 0
             data += self.f.read(n - len(data))
         self.pos += len(data)
         return data
 
     def unread(self, data: bytes) -> None:
-        self.buf, self.pos = data + self.buf, self.pos - len(data)
+        self.buf, self.at, self.pos = data + self.buf[self.at:], 0, self.pos - len(data)
 
 
 _HEADER_LINE = 64 << 10
@@ -93,9 +98,11 @@ def warc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quara
         elif int(length) > limit:
             problem = f"Content-Length {int(length)} over max_record_bytes={limit}"
         else:
-            body, gap = s.read(int(length)), b""
+            body, blank = s.read(int(length)), []
+            # the blank lines after the body, joined once: added up one by one they would cost their count squared
             while (following := s.readline(_HEADER_LINE)) and not following.strip():
-                gap += following
+                blank.append(following)
+            gap = b"".join(blank)
             # the body must end where the file ends or blank lines separate it from what follows
             if len(body) == int(length) and (gap or not following) and _record_start(body) < 0:
                 s.unread(following)
