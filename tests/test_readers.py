@@ -264,3 +264,20 @@ def test_a_warc_of_blank_runs_or_an_overshooting_record_is_read_in_linear_time()
         assert out, f"{name}: still reading after 60 s"
         problems = [p and p.reason for _, _, _, p in out[0]]
         assert problems == ([None, None] if name == "blank run" else ["broken WARC record", None]), (name, problems)
+
+
+def test_a_nested_value_over_the_limit_is_measured_as_itself_not_at_the_columns_mean(tmp_path):
+    """One row of 1,000 holds 50 KB in a list<string> (a struct and a map likewise): measured as its own elements,
+    not at the column's mean, it is quarantined as too large before it is decoded; the other rows are read."""
+    rows = 1000
+    tags = [["x" * 25_000, "y" * 25_000] if i == 7 else ["a"] for i in range(rows)]
+    info = [{"autor": "z" * 50_000 if i == 8 else "b", "ano": i} for i in range(rows)]
+    extra = [[("k", "w" * 50_000)] if i == 9 else [("k", "c")] for i in range(rows)]
+    pq.write_table(pa.table({"text": [f"{TEXT} {i}" for i in range(rows)], "tags": tags, "info": info,
+                             "extra": pa.array(extra, pa.map_(pa.string(), pa.string()))}),
+                   tmp_path / "n.parquet")
+    out = read_file(str(tmp_path / "n.parquet"), src("parquet", max_record_bytes=8192)).to_pylist()
+    assert len(out) == rows
+    big = {r["location"] for r in out if r["drop_reason"] == "quarantine:record too large"}
+    assert big == {"row 7", "row 8", "row 9"}
+    assert all(r["drop_reason"] is None for r in out if r["location"] not in big)

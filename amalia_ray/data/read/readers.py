@@ -329,10 +329,32 @@ def _batch_records(batch: pa.RecordBatch, offset: int, src: SourceConfig) -> Ite
 
 
 def _value_sizes(column: pa.Array):
-    """Each row's bytes in a column as it will be decoded (a dictionary-encoded value at its decoded size; a nested
-    value at the column's mean, as Arrow keeps no per-row size for it)."""
+    """Each row's bytes in a column as it will be decoded: a dictionary-encoded value at its decoded size, a list or
+    map the sum of its elements', a struct the sum of its fields', a fixed-width value its width (one huge nested
+    value measured at the column's mean would pass unmeasured into Python objects)."""
     import numpy as np
     import pyarrow.compute as pc
+
+    kind = column.type
+    if pa.types.is_map(kind):  # as the list of {key, value} structs it is
+        column = column.cast(pa.list_(pa.struct([pa.field("key", kind.key_type, nullable=False),
+                                                  pa.field("value", kind.item_type)])))
+        kind = column.type
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        elements = pc.list_flatten(column)
+        if len(elements) == 0:
+            return np.zeros(len(column), dtype=np.int64)
+        parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+        return np.bincount(parents, weights=_value_sizes(elements), minlength=len(column)).astype(np.int64)
+    if pa.types.is_struct(kind):
+        total = np.zeros(len(column), dtype=np.int64)
+        for i in range(kind.num_fields):
+            total += _value_sizes(pc.struct_field(column, [i]))
+        return total
+    if pa.types.is_null(kind):
+        return np.zeros(len(column), dtype=np.int64)
+    if pa.types.is_primitive(kind) or pa.types.is_decimal(kind) or pa.types.is_fixed_size_binary(kind):
+        return np.full(len(column), -(-kind.bit_width // 8), dtype=np.int64)
 
     if pa.types.is_dictionary(column.type):
         if len(column.dictionary) == 0:  # every value null
