@@ -170,3 +170,57 @@ def test_dpo_with_lora_adapters_starts_from_the_base_as_its_reference_and_leaves
     assert losses[-1] < losses[0] - 0.1, losses
     frozen = {n.replace(".base_layer", ""): p for n, p in model.named_parameters() if ".lora_" not in n}
     assert frozen.keys() == base.keys() and all(torch.equal(frozen[n], base[n]) for n in base)
+
+
+def test_on_policy_pairs_are_kept_for_a_later_attempt_of_the_same_run(tokenizer, tmp_path, monkeypatch):
+    """A resumed attempt of an on-policy DPO run trains on the pairs its first attempt sampled (engines and judges
+    are not deterministic: sampling again would give other pairs under a data order restored for these); another
+    run (another fingerprint) samples its own, and so does an attempt that finds the kept file cut short."""
+    import torch.distributed as dist
+
+    from amalia_ray.core.config import train_stage
+    from amalia_ray.core.formats.rl_tasks import write_tasks
+    from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
+    from amalia_ray.train import rollout_fleet
+    from amalia_ray.train.objectives.dpo import PAIRS
+    from tests.conftest import free_port
+
+    tok, tok_dir = tokenizer
+    tasks = tmp_path / "tasks.jsonl"
+    write_tasks(arithmetic_tasks(6, seed=1), tasks)
+    stage = train_stage({"name": "dpo", "objective": "dpo", "dataset": str(tasks), "on_policy": True, "steps": 2,
+                         "warmup_steps": 0, "num_generations": 2, "max_completion_length": 8, "seq_len": 160,
+                         "rewards": ["has_number"]})
+    draws = []
+
+    class Fleet:
+        def shutdown(self):
+            pass
+
+    def sample_and_score(fleet, tok_, prompts, tasks_, scorer, n, max_tokens, temperature, seed):
+        draws.append(1)  # each draw different, as engines and judges give on a GPU
+        items = [(p, [5 + len(draws), 6 + k]) for p in prompts for k in range(n)]
+        return items, torch.tensor([[float(k + len(draws) % 2)] for _ in prompts for k in range(n)])
+
+    monkeypatch.setattr(rollout_fleet, "fleet_on_model", lambda *a, **k: Fleet())
+    monkeypatch.setattr(rollout_fleet, "sample_and_score", sample_and_score)
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+    def pairs_of(run_id):
+        dpo = DPO.from_policy(tasks, tok_dir, 160, stage, tmp_path, 0, run_id=run_id)
+        dpo._make_pairs(model=None)
+        return [(p.prompt, p.chosen, p.rejected) for split in ("train", "validation") for p in dpo.pairs[split]]
+
+    try:
+        first = pairs_of("dpo-fingerprint1")
+        assert len(draws) == 1 and len(first) == 6 and (tmp_path / PAIRS).exists()
+        assert pairs_of("dpo-fingerprint1") == first and len(draws) == 1, "the same run: kept, not sampled again"
+        assert pairs_of("dpo-fingerprint2") != first and len(draws) == 2, "another run samples its own"
+        (tmp_path / PAIRS).write_text((tmp_path / PAIRS).read_text()[:40])
+        pairs_of("dpo-fingerprint2")
+        assert len(draws) == 3, "a kept file cut short is sampled again"
+    finally:
+        if ours:
+            dist.destroy_process_group()

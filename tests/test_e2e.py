@@ -211,6 +211,8 @@ def test_sft_then_on_policy_dpo_continue_from_the_previous_checkpoints(post_trai
         assert list((pipeline.run_dir / name / "tensorboard").glob("events.out.tfevents.*"))
     assert stages["rm"].inputs["init_checkpoint"] == stages["dpo"].inputs["init_checkpoint"], "both from sft"
     assert "reward_model:rm" in stages["dpo"].inputs, "the reward model's weights decide whether dpo reruns"
+    kept = json.loads((pipeline.run_dir / "dpo" / "on-policy-pairs.json").read_text())
+    assert kept["pairs"] and len(kept["key"]) == 64, "the pairs a resumed attempt of this run trains on"
     rm = read_jsonl(pipeline.run_dir / "rm" / "metrics.jsonl")
     assert [h["step"] for h in rm] == [1, 2, 3, 4] and all(math.isfinite(h["loss"]) and 0 <= h["accuracy"] <= 1
                                                            for h in rm)

@@ -159,6 +159,7 @@ class LoopConfig:
     step_transient: Callable[[int], int] | None = None  # see StageInputs
     reward_apps: dict[str, str] = field(default_factory=dict)  # see StageInputs
     judge_servers: dict[str, dict] = field(default_factory=dict)  # see StageInputs
+    run_id: str = ""  # see StageInputs
 
 
 @dataclass
@@ -213,7 +214,7 @@ def setup(run: LoopConfig) -> Training:
     seq_len = stage.sequence_length or hf_config.max_position_embeddings
     objective = build_objective(stage, StageInputs(run.data_dir, run.tokenizer_dir, seq_len, run.stage_dir, run.seed,
                                                    device.type == "cuda", run.step_transient, run.reward_apps,
-                                                   run.judge_servers))
+                                                   run.judge_servers, run.run_id))
     hf_config = objective.model_config(hf_config)
     # the ceiling MFU is against: every worker's stated peak (datasheet, else measured) in its precision, summed
     worker_peak, peak_basis = stated_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)

@@ -18,6 +18,28 @@ def process_group_backend(use_gpu: bool) -> str:
     return "cpu:gloo,cuda:nccl" if use_gpu else "gloo"
 
 
+# The most the other ranks wait for rank 0's one-off work: starting a rollout fleet (placement, then a 9B engine's
+# load), on-policy DPO's sampling and scoring of every task. The workers' process group times out a collective
+# after Ray Train's 30 minutes, right for a step's collectives (a hung NCCL call is found in that time); these waits
+# go through a gloo group of their own with this limit instead.
+RANK0_WAIT_S = 6 * 3600
+_rank0_groups: dict = {}
+
+
+def rank0_group():
+    """A gloo group of every rank with RANK0_WAIT_S as its timeout (made once per process group, by every rank
+    alike)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if world not in _rank0_groups:
+        _rank0_groups.clear()  # an earlier process group's, destroyed
+        _rank0_groups[world] = dist.new_group(backend="gloo", timeout=timedelta(seconds=RANK0_WAIT_S))
+    return _rank0_groups[world]
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """bf16 on GPU; fp32 on CPU, where fp32 matmul is faster than bf16 on the machines we measured."""
     if precision != "auto":

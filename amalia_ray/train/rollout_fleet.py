@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from amalia_ray.core.config import RolloutConfig
+from amalia_ray.train.parallel import rank0_group
 from amalia_ray.train.reward_scoring import RewardScorer
 from amalia_ray.train.rollout import (kv_bytes_per_token, remove_groups, sharded_engine_groups, start_engine,
                                       this_worker)
@@ -241,7 +242,19 @@ def fleet_on_model(model, tokenizer_dir: Path, work_dir: Path, engine: RolloutCo
         dist.all_gather_object(gathered, workers[0])
         workers = gathered
     if dist.get_rank() != 0:
+        if dist.get_world_size() > 1:  # while rank 0 starts the fleet, past the step collectives' timeout
+            dist.barrier(group=rank0_group())
         return None
+    fleet = _start_on_rank0(model, init_dir, engine, seed, use_gpu, sequences, tokens_per_sequence,
+                            step_transient_bytes, weight_sync, per_prompt, local, workers)
+    if dist.get_world_size() > 1:
+        dist.barrier(group=rank0_group())
+    return fleet
+
+
+def _start_on_rank0(model, init_dir: Path, engine: RolloutConfig, seed: int, use_gpu: bool, sequences: int,
+                    tokens_per_sequence: int, step_transient_bytes: int, weight_sync: bool, per_prompt: int,
+                    local: int, workers: list) -> RolloutFleet:
     dtype = getattr(torch, engine.resolved_dtype(use_gpu))
     numel = sum(p.numel() for p in model.parameters())
     text = getattr(model.config, "text_config", None) or model.config

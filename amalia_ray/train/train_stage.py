@@ -134,6 +134,7 @@ def run_train_stage(
             step_transient=step_transient,
             reward_apps=dict(reward_apps or {}),
             judge_servers=dict(judge_servers or {}),
+            run_id=ray_run_name,
             checkpoint_key=key,  # masked wherever it might be printed, and left out of the config's repr
         )},
         torch_config=TorchConfig(backend=process_group_backend(use_gpu)),

@@ -38,6 +38,9 @@ class StageInputs:
     reward_apps: dict[str, str] = field(default_factory=dict)
     # a judge reward's stage (`judge: {stage: …}`) -> where the pipeline serves it: {base_url, model, api_key_env}
     judge_servers: dict[str, dict] = field(default_factory=dict)
+    # the training run this attempt is one of (Ray Train's run name, which holds the stage's fingerprint): what an
+    # earlier attempt of the same run sampled once is the same data, and is reused rather than sampled again
+    run_id: str = ""
 
 
 class Objective(ABC):

@@ -9,8 +9,10 @@ is dropped (nothing left to score).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from amalia_ray.train.completions import pad_completions, token_logps
 from amalia_ray.train.objectives.base import Objective, StageInputs
 
 log = logging.getLogger("amalia_ray.train")
+PAIRS = "on-policy-pairs.json"  # in the stage folder: the pairs as token ids, for the run's later attempts
 
 
 @dataclass
@@ -112,7 +115,7 @@ class DPO(Objective):
         if stage.on_policy:
             return cls.from_policy(inputs.data_dir, inputs.tokenizer_dir, inputs.seq_len, stage, inputs.work_dir,
                                    inputs.seed, inputs.use_gpu, reward_apps=inputs.reward_apps,
-                                   judge_servers=inputs.judge_servers)
+                                   judge_servers=inputs.judge_servers, run_id=inputs.run_id)
         return cls(inputs.data_dir, inputs.tokenizer_dir, inputs.seq_len, stage.beta)
 
     def _setup(self, tokenizer_dir: Path, seq_len: int, beta: float) -> None:
@@ -130,10 +133,14 @@ class DPO(Objective):
     @classmethod
     def from_policy(cls, tasks_path: Path, tokenizer_dir: Path, seq_len: int, stage: DPOStage, work_dir: Path,
                     seed: int, use_gpu: bool = False, validation_fraction: float = 0.05,
-                    reward_apps: dict[str, str] | None = None, judge_servers: dict[str, dict] | None = None) -> DPO:
+                    reward_apps: dict[str, str] | None = None, judge_servers: dict[str, dict] | None = None,
+                    run_id: str = "") -> DPO:
         """AMALIA-style on-policy DPO: the pairs are made in `prepare` by the stage's initial model (the previous
         stage's checkpoint) — `num_generations` completions per task prompt sampled through the vLLM rollout engine,
-        scored by the stage's rewards; the best becomes chosen and the worst rejected (ties give no pair)."""
+        scored by the stage's rewards; the best becomes chosen and the worst rejected (ties give no pair). They are
+        kept in the stage folder for `run_id`: a later attempt of the same run (resumed after a failure) trains on
+        the same pairs instead of sampling and scoring again, which would give others (engines and judges are not
+        deterministic) under a data order restored for these."""
         from amalia_ray.core.formats.rl_tasks import read_tasks
         from amalia_ray.train.reward_scoring import RewardScorer
         from amalia_ray.train.rollout_fleet import encode_prompt
@@ -152,48 +159,35 @@ class DPO(Objective):
                                                  judge_servers=judge_servers),
                           "engine": stage.rollout.for_length(seq_len),
                           "stage": stage, "tokenizer_dir": tokenizer_dir, "work_dir": work_dir, "seed": seed,
-                          "use_gpu": use_gpu, "validation_fraction": validation_fraction, "source": tasks_path}
+                          "use_gpu": use_gpu, "validation_fraction": validation_fraction, "source": tasks_path,
+                          "run_id": run_id}
         if not keep:
             raise ValueError(f"no task in {tasks_path} whose prompt leaves room for "
                              f"{stage.max_completion_length} completion tokens in seq_len {seq_len}")
         return self
 
     def _make_pairs(self, model) -> None:
-        """Rank 0 samples and ranks candidates; every rank gets the same pairs. Also written to
-        on-policy-pairs.jsonl in the stage folder, decoded, for inspection."""
+        """Rank 0 samples and ranks candidates, or reads those an earlier attempt of this run made; every rank gets
+        the same pairs. Also written to on-policy-pairs.jsonl in the stage folder, decoded, for inspection."""
+        from amalia_ray.train.parallel import rank0_group
         from amalia_ray.train.rollout_fleet import fleet_on_model, sample_and_score
 
         cfg, stage = self.on_policy, self.on_policy["stage"]
         n = stage.num_generations
-        fleet = fleet_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
-                               cfg["use_gpu"], len(cfg["prompts"]) * n,
-                               max(map(len, cfg["prompts"])) + stage.max_completion_length,
-                               weight_sync=False, per_prompt=n)  # it samples once, with the weights it starts from
-        payload = [None]
-        if dist.get_rank() == 0:
-            try:
-                items, scores = sample_and_score(fleet, self.tok, cfg["prompts"], cfg["tasks"], cfg["scorer"], n,
-                                                 stage.max_completion_length, stage.temperature, cfg["seed"])
-            finally:
-                fleet.shutdown()
-            totals = cfg["scorer"].totals(scores).view(-1, n)
-            pairs, ties, missing = [], 0, int(totals.isnan().sum())
-            for i, group in enumerate(totals):
-                # a candidate a judge gave no grade is neither chosen nor rejected
-                best = int(torch.where(group.isnan(), -torch.inf, group).argmax())
-                worst = int(torch.where(group.isnan(), torch.inf, group).argmin())
-                if int((~group.isnan()).sum()) < 2 or group[best] == group[worst]:
-                    ties += 1
-                    continue
-                prompt = items[i * n][0]
-                pairs.append(Pair(prompt, items[i * n + best][1], items[i * n + worst][1]))
-            payload = [(pairs, ties, missing)]
-            with (cfg["work_dir"] / "on-policy-pairs.jsonl").open("w", encoding="utf-8") as f:
-                for p in pairs:
-                    f.write(json.dumps({"prompt": self.tok.decode(p.prompt), "chosen": self.tok.decode(p.chosen),
-                                        "rejected": self.tok.decode(p.rejected)}, ensure_ascii=False) + "\n")
+        kept = [self._kept_pairs() if dist.get_rank() == 0 else None]
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list(payload, src=0)
+            dist.broadcast_object_list(kept, src=0)
+        if kept[0] is not None:
+            payload = [kept[0] if dist.get_rank() == 0 else None]
+            log.info(f"on-policy DPO: the pairs an earlier attempt of this run sampled ({cfg['work_dir'] / PAIRS})")
+        else:
+            fleet = fleet_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
+                                   cfg["use_gpu"], len(cfg["prompts"]) * n,
+                                   max(map(len, cfg["prompts"])) + stage.max_completion_length,
+                                   weight_sync=False, per_prompt=n)  # it samples once, with the weights it starts from
+            payload = [self._sample_pairs(fleet, sample_and_score) if dist.get_rank() == 0 else None]
+        if dist.get_world_size() > 1:  # the others wait while rank 0 samples: past the step collectives' timeout
+            dist.broadcast_object_list(payload, src=0, group=rank0_group())
         pairs, ties, missing = payload[0]
         if not pairs:
             raise ValueError(f"on-policy DPO on {cfg['source']}: every prompt's {stage.num_generations} "
@@ -207,6 +201,60 @@ class DPO(Objective):
             self.pairs[split].append(pair)
         if not self.pairs["train"]:
             self.pairs = {"train": self.pairs["validation"], "validation": []}
+
+    def _pairs_key(self) -> str | None:
+        """What the kept pairs must have been made for: this run (config, inputs and code: its fingerprint) and
+        these prompts; None outside a named run (nothing is kept)."""
+        cfg = self.on_policy
+        if not cfg["run_id"]:
+            return None
+        return hashlib.sha256(json.dumps([cfg["run_id"], cfg["prompts"]]).encode()).hexdigest()
+
+    def _kept_pairs(self) -> tuple | None:
+        """(pairs, ties, missing) an earlier attempt of this run kept, else None (none, another run's, unreadable)."""
+        path, key = self.on_policy["work_dir"] / PAIRS, self._pairs_key()
+        if key is None or not path.is_file():
+            return None
+        try:
+            kept = json.loads(path.read_text())
+            if kept.get("key") != key:
+                return None
+            return ([Pair(*(list(map(int, side)) for side in p[:3])) for p in kept["pairs"]], int(kept["ties"]),
+                    int(kept["missing"]))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            log.warning(f"{path}: unreadable ({type(e).__name__}): sampling the pairs again")
+            return None
+
+    def _sample_pairs(self, fleet, sample_and_score) -> tuple:
+        """Rank 0: sample, score and pair the candidates; keep them for a later attempt of this run."""
+        cfg, stage = self.on_policy, self.on_policy["stage"]
+        n = stage.num_generations
+        try:
+            items, scores = sample_and_score(fleet, self.tok, cfg["prompts"], cfg["tasks"], cfg["scorer"], n,
+                                             stage.max_completion_length, stage.temperature, cfg["seed"])
+        finally:
+            fleet.shutdown()
+        totals = cfg["scorer"].totals(scores).view(-1, n)
+        pairs, ties, missing = [], 0, int(totals.isnan().sum())
+        for i, group in enumerate(totals):
+            # a candidate a judge gave no grade is neither chosen nor rejected
+            best = int(torch.where(group.isnan(), -torch.inf, group).argmax())
+            worst = int(torch.where(group.isnan(), torch.inf, group).argmin())
+            if int((~group.isnan()).sum()) < 2 or group[best] == group[worst]:
+                ties += 1
+                continue
+            prompt = items[i * n][0]
+            pairs.append(Pair(prompt, items[i * n + best][1], items[i * n + worst][1]))
+        if (key := self._pairs_key()) is not None:  # written whole, then renamed: an attempt killed meanwhile
+            partial = cfg["work_dir"] / (PAIRS + ".partial")  # leaves no half file for the next one to read
+            partial.write_text(json.dumps({"key": key, "ties": ties, "missing": missing,
+                                           "pairs": [[p.prompt, p.chosen, p.rejected] for p in pairs]}))
+            os.replace(partial, cfg["work_dir"] / PAIRS)
+        with (cfg["work_dir"] / "on-policy-pairs.jsonl").open("w", encoding="utf-8") as f:
+            for p in pairs:
+                f.write(json.dumps({"prompt": self.tok.decode(p.prompt), "chosen": self.tok.decode(p.chosen),
+                                    "rejected": self.tok.decode(p.rejected)}, ensure_ascii=False) + "\n")
+        return pairs, ties, missing
 
     def sampler(self, seed: int) -> MixtureSampler:
         return MixtureSampler({"dpo": one_block(len(self.pairs["train"]))}, self.seq_len, seed)
