@@ -14,11 +14,16 @@ import ray
 from ray.data.expressions import col
 
 from amalia_ray.data.exchange.frames import to_arrow
-from amalia_ray.data.exchange.partitions import count_by, exchange, map_blocks
+from amalia_ray.data.exchange.partitions import exchange, map_blocks
 from amalia_ray.data.exchange.staged import Staged
 from amalia_ray.data.steps.base import DocumentStep, already_dropped, map_text
 
 LINE_KEYS = pa.schema([("site", pa.string()), ("key", pa.uint64())])
+SITE_PAGES = pa.schema([("site", pa.string()), ("len", pa.uint32())])
+
+
+def _site_hashes(sites: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    return pl.Series(sites).cast(pl.String).hash(seed=11).to_numpy()
 
 
 def site_of(url_key: str) -> str:
@@ -55,17 +60,30 @@ def boilerplate_lines(docs: Staged, min_pages: int, min_share: float) -> np.ndar
 
     live = docs.select(["url_key", "drop_reason"]).dataset().filter(
         expr=col("drop_reason").is_null() & col("url_key").is_not_null())
-    site_pages = count_by(live.map_batches(
+    # pages per site, counted by a keyed exchange on the site: only the sites with min_pages pages or more (the
+    # only ones a line can be boilerplate of: a page counts each of its lines once) reach the driver, as two
+    # sorted arrays the line counts look their site up in (a web archive has millions of sites, most with a page
+    # or two: a dict of all of them would sit on the driver and be unpickled by every task of the next exchange)
+    def big_sites(group: pa.Table) -> pa.Table:
+        pages = pl.from_arrow(group.select(["site"])).group_by("site").len()
+        return to_arrow(pages.filter(pages["len"] >= min_pages), SITE_PAGES)
+
+    sites = [t for t in ray.get(exchange(live.map_batches(
         lambda b: pa.table({"site": pa.array([site_of(u) for u in b["url_key"].to_pylist()], pa.string())}),
-        batch_format="pyarrow"), ["site"])
-    if not site_pages:
+        batch_format="pyarrow"), "site", big_sites).to_arrow_refs()) if len(t)]
+    if not sites:
         return np.empty(0, np.uint64)
-    totals = {row["site"]: row["count"] for row in site_pages}
+    sites = pa.concat_tables(sites)
+    hashes = _site_hashes(sites["site"])
+    order = np.argsort(hashes)
+    site_hash, site_pages = hashes[order], sites["len"].to_numpy()[order].astype(np.float64)
 
     def repeated(group: pa.Table) -> pa.Table:
         counts = pl.from_arrow(group.select(["site", "key"])).group_by("site", "key").len()
-        need = pl.Series([float(max(min_pages, min_share * totals.get(s, 0))) for s in counts["site"]],
-                         dtype=pl.Float64)
+        wanted = _site_hashes(counts["site"].to_arrow())
+        at = np.minimum(np.searchsorted(site_hash, wanted), len(site_hash) - 1)
+        pages = np.where(site_hash[at] == wanted, site_pages[at], 0.0)
+        need = pl.Series(np.maximum(float(min_pages), min_share * pages), dtype=pl.Float64)
         return to_arrow(counts.filter(counts["len"] >= need).select("site", "key"), LINE_KEYS)
 
     found = exchange(map_blocks(pages, emit), "key", repeated)
