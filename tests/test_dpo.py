@@ -224,3 +224,54 @@ def test_on_policy_pairs_are_kept_for_a_later_attempt_of_the_same_run(tokenizer,
     finally:
         if ours:
             dist.destroy_process_group()
+
+
+def _on_policy_ranks(rank: int, world: int, port: int, tasks: str, tok_dir: str, work: str, run_id: str) -> None:
+    """One of two gloo ranks making on-policy pairs, the fleet and the sampling replaced by stand-ins that count the
+    draws in a file: writes the pairs this rank got."""
+    import os
+
+    import torch.distributed as dist
+
+    from amalia_ray.core.config import train_stage
+    from amalia_ray.train import rollout_fleet
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    draws = Path(work) / "draws"
+
+    def sample_and_score(fleet, tok_, prompts, tasks_, scorer, n, *args):
+        draws.write_text(draws.read_text() + "x" if draws.exists() else "x")
+        return [(p, [7, 8 + k]) for p in prompts for k in range(n)], torch.tensor(
+            [[float(k)] for _ in prompts for k in range(n)])
+
+    rollout_fleet.fleet_on_model = lambda *a, **k: type("Fleet", (), {"shutdown": lambda self: None})() \
+        if dist.get_rank() == 0 else None
+    rollout_fleet.sample_and_score = sample_and_score
+    stage = train_stage({"name": "dpo", "objective": "dpo", "dataset": tasks, "on_policy": True, "steps": 2,
+                         "warmup_steps": 0, "num_generations": 2, "max_completion_length": 8, "seq_len": 160,
+                         "rewards": ["has_number"]})
+    dpo = DPO.from_policy(Path(tasks), Path(tok_dir), 160, stage, Path(work), 0, run_id=run_id)
+    dpo._make_pairs(model=None)
+    got = [[p.prompt, p.chosen, p.rejected] for split in ("train", "validation") for p in dpo.pairs[split]]
+    (Path(work) / f"rank{rank}-{run_id}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_get_the_same_on_policy_pairs_sampled_once_then_kept(tokenizer, tmp_path):
+    """Two ranks: the first samples (the other waits in the long-wait group), both get the same pairs; an attempt
+    of the same run reads them back on the first rank and sends them once, sampling nothing."""
+    import torch.multiprocessing as mp
+
+    from amalia_ray.core.formats.rl_tasks import write_tasks
+    from amalia_ray.data.posttrain.arithmetic_tasks import arithmetic_tasks
+    from tests.conftest import free_port
+
+    _, tok_dir = tokenizer
+    write_tasks(arithmetic_tasks(6, seed=1), tmp_path / "tasks.jsonl")
+    for _ in range(2):
+        mp.spawn(_on_policy_ranks, args=(2, free_port(), str(tmp_path / "tasks.jsonl"), str(tok_dir), str(tmp_path),
+                                         "dpo-f1"), nprocs=2)
+        ranks = [json.loads((tmp_path / f"rank{r}-dpo-f1.json").read_text()) for r in range(2)]
+        assert ranks[0] == ranks[1] and len(ranks[0]) == 6
+    assert (tmp_path / "draws").read_text() == "x", "sampled by the first attempt only"

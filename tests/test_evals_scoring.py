@@ -362,14 +362,17 @@ def test_the_judge_gets_only_its_own_key(tmp_path, monkeypatch, judge, keys):
                                          ("entre 2 e 4", None), ("3,5 de 5", None), ("4/5", 4), ("4", 4),
                                          # a count in a justification is no grade; two different named grades
                                          ("A resposta tem 2 erros de concordância mas a fluência é", None),
-                                         ("Tem 3 frases claras; nota: 4", 4), ("Nota: 2. Melhor, nota: 4", None)])
+                                         ("Tem 3 frases claras; nota: 4", 4), ("Nota: 2. Melhor, nota: 4", None),
+                                         # the grade first, on a line of its own; markdown around a named grade
+                                         ("4\n\nA resposta é fluente, com 2 erros.", 4),
+                                         ("**Nota:** 4 — tem 2 erros", 4), ("2 erros de concordância.", None)])
 def test_judge_score_parsing(text, score):
     assert parse_score(text) == score
 
 
 def test_a_judge_reply_cut_at_max_tokens_counts_only_with_its_named_grade():
-    """What ends a reply cut at max_tokens is where it was cut ("… numa escala de 1 a 5, dou 3" may go on "… mas …"):
-    only an explicit "Nota: N" in it counts."""
+    """What ends a reply cut at max_tokens is where it was cut ("… numa escala de 1 a 5, dou 3" may go on
+    "… mas …"): only an explicit "Nota: N" in it counts (or a grade alone on its first line)."""
     assert parse_score("Avaliando a fluência, dou 3", cut_short=True) is None
     assert parse_score("Nota: 3. A resposta é fluente mas", cut_short=True) == 3
 
@@ -545,7 +548,8 @@ def test_a_reply_that_is_endless_slow_or_not_the_apis_is_an_error_naming_the_ser
     replies = {"endless": lambda: httpx.Response(200, content=endless()),
                "drip": lambda: httpx.Response(200, content=drip()),
                "html": lambda: httpx.Response(200, text="<html>Bad gateway</html>"),
-               "shape": lambda: httpx.Response(200, json={"choices": [{"delta": "x"}]})}
+               "shape": lambda: httpx.Response(200, json={"choices": [{"delta": "x"}]}),
+               "message": lambda: httpx.Response(200, json={"choices": [{"index": None, "message": "olá"}]})}
 
     async def ask(kind):
         async def handler(request):
@@ -557,7 +561,8 @@ def test_a_reply_that_is_endless_slow_or_not_the_apis_is_an_error_naming_the_ser
 
     expected = {"endless": "the reply runs past 1,048,576 bytes", "drip": "no whole reply within 1 s",
                 "html": "the reply is not a JSON object: '<html>Bad gateway</html>'",
-                "shape": "the reply does not hold 1 completion(s) (`choices` with message.content)"}
+                "shape": "the reply does not hold 1 completion(s) (`choices` with message.content)",
+                "message": "the reply does not hold 1 completion(s) (`choices` with message.content)"}
     for kind, message in expected.items():
         with pytest.raises(AmaliaError) as e:
             asyncio.run(ask(kind))

@@ -241,9 +241,10 @@ def test_a_parquet_value_repeated_by_its_dictionary_is_measured_before_it_is_dec
 
 @pytest.mark.reliability
 def test_a_warc_of_blank_runs_or_an_overshooting_record_is_read_in_linear_time():
-    """2 M blank lines after a record (a few KB gzipped), and a record whose Content-Length overshoots a 4 MB body
-    of short lines (taken back and read again line by line to find the next record): both used to cost their
-    length squared (minutes for these). Run in a thread so that a regression fails here instead of hanging."""
+    """2 M blank lines after a record (a few KB gzipped); a record whose Content-Length overshoots a 4 MB body of
+    short lines, or 50,000 records (taken back and read again line by line, record by record, to find the next
+    record): each used to cost its length squared (minutes to hours for these). Run in a thread so that a
+    regression fails here instead of hanging."""
     import threading
 
     from amalia_ray.data.read.archives import warc_records
@@ -253,8 +254,10 @@ def test_a_warc_of_blank_runs_or_an_overshooting_record_is_read_in_linear_time()
         return b"WARC/1.0\r\nWARC-Type: response\r\nContent-Length: %d\r\n\r\n" % size + body + b"\r\n\r\n"
 
     short_lines = b"x\n" * 2_000_000
+    inside = b"".join(record() for _ in range(50_000))  # 50,000 records read again after the one around them
     cases = {"blank run": record() + b"\r\n" * 2_000_000 + record(),
-             "overshoot": record(short_lines, len(short_lines) + 10) + record()}
+             "overshoot": record(short_lines, len(short_lines) + 10) + record(),
+             "records inside": record(inside, len(inside) + 10) + b"\r\n\r\n" + record()}
     for name, data in cases.items():
         out = []
         worker = threading.Thread(target=lambda: out.append(list(warc_records(
@@ -263,7 +266,9 @@ def test_a_warc_of_blank_runs_or_an_overshooting_record_is_read_in_linear_time()
         worker.join(60)
         assert out, f"{name}: still reading after 60 s"
         problems = [p and p.reason for _, _, _, p in out[0]]
-        assert problems == ([None, None] if name == "blank run" else ["broken WARC record", None]), (name, problems)
+        expected = {"blank run": [None, None], "overshoot": ["broken WARC record", None],
+                    "records inside": ["broken WARC record"] + [None] * 50_001}[name]
+        assert problems == expected, (name, problems[:5])
 
 
 def test_a_nested_value_over_the_limit_is_measured_as_itself_not_at_the_columns_mean(tmp_path):

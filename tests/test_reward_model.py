@@ -310,7 +310,8 @@ def test_a_stages_reward_models_are_stopped_in_reverse_so_the_one_that_started_s
     p = SimpleNamespace(recipe=recipe, run_name="run", checkpoint_of=lambda name: tmp_path / name,
                         loaded=SimpleNamespace(resolve=lambda path: tmp_path / path))
     calls = []
-    monkeypatch.setattr(stages.reward_server, "start", lambda folder, name, gpu: calls.append(("start", name)) or name)
+    monkeypatch.setattr(stages.reward_server, "start",
+                        lambda folder, name, gpu, timeout_s: calls.append(("start", name)) or name)
     monkeypatch.setattr(stages.serve_app, "stop", lambda name: calls.append(("stop", name)))
     with stages.serving_rewards(p, recipe.train[0], gpu=False) as (apps, judges):
         assert list(apps) == ["a", "b"] and judges == {}
@@ -404,7 +405,8 @@ def test_a_stage_judged_by_an_earlier_stage_serves_it_first_and_reaches_it_with_
 
     monkeypatch.setenv("AMALIA_API_KEY", "k")
     monkeypatch.setattr(stages.serve_app, "start", serve_start)
-    monkeypatch.setattr(stages.reward_server, "start", lambda folder, name, gpu: calls.append(("rm", name)) or name)
+    monkeypatch.setattr(stages.reward_server, "start",
+                        lambda folder, name, gpu, timeout_s: calls.append(("rm", name)) or name)
     monkeypatch.setattr(stages.serve_app, "stop", lambda name: calls.append(("stop", name)))
     rl = recipe.train[-1]
     assert stages.judge_checkpoint(p, "chat") == tmp_path / "chat" / "adapter"

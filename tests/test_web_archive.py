@@ -48,7 +48,8 @@ def test_url_normalisation_rules(url, key):
     ("2019-05-01T12:00:00Z", 1556712000), ("2019-05-01T13:00:00+01:00", 1556712000), ("20190501120000", 1556712000),
     ("2019-05-01", 1556668800), (1556712000, 1556712000), (1556712000000, 1556712000), ("garbage", None), (None, None),
     # a missing value of a float column, infinities, "²" (a digit to str.isdigit), values past int64 or year 9999
-    (float("nan"), None), (float("inf"), None), ("²", None), (10 ** 30, None), ("1" * 25, None),
+    (float("nan"), None), (float("inf"), None), ("²", None), (10 ** 30, None), ("1" * 25, None), (10 ** 400, None),
+    (-10 ** 400, None),
 ])
 def test_capture_dates(value, expected):
     assert parse_capture_time(value) == expected

@@ -250,8 +250,8 @@ def _measured_rollout_note(stage: TrainStageConfig, m: Dims, hw: PlanConfig, seq
         fastest = rollout_seconds(stage, m, hw, seq, prompts, 1.0)
         return (f"{said} are less than the plan's bound at the whole of memory_tb_per_s ({figure(fastest)} s): its "
                 "completions ended before max_completion_length, or its batch differs from this stage's",)
-    return (f"{said} imply decoding at {figure(100 * utilization)}% of memory_tb_per_s for this batch (the plan assumes "
-            f"{hw.decode_bandwidth_utilization:.0%}: set plan.decode_bandwidth_utilization to plan with it)",)
+    return (f"{said} imply decoding at {figure(100 * utilization)}% of memory_tb_per_s for this batch (the plan "
+            f"assumes {hw.decode_bandwidth_utilization:.0%}: set plan.decode_bandwidth_utilization to plan with it)",)
 
 
 def stage_seconds(stage: TrainStageConfig, train_step_s: float, rollout_s: float) -> float:

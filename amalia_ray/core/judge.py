@@ -44,16 +44,19 @@ def judge_prompt(question: str, answer: str, rubric: str | None = None, referenc
 
 
 def parse_score(text: str, cut_short: bool = False) -> int | None:
-    """The integer grade 1–5 in a judge's reply: after "Nota:" (or score, pontuação), else a grade that ends the
-    reply ("4", "4/5", "Dou-lhe 4."); None for a non-integer grade, one out of range, several candidates, or a digit
-    elsewhere ("tem 2 erros…": a count, not a grade). A reply `cut_short` (at max_tokens) counts only with its
-    "Nota:": what ends it is where it was cut."""
+    """The integer grade 1–5 in a judge's reply: after "Nota:" (or score, pontuação; markdown around it allowed),
+    else a grade alone on the reply's first line ("4", then the reasons) or one that ends the reply ("4/5",
+    "Dou-lhe 4."); None for a non-integer grade, one out of range, two different named grades, or a digit elsewhere
+    ("tem 2 erros…": a count, not a grade). A reply `cut_short` (at max_tokens) counts only with its "Nota:" or
+    its first line: what ends it is where it was cut."""
     text = re.sub(r"(?i)\s*(?:/|de|em|out of)\s*5(?!\d)", "", text)
     if re.search(r"\d[.,]\d", text):
         return None
-    named = re.findall(r"(?i:nota|score|pontua[çc][ãa]o)\s*[:=]?\s*(\d+)", text)
+    named = re.findall(r"(?i:nota|score|pontua[çc][ãa]o)[*_\s]*[:=]?[*_\s]*(\d+)", text)
     if named:
         return int(named[0]) if len(set(named)) == 1 and 1 <= int(named[0]) <= 5 else None
+    if first := re.match(r"[\W_]*([1-5])[*_.)\s]*?(?:\n|\Z)", text):
+        return int(first.group(1))
     if cut_short:
         return None
     last = re.search(r"(?<![\d.,])([1-5])\W*\Z", text)

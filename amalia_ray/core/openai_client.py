@@ -72,15 +72,18 @@ class OpenAIClient:
                               "template (vLLM's /tokenize with messages); score this task without `chat`")
         return (await self.post("/detokenize", {"tokens": tokens["tokens"]}, root=True))["prompt"]
 
-    async def post(self, path: str, payload: dict, *, root: bool = False, missing_ok: bool = False) -> dict | None:
+    async def post(self, path: str, payload: dict, *, root: bool = False, missing_ok: bool = False,
+                   reply_limit: int | None = None) -> dict | None:
         """POST under the API's base URL (or, with `root`, at the server's root: vLLM's /tokenize); with
-        `missing_ok`, an endpoint the server does not have (404/405) gives None."""
+        `missing_ok`, an endpoint the server does not have (404/405) gives None. `reply_limit`: the most bytes of
+        reply read (default: the client's max_reply_bytes)."""
         payload = {"model": self.model, **payload}
         url = (self.base_url.removesuffix("/v1") if root else self.base_url) + path
         async with self._sem:
             for attempt in range(self.retries + 1):
                 try:
-                    status, content = await asyncio.wait_for(self._read(url, payload), self.timeout_s)
+                    status, content = await asyncio.wait_for(
+                        self._read(url, payload, reply_limit or self.max_reply_bytes), self.timeout_s)
                 except httpx.TransportError as e:
                     error = f"{type(e).__name__}: {e}"
                 except TimeoutError:
@@ -109,16 +112,15 @@ class OpenAIClient:
                     await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (1 + random.random()))
         raise AmaliaError(f"{url} failed for model '{self.model}': {error}")
 
-    async def _read(self, url: str, payload: dict) -> tuple[int, bytes]:
-        """The reply's status and body, read no further than `max_reply_bytes` (a longer one is an error: no
-        OpenAI-API reply this client asks for comes near it)."""
+    async def _read(self, url: str, payload: dict, limit: int) -> tuple[int, bytes]:
+        """The reply's status and body, read no further than `limit` bytes (a longer one is an error)."""
         async with self._http.stream("POST", url, json=payload) as r:
             body = bytearray()
             async for chunk in r.aiter_bytes():
                 body += chunk
-                if len(body) > self.max_reply_bytes:
-                    raise AmaliaError(f"{url} for model '{self.model}': the reply runs past {self.max_reply_bytes:,} "
-                                      "bytes; it was not read further")
+                if len(body) > limit:
+                    raise AmaliaError(f"{url} for model '{self.model}': the reply runs past {limit:,} bytes; it was "
+                                      "not read further")
             return r.status_code, bytes(body)
 
 
@@ -156,10 +158,12 @@ async def complete_n(client: OpenAIClient, prompt: str, *, n: int, max_tokens: i
         path, body = "/completions", {"prompt": prompt, **params}
     choices = (await client.post(path, body)).get("choices")
     out = []
-    for c in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0) \
+    for c in sorted(choices, key=lambda c: c.get("index") or 0 if isinstance(c, dict) else 0) \
             if isinstance(choices, list) else []:
-        text = ((c.get("message") or {}).get("content") if chat else c.get("text")) if isinstance(c, dict) else None
-        if chat and isinstance(c, dict) and isinstance(c.get("message"), dict) and text is None:
+        message = c.get("message") if isinstance(c, dict) else None
+        text = (message.get("content") if isinstance(message, dict) else None) if chat else \
+            (c.get("text") if isinstance(c, dict) else None)
+        if chat and isinstance(message, dict) and text is None:
             text = ""  # a chat reply may carry no content (a refusal, only tool calls)
         if not isinstance(text, str):
             break

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.openai_client import OpenAIClient, RequestRejected
+from amalia_ray.core.openai_client import MAX_REPLY_BYTES, OpenAIClient, RequestRejected
 from amalia_ray.evals.scores import rejected_row
 from amalia_ray.evals.tasks import MCItem, is_completion
 
@@ -155,8 +155,11 @@ async def score_group(client: OpenAIClient, items: list[MCItem], chat: dict | No
     scored = [[c + delimiter + x for x in continuations_of(item)] for item, c in zip(items, contexts)]
     echo_contexts = None in counts  # no /tokenize: each context goes first, echoed alone
     prompts = [p for c, full in zip(contexts, scored) for p in ([c] if echo_contexts else []) + full]
+    # an echoed prompt comes back as a JSON entry per token (its text, log-probability and top alternative): the
+    # reply may be a couple of hundred times the prompts' size, and is read up to that
     r = await client.post("/completions", {"prompt": prompts, "max_tokens": 1, "temperature": 0, "echo": True,
-                                           "logprobs": 1, **({"add_special_tokens": False} if chat else {})})
+                                           "logprobs": 1, **({"add_special_tokens": False} if chat else {})},
+                          reply_limit=max(MAX_REPLY_BYTES, 256 * sum(map(len, prompts))))
     outputs = sorted(r["choices"], key=lambda c: c["index"])
     if len(outputs) != len(prompts):
         raise AmaliaError(f"items {items[0].id}…{items[-1].id}: {len(prompts)} prompts sent, "

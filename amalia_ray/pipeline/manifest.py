@@ -57,6 +57,12 @@ class StageRecord(BaseModel):
     slurm_jobs: list[str] = Field(default_factory=list, description="the Slurm jobs that ran its attempts")
     error: str | None = None
 
+    @property
+    def done(self) -> bool:
+        """Completed with all of its work: a stage that completed part of it (the eval stage with a model it could
+        not serve: metrics' `incomplete`) runs again."""
+        return self.status == "completed" and not self.metrics.get("incomplete")
+
 
 class Manifest(BaseModel):
     run_name: str

@@ -155,10 +155,10 @@ class Pipeline:
         stale = (rec.status == "completed" and rec.fingerprint != fp
                  and rec.fingerprint == fingerprint_of(cfg, inputs, rec.code_hash))
         # a stage that completed without all of its work (the eval stage, a model it could not serve) runs again
-        if incomplete := rec.status == "completed" and (rec.metrics or {}).get("incomplete"):
-            stage_line(spec.name, f"[yellow]running again[/]: its completed run was partial ({incomplete})")
-        if not self.force and not incomplete and rec.status == "completed" and (
-                rec.fingerprint == fp or (stale and self.reuse_stale)):
+        if incomplete := rec.status == "completed" and not rec.done:
+            stage_line(spec.name, f"[yellow]running again[/]: its completed run was partial "
+                       f"({rec.metrics['incomplete']})")
+        if not self.force and rec.done and (rec.fingerprint == fp or (stale and self.reuse_stale)):
             self.pull_missing(spec.outputs.values())
             present = {k: p for k, p in spec.outputs.items() if p.exists()}
             changed = [k for k, h in hash_paths(present).items() if rec.output_hashes.get(k, h) != h]

@@ -88,7 +88,7 @@ def preflight(p: RunContext, needs_serving: bool) -> None:
     if needs_serving and r.eval.tasks:
         serve_app.require_vllm()
         eval_rec = p.manifest.stages.get("eval")
-        if p.force or eval_rec is None or eval_rec.status != "completed":
+        if p.force or eval_rec is None or not eval_rec.done:
             serve_app.check_can_serve(r.serve)
 
 

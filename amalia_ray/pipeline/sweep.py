@@ -17,7 +17,7 @@ from pathlib import Path
 from amalia_ray.core.config import ModelConfig, TrainStageConfig, train_stage
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
-from amalia_ray.core.storage import write_json
+from amalia_ray.core.storage import hash_path, write_json
 from amalia_ray.pipeline.sweep_space import MIX, SweepSpace, adapters_servable, with_values
 from amalia_ray.pipeline.spec import RunContext
 
@@ -112,7 +112,8 @@ def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
     p.run(until=previous or "pack")  # what the trials read: packed data, tokenizer, the starting checkpoint
     read = [name for name in ("pack", "tokenizer", previous) if name and name in p.manifest.stages]
     out = p.run_dir / "sweeps" / sweep_id(trial_stage, space, {
-        "model": model.model_dump(mode="json", by_alias=True), "seed": r.run.seed, "data_path": stage.data_path,
+        "model": model.model_dump(mode="json", by_alias=True), "seed": r.run.seed,
+        "dataset": hash_path(p.loaded.resolve(stage.data_path)) if stage.data_path else None,
         "weights": {s.name: s.weight for s in r.data.sources},
         "inputs": {name: p.manifest.stages[name].fingerprint for name in read}})
     out.mkdir(parents=True, exist_ok=True)

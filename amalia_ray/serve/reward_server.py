@@ -177,4 +177,5 @@ def _message(name: str) -> str:
     from ray import serve
 
     app = serve.status().applications.get(name)
-    return (app.message or "").strip().splitlines()[0][:500] if app and app.message else ""
+    lines = (app.message or "").strip().splitlines() if app else []
+    return lines[0][:500] if lines else ""

@@ -231,7 +231,7 @@ def problems(files: CheckpointFiles, state: dict | None, rank: int, key: str) ->
     # a count: none, zero or a string would read no checksums, and with none nothing below would be checked
     try:
         world = json.loads(train_state.read_text()).get("world_size")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+    except (ValueError, RecursionError, AttributeError):  # not JSON, not UTF-8, a 5,000-digit number, too deep
         return [f"{TRAIN_STATE} unreadable"]
     if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= 1 << 20:
         return [f"{TRAIN_STATE}: world_size {world!r} is not a count of ranks"]

@@ -33,8 +33,8 @@ from amalia_ray.train.train_metrics import TensorBoard, memory_gb, stated_peak
 from amalia_ray.train.model import build, config_from_dict
 from amalia_ray.train.objectives.base import Objective, StageInputs
 from amalia_ray.train.objectives.registry import build_objective
-from amalia_ray.train.parallel import (apply_fsdp, data_parallel_mesh, resolve_async_checkpoint, resolve_compile,
-                                       resolve_precision, worker_device)
+from amalia_ray.train.parallel import (apply_fsdp, data_parallel_mesh, rank0_group, resolve_async_checkpoint,
+                                       resolve_compile, resolve_precision, worker_device)
 
 # Ray Train routes worker logging to the driver once; print() in a worker shows twice (tee + logger)
 log = logging.getLogger("amalia_ray.train")
@@ -220,6 +220,8 @@ def setup(run: LoopConfig) -> Training:
     worker_peak, peak_basis = stated_peak(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     peak_flops = _all_reduce_sum(worker_peak)[0]
     mesh = data_parallel_mesh(device.type, world, stage.shard_size)
+    if world > 1:
+        rank0_group()  # made now, with every rank here, for the waits on rank 0 later (a fleet's start)
     model = build(hf_config, device,
                   lambda m: apply_fsdp(m, precision, stage.activation_checkpointing,
                                        resolve_compile(stage.compile, device), stage.reduce_precision,

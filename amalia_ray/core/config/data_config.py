@@ -242,8 +242,9 @@ class TokenizerConfig(Strict):
     vocab_size: int = Field(4096, ge=300, le=262144, description="byte_bpe: vocabulary size to train")
     min_frequency: int = Field(2, ge=1, description="byte_bpe: least count of a merge")
     train_bytes: int | None = Field(2 * 10**9, ge=1, description="text the tokenizer is trained on (or, with "
-                                    "add_tokens, learns new tokens from), at most: a sample of the curated corpus's "
-                                    "row groups of about this many bytes, the same at every run; null: all of it. "
+                                    "add_tokens, learns new tokens from), at most: the curated corpus's row groups "
+                                    "in the order of a hash of their place up to this many bytes (one at least), "
+                                    "the same at every run; null: all of it. "
                                     "BPE's time and memory grow with the text: 1 TB would hold one task for days")
     chat_template: str = Field(DEFAULT_CHAT_TEMPLATE, description="Jinja chat template of a trained tokenizer; with "
                                "from: model it replaces the base's only when set here (or when the base has none)")

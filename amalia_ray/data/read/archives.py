@@ -45,7 +45,12 @@ class _Rewindable:
         return data
 
     def unread(self, data: bytes) -> None:
-        self.buf, self.at, self.pos = data + self.buf[self.at:], 0, self.pos - len(data)
+        n = len(data)
+        if n <= self.at and self.buf[self.at - n:self.at] == data:  # what was just handed out of the buffer: step
+            self.at -= n                                            # back over it, no copy of the rest
+        else:
+            self.buf, self.at = data + self.buf[self.at:], 0
+        self.pos -= n
 
 
 _HEADER_LINE = 64 << 10

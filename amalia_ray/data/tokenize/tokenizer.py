@@ -21,22 +21,26 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, *CHAT_TOKENS]
 
 
 def iter_texts(parquet_dir: Path, max_bytes: int | None = None, batch_size: int = 1024) -> Iterator[list[str]]:
-    """The corpus's texts in batches; with `max_bytes`, those of a sample of its row groups holding about that much
-    text (each kept with the same chance, chosen by a hash of its file and place: the same sample at every run),
-    sized from the files' footers, so a corpus of any size costs the reading of the sample only."""
+    """The corpus's texts in batches; with `max_bytes`, those of a sample of its row groups: taken in the order of a
+    hash of their file and place (the same sample at every run, drawn from across the corpus) until about that
+    much text, one at least, sized from the files' footers, so a corpus of any size costs the reading of the sample
+    only."""
     groups = []
     for path in sorted(parquet_dir.rglob("*.parquet")):
         meta = pq.ParquetFile(path).metadata
         column = meta.schema.names.index("text")
         groups += [(path, i, meta.row_group(i).column(column).total_uncompressed_size)
                    for i in range(meta.num_row_groups)]
-    total = sum(size for _, _, size in groups)
-    share = 1.0 if max_bytes is None or total <= max_bytes else max_bytes / total
+    if max_bytes is not None and sum(size for _, _, size in groups) > max_bytes:
+        drawn, taken = [], 0
+        for path, i, size in sorted(groups, key=lambda g: unit_hash(f"{g[0].relative_to(parquet_dir)}:{g[1]}")):
+            if drawn and taken + size > max_bytes:
+                continue  # a smaller group further on may still fit
+            drawn.append((path, i, size))
+            taken += size
+        groups = sorted(drawn, key=lambda g: (g[0], g[1]))  # read in file order
     for path, i, _ in groups:
-        if share < 1 and unit_hash(f"{path.relative_to(parquet_dir)}:{i}") >= share:
-            continue
-        table = pq.ParquetFile(path).read_row_group(i, columns=["text"])
-        for batch in table.to_batches(max_chunksize=batch_size):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, row_groups=[i], columns=["text"]):
             yield batch.column("text").to_pylist()
 
 

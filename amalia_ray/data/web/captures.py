@@ -113,6 +113,8 @@ def parse_capture_time(value) -> int | None:
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, int | float):  # NaN (a missing value in a float column), infinities, years past 9999: None
+        if isinstance(value, int) and abs(value) >= _LATEST * 1000:  # also past what a float holds (10**400)
+            return None
         seconds = value / 1000 if value > 1e11 else value
         return int(seconds) if math.isfinite(seconds) and abs(seconds) < _LATEST else None
     text = str(value).strip()

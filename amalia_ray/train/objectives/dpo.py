@@ -174,11 +174,12 @@ class DPO(Objective):
 
         cfg, stage = self.on_policy, self.on_policy["stage"]
         n = stage.num_generations
-        kept = [self._kept_pairs() if dist.get_rank() == 0 else None]
+        kept = self._kept_pairs() if dist.get_rank() == 0 else None
+        reuse = [kept is not None]  # the decision first (every rank starts a fleet or none), the pairs once below
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list(kept, src=0)
-        if kept[0] is not None:
-            payload = [kept[0] if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(reuse, src=0)
+        if reuse[0]:
+            payload = [kept]
             log.info(f"on-policy DPO: the pairs an earlier attempt of this run sampled ({cfg['work_dir'] / PAIRS})")
         else:
             fleet = fleet_on_model(model, cfg["tokenizer_dir"], cfg["work_dir"], cfg["engine"], cfg["seed"],
