@@ -494,3 +494,53 @@ def test_a_metrics_line_cut_short_is_left_out_not_fatal(tmp_path):
     _log(path, {"step": 4, "loss": 0.3}, keep_through=3)
     assert [(r["step"], r["loss"]) for r in read_step_records(path)] == [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.3)]
     assert path.read_text().count("\n") == 4 and not (tmp_path / "metrics.jsonl.partial").exists()
+
+
+def _new_model_on_ranks(rank: int, world: int, port: int, out: str) -> None:
+    """A new tiny Llama built sharded over `world` gloo ranks: its full weights, gathered, saved by rank 0."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig
+
+    from amalia_ray.train.model import build
+    from amalia_ray.train.parallel import apply_fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = build(config, torch.device("cpu"), lambda m: apply_fsdp(m, "fp32", False), init_dir=None, seed=3)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(full, os.path.join(out, f"world{world}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_new_model_is_initialized_as_transformers_does_whatever_the_ranks_without_a_whole_copy(tmp_path):
+    """A model trained from scratch is built on the meta device and sharded before it has weights (at 9B a whole
+    fp32 copy per rank is 36 GB of host memory, times 8 ranks a node): transformers' _init_weights fills each
+    module's weights as it would (norms 1, linear and embedding weights N(0, initializer_range)), from a seed per
+    module, so 1 rank and 2 ranks give the same model; another seed another one."""
+    import torch
+    import torch.multiprocessing as mp
+    from transformers import LlamaConfig
+
+    from amalia_ray.train.model import build
+    from tests.conftest import free_port
+
+    for world in (1, 2):
+        mp.spawn(_new_model_on_ranks, args=(world, free_port(), str(tmp_path)), nprocs=world)
+    one, two = (torch.load(tmp_path / f"world{w}.pt", weights_only=True) for w in (1, 2))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    norms = [k for k in one if "norm" in k]
+    assert norms and all(torch.equal(one[k], torch.ones_like(one[k])) for k in norms)
+    for k in (k for k in one if k not in norms):
+        assert abs(one[k].std().item() - 0.02) < 0.002 and abs(one[k].mean().item()) < 0.002, k
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    other = build(config, torch.device("cpu"), lambda m: None, init_dir=None, seed=4)
+    assert not torch.equal(dict(other.named_parameters())["model.embed_tokens.weight"].detach(),
+                           one["model.embed_tokens.weight"])

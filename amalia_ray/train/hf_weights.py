@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -80,6 +81,44 @@ def score_head(model) -> list[str]:
     if model.get_output_embeddings() is not None or not isinstance(getattr(model, "score", None), torch.nn.Module):
         return []
     return [n for n in checkpoint_tensors(model) if n.startswith("score.")]
+
+
+@torch.no_grad()
+def init_new(model, seed: int) -> None:
+    """A new model's weights, as transformers initializes them, into its (sharded, materialized, uninitialized)
+    parameters: module by module, transformers' own `_init_weights` fills full-size stand-ins on the CPU, from a
+    generator seeded by the seed and the module's name — the same on every rank, for any number of ranks — and
+    each rank keeps its shard. One module's weights at a time are whole in memory (the largest, the embeddings),
+    never the model's. A parameter `_init_weights` leaves unset is an error naming it."""
+    from torch.distributed.tensor import DTensor
+
+    from amalia_ray.train.weight_names import base_name, plain_name
+
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    done: set[int] = set()
+    for name, module in hf.named_modules():
+        own = {n: p for n, p in module.named_parameters(recurse=False) if id(p) not in done}
+        if not own:
+            continue
+        stand_ins = {n: torch.nn.Parameter(torch.full(p.shape, float("nan"))) for n, p in own.items()}
+        module._parameters.update(stand_ins)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed * 1_000_003 + zlib.crc32(base_name(plain_name(name)).encode()))
+                hf._init_weights(module)
+        finally:
+            module._parameters.update(own)
+        for n, p in own.items():
+            full = stand_ins[n].detach()
+            if full.isnan().any():
+                raise AmaliaError(f"a new {type(hf).__name__}: transformers' _init_weights leaves {name}.{n} "
+                                  f"({type(module).__name__}) unset, so it cannot be initialized sharded; start from "
+                                  "a checkpoint (model.from)")
+            if isinstance(p, DTensor):
+                fill_local(p, full.to(p.dtype))
+            else:
+                p.copy_(full.to(p.dtype))
+            done.add(id(p))
 
 
 @torch.no_grad()

@@ -151,31 +151,27 @@ def check_attention(kernel: str | None, device: torch.device) -> None:
 def build(config, device: torch.device, shard, *, init_dir: Path | None, seed: int,
           trust_remote_code: bool = False, new_token_ids: list[int] | None = None, lora: LoraConfig | None = None,
           head: str = "lm"):
-    """The training model, sharded by `shard(model)`: random weights from `seed` for a new model, or the
-    checkpoint in `init_dir` (a base model or the previous stage's export) read shard by shard into each rank,
-    the rows of `new_token_ids` (an extended vocabulary) starting at the mean of the checkpoint's. With `lora`,
-    PEFT's adapters are added before sharding and everything else is frozen. With head "score" (a reward model)
-    a causal LM's checkpoint gives the decoder, its LM head is left out, and a score head it lacks starts from
-    `seed`."""
+    """The training model, sharded by `shard(model)` while its parameters are on the meta device, so that no rank
+    ever holds the whole model: random weights from `seed` for a new model (transformers' initialization, module
+    by module, each rank keeping its shard), or the checkpoint in `init_dir` (a base model or the previous stage's
+    export) read shard by shard into each rank, the rows of `new_token_ids` (an extended vocabulary) starting at
+    the mean of the checkpoint's. With `lora`, PEFT's adapters are added before sharding and everything else is
+    frozen. With head "score" (a reward model) a causal LM's checkpoint gives the decoder, its LM head is left out,
+    and a score head it lacks starts from `seed`."""
     from amalia_ray.train import lora as adapters
-    from amalia_ray.train.hf_weights import load_sharded
+    from amalia_ray.train.hf_weights import init_new, load_sharded
 
     check_attention(getattr(config, "_attn_implementation", None), device)
 
-    if init_dir is None:
-        torch.manual_seed(seed)
-        model = instantiate(config, empty=False, trust_remote_code=trust_remote_code, head=head).to(device)
-        if lora:
-            adapters.add_adapters(model, lora)
-            adapters.init_adapters(model, seed)
-        shard(model)
-        return model
     model = instantiate(config, empty=True, trust_remote_code=trust_remote_code, head=head)
     if lora:
         adapters.add_adapters(model, lora)
     shard(model)
     materialize(model, device)
-    load_sharded(model, Path(init_dir), new_token_ids, seed)
+    if init_dir is None:
+        init_new(model, seed)
+    else:
+        load_sharded(model, Path(init_dir), new_token_ids, seed)
     if lora:
         adapters.init_adapters(model, seed)
     return model
