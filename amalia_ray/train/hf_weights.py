@@ -264,7 +264,7 @@ def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path, generation_c
 def write_hf(state: dict[str, torch.Tensor], hf_config, out_dir: Path, tokenizer_dir: Path,
              generation_config: dict | None = None, dtype: str | None = None, head: str = "lm") -> None:
     """Write full weights as a HF checkpoint: config.json, safetensors weights (in `dtype`: a base model's own, so
-    loading and exporting untrained weights is bit-identical), generation_config.json (a causal LM's) and the
+    loading and exporting untrained weights is bit-identical; `state` is cast in place), generation_config.json (a causal LM's) and the
     tokenizer files (chat template included). `head` "score": a sequence classifier (a reward model), which
     transformers' AutoModelForSequenceClassification loads."""
     from transformers import GenerationConfig
@@ -274,7 +274,11 @@ def write_hf(state: dict[str, torch.Tensor], hf_config, out_dir: Path, tokenizer
     with torch.device("meta"):
         plain = auto_class(head).from_config(hf_config, dtype=torch.float32)
     cast = getattr(torch, dtype) if dtype else None
-    state = {k: (v.to(cast) if cast is not None and v.is_floating_point() else v) for k, v in state.items()}
+    # cast in place, tensor by tensor: each fp32 tensor is freed as its cast replaces it, where a second dict would
+    # hold both copies of the model at once (54 GB for a 9B exported in bf16)
+    for k, v in state.items() if cast is not None else ():
+        if v.is_floating_point():
+            state[k] = v.to(cast)
     plain.load_state_dict(state, assign=True, strict=False)
     plain.tie_weights()
     if cast is not None:
