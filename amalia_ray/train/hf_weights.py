@@ -97,9 +97,11 @@ def init_new(model, seed: int) -> None:
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     done: set[int] = set()
     for name, module in hf.named_modules():
-        own = {n: p for n, p in module.named_parameters(recurse=False) if id(p) not in done}
-        if not own:
+        own = dict(module.named_parameters(recurse=False))
+        if all(id(p) in done for p in own.values()):
             continue
+        # every parameter of the module gets a stand-in, so that _init_weights never writes into a real one (a weight
+        # tied to one already filled); only those not yet filled are kept
         stand_ins = {n: torch.nn.Parameter(torch.full(p.shape, float("nan"))) for n, p in own.items()}
         module._parameters.update(stand_ins)
         try:
@@ -109,6 +111,8 @@ def init_new(model, seed: int) -> None:
         finally:
             module._parameters.update(own)
         for n, p in own.items():
+            if id(p) in done:
+                continue
             full = stand_ins[n].detach()
             if full.isnan().any():
                 raise AmaliaError(f"a new {type(hf).__name__}: transformers' _init_weights leaves {name}.{n} "
@@ -264,9 +268,9 @@ def export_hf(model, hf_config, out_dir: Path, tokenizer_dir: Path, generation_c
 def write_hf(state: dict[str, torch.Tensor], hf_config, out_dir: Path, tokenizer_dir: Path,
              generation_config: dict | None = None, dtype: str | None = None, head: str = "lm") -> None:
     """Write full weights as a HF checkpoint: config.json, safetensors weights (in `dtype`: a base model's own, so
-    loading and exporting untrained weights is bit-identical; `state` is cast in place), generation_config.json (a causal LM's) and the
-    tokenizer files (chat template included). `head` "score": a sequence classifier (a reward model), which
-    transformers' AutoModelForSequenceClassification loads."""
+    loading and exporting untrained weights is bit-identical; `state` is cast in place), generation_config.json (a
+    causal LM's) and the tokenizer files (chat template included). `head` "score": a sequence classifier (a reward
+    model), which transformers' AutoModelForSequenceClassification loads."""
     from transformers import GenerationConfig
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -276,9 +280,10 @@ def write_hf(state: dict[str, torch.Tensor], hf_config, out_dir: Path, tokenizer
     cast = getattr(torch, dtype) if dtype else None
     # cast in place, tensor by tensor: each fp32 tensor is freed as its cast replaces it, where a second dict would
     # hold both copies of the model at once (54 GB for a 9B exported in bf16)
-    for k, v in state.items() if cast is not None else ():
-        if v.is_floating_point():
-            state[k] = v.to(cast)
+    if cast is not None:
+        for k, v in state.items():
+            if v.is_floating_point():
+                state[k] = v.to(cast)
     plain.load_state_dict(state, assign=True, strict=False)
     plain.tie_weights()
     if cast is not None:
