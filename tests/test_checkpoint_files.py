@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from amalia_ray.train.checkpoint import CHUNK, TRAIN_STATE, CheckpointFiles, problems, write_checksums
-from amalia_ray.train.checkpoint import _sign as checkpoint_sign
+from amalia_ray.core.signing import sign as checkpoint_sign
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.reliability  # damaged, truncated and forged checkpoints (docs/reliability.md)

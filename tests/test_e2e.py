@@ -441,6 +441,7 @@ def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run
     import pyarrow.fs as pafs
 
     import tests.fault_injection as faults
+    from amalia_ray.core import signing
     from amalia_ray.train import checkpoint, train_stage
 
     pipeline, _ = demo_run
@@ -475,7 +476,7 @@ def test_storage_on_s3_checkpoints_there_and_a_fresh_machine_carries_on(demo_run
     folders = sorted(i.path for i in s3.get_file_info(pafs.FileSelector(ray_runs[0]))
                      if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_"))
     assert len(folders) == 3, folders
-    key = checkpoint.signing_key()
+    key = signing.signing_key()
     intact = {f: not checkpoint.problems(checkpoint.CheckpointFiles(s3, f), None, 0, key) for f in folders}
     assert sum(intact.values()) == 2, "the half-written one is detected, the two before it are intact"
     newest = next(f for f in folders if intact[f]

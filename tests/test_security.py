@@ -266,3 +266,65 @@ def test_secrets_of_every_shape_reach_no_file_of_the_run(tmp_path, monkeypatch, 
     blobs = [f.read_bytes() for f in p.run_dir.rglob("*") if f.is_file()] + [caplog.text.encode()]
     for name, value in planted.items():
         assert not [b for b in blobs if value.encode() in b], name
+
+
+class _Plant:
+    """A pickle that creates a file when it is loaded: what a planted state file would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_sweep_restores_only_tune_state_signed_with_this_machines_key(ray_cluster, tmp_path, monkeypatch):
+    """Tune restores a sweep from files it pickled. A state file planted in the experiment folder is unpickled by
+    Tune's own restore; before ours, every state file is replaced by the copy the sweep's driver signed, so the plant
+    is never read. A damaged copy, a list signed with another key or no list at all is refused, naming the fix."""
+    from ray import cloudpickle, tune
+
+    from amalia_ray.pipeline.sweep_state import (SIGNED_DIR, SIGNED_LIST, TUNER_FILE, SignTuneState,
+                                                  restore_signed_state, sign_state)
+
+    monkeypatch.setenv("AMALIA_CHECKPOINT_KEY", "the-sweeps-key")
+
+    def trainable(config):
+        for step in range(1, 4):
+            tune.report({"score": config["x"] * step, "step": step})
+
+    experiment, signed = tmp_path / "tune", tmp_path / SIGNED_DIR
+    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([1, 2])},
+                       run_config=tune.RunConfig(name="tune", storage_path=str(tmp_path), verbose=0,
+                                                 callbacks=[SignTuneState()]))
+    sign_state([experiment / TUNER_FILE], signed)
+    assert sorted(r.metrics["score"] for r in tuner.fit()) == [3, 6]
+    names = set(json.loads((signed / SIGNED_LIST).read_text())["files"])
+    assert TUNER_FILE in names and any(n.startswith("experiment_state-") for n in names), names
+
+    marker = tmp_path / "planted-code-ran"
+    plant = {"runner_data": {"_type": "CLOUDPICKLE_FALLBACK", "value": cloudpickle.dumps(_Plant(marker)).hex()}}
+    planted = experiment / "experiment_state-9999-12-31_23-59-59.json"  # the newest: the one Tune reads
+    planted.write_text(json.dumps(plant))
+    tune.Tuner.restore(str(experiment), trainable=trainable)
+    assert marker.exists(), "Tune's own restore runs the planted pickle: the danger this guards against"
+    marker.unlink()
+
+    planted.write_text(json.dumps(plant))
+    assert restore_signed_state(experiment)
+    assert not planted.exists()
+    restored = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True, resume_errored=True)
+    assert sorted(r.metrics["score"] for r in restored.fit()) == [3, 6]
+    assert not marker.exists()
+
+    copy = next(f for f in signed.iterdir() if f.name.endswith(".json") and "experiment_state-" in f.name)
+    copy.write_bytes(copy.read_bytes().replace(b'"runner_data"', b'"runner_dat4"'))
+    with pytest.raises(AmaliaError, match="signed copy of 'experiment_state-.*' is missing or damaged"):
+        restore_signed_state(experiment)
+    monkeypatch.setenv("AMALIA_CHECKPOINT_KEY", "another-key")
+    with pytest.raises(AmaliaError, match="not signed with this machine's key.*AMALIA_CHECKPOINT_KEY"):
+        restore_signed_state(experiment)
+    (signed / SIGNED_LIST).unlink()
+    with pytest.raises(AmaliaError, match=f"is missing.*remove {experiment}"):
+        restore_signed_state(experiment)
+    assert not marker.exists()

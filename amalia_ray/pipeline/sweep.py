@@ -3,15 +3,16 @@ training loop on Ray Train, on the stage's proxy (the recipe's `train[].proxy`: 
 reporting its validation metric to Tune at every validation so ASHA can stop the weak trials early.
 
 The sweep lives in `runs/<run>/sweeps/<stage>-<id>/` (id: a hash of the space, the proxy and the stage): Tune's
-experiment (`tune/`, restored if a driver died mid-sweep), each trial's metrics and TensorBoard events
-(`trials/<trial id>/`), `sweep.json` (every trial, the winner, the proxy) and `report.md` with a plot of the metric
-against each swept value. `amalia promote SWEEP_DIR` carries the winner to the full recipe."""
+experiment (`tune/`, restored if a driver died mid-sweep, from its state as signed in `tune-state/`), each trial's
+metrics and TensorBoard events (`trials/<trial id>/`), `sweep.json` (every trial, the winner, the proxy) and
+`report.md` with a plot of the metric against each swept value. `amalia promote SWEEP_DIR` carries the winner to the full recipe."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from amalia_ray.core.config import ModelConfig, TrainStageConfig, train_stage
@@ -151,16 +152,21 @@ def _fit(trainable, space: SweepSpace, stage: TrainStageConfig, out: Path, cpus:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
+    from amalia_ray.pipeline.sweep_state import (SIGNED_DIR, TUNER_FILE, SignTuneState, restore_signed_state,
+                                                  sign_state)
+
     experiment = out / "tune"
     per_trial = stage.worker_range[1] * stage.cpus_per_worker
     concurrent = space.max_concurrent_trials or max(1, int(cpus // per_trial))
     # the trial function only drives Ray Train (its workers hold the CPUs): a sliver of a CPU (Tune refuses none)
     trainable = tune.with_resources(trainable, {"CPU": 0.1})
-    if tune.Tuner.can_restore(str(experiment)):
+    if tune.Tuner.can_restore(str(experiment)) and restore_signed_state(experiment):
         stage_line("sweep", f"[yellow]resuming[/] the interrupted sweep in {experiment}")
         tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True,
                                    resume_errored=True, param_space=space.tune_space())
     else:
+        # a sweep whose driver stopped before Tune first saved: nothing of it to restore
+        shutil.rmtree(experiment, ignore_errors=True)
         scheduler = ASHAScheduler(
             time_attr="step", max_t=stage.steps, grace_period=space.scheduler.grace_period * stage.checkpoint_every,
             reduction_factor=space.scheduler.reduction_factor) if space.scheduler.type == "asha" else FIFOScheduler()
@@ -172,8 +178,9 @@ def _fit(trainable, space: SweepSpace, stage: TrainStageConfig, out: Path, cpus:
                                         # bounds it itself
                                         search_alg=BasicVariantGenerator(max_concurrent=concurrent,
                                                                          random_state=space.seed)),
-            run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=0),
+            run_config=tune.RunConfig(name="tune", storage_path=str(out), verbose=0, callbacks=[SignTuneState()]),
         )
+        sign_state([experiment / TUNER_FILE], out / SIGNED_DIR)
     return tuner.fit()
 
 

@@ -9,20 +9,16 @@ its own load plan names — not the whole checkpoint, which at scale is far larg
 in a bucket. If any rank finds a file missing or damaged, all ranks move together to the next newest checkpoint
 Ray Train has registered for the run.
 
-Checksums are keyed (HMAC-SHA256) with a secret that lives outside the run's storage: AMALIA_CHECKPOINT_KEY, else a
-key made once per user in ~/.amalia/checkpoint.key (0600). Restoring unpickles DCP's metadata and small items, so a
-checksum anyone who can write the bucket could recompute would let a planted file run code on every worker: a
-checkpoint whose checksums are not signed with the key is refused before anything of it is unpickled. A machine that
-resumes another's run needs the same key (set AMALIA_CHECKPOINT_KEY on both).
+Checksums are signed with the project's key (core/signing.py). Restoring unpickles DCP's metadata and small items,
+so a checksum anyone who can write the bucket could recompute would let a planted file run code on every worker: a
+checkpoint whose checksums are not signed with the key is refused before anything of it is unpickled.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -36,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from amalia_ray.core.secrets import secret_file
+from amalia_ray.core.signing import KEY_ENV, signed_list, verified_list
 
 
 # what trains: every weight in full training; with LoRA the adapters only (the frozen base comes from its export)
@@ -59,17 +55,6 @@ log = logging.getLogger("amalia_ray.train")
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written in full (disk or bucket full, I/O error). Each checkpoint is a folder of its
     own that Ray Train registers only once every file is there, so the ones before it are untouched."""
-
-
-KEY_ENV = "AMALIA_CHECKPOINT_KEY"
-
-
-def signing_key() -> str:
-    """The key checksums are signed with: AMALIA_CHECKPOINT_KEY, else this user's own, made once (0600)."""
-    if key := os.environ.get(KEY_ENV):
-        return key
-    path = Path(os.environ.get("AMALIA_STATE_DIR") or Path.home() / ".amalia") / "checkpoint.key"
-    return secret_file(path).read_text().strip()
 
 
 def _state(model, optimizer) -> dict:
@@ -142,24 +127,7 @@ def write_checksums(folder: Path, rank: int, key: str) -> None:
             with f.open("rb") as src:
                 files[f.name] = {"size": f.stat().st_size,
                                  "sha256": [hashlib.sha256(c).hexdigest() for c in iter(lambda: src.read(CHUNK), b"")]}
-    (folder / CHECKSUMS.format(rank=rank)).write_text(json.dumps({"files": files, "hmac": _sign(key, files)},
-                                                                 indent=1))
-
-
-def _sign(key: str, files: dict) -> str:
-    message = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
-
-
-def _signed_files(text: str, key: str) -> dict | None:
-    """A checksums file's list when it is signed with `key`, else None."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or not isinstance(data.get("hmac"), str):
-        return None
-    return data["files"] if hmac.compare_digest(_sign(key, data["files"]), data["hmac"]) else None
+    (folder / CHECKSUMS.format(rank=rank)).write_text(signed_list(files, key))
 
 
 class CheckpointFiles:
@@ -240,7 +208,7 @@ def problems(files: CheckpointFiles, state: dict | None, rank: int, key: str) ->
         manifest = files.get(CHECKSUMS.format(rank=writer))
         if manifest is None:
             found.append(f"checksums of rank {writer} of {world} missing")
-        elif (signed := _signed_files(manifest.read_text(), key)) is None:
+        elif (signed := verified_list(manifest.read_text(), key)) is None:
             found.append(f"checksums of rank {writer} are not signed with this machine's checkpoint key ({KEY_ENV}): "
                          "written with another key, or forged")
         else:

@@ -107,7 +107,7 @@ def run_train_stage(
     from amalia_ray.train.parallel import process_group_backend
 
     from amalia_ray.core.secrets import remember
-    from amalia_ray.train.checkpoint import signing_key
+    from amalia_ray.core.signing import signing_key
 
     stage_dir.mkdir(parents=True, exist_ok=True)
     export_dir = stage_dir / "hf"
