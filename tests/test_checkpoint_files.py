@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from amalia_ray.train import checkpoint
 from amalia_ray.train.checkpoint import CHUNK, TRAIN_STATE, CheckpointFiles, problems, write_checksums
 from amalia_ray.core.signing import sign as checkpoint_sign
 from tests.conftest import free_port
@@ -108,7 +109,7 @@ def _resume(rank: int, world: int, port: int, root: str, out: str) -> None:
         weights.append([p.full_tensor().clone() for p in model.parameters()])
         mine = Path(root) / f"checkpoint_{step}-rank{rank}"
         mine.mkdir(parents=True)
-        checkpoint.save(mine, model, optimizer, {"step": step}, KEY)
+        checkpoint.save(mine, model, optimizer, {"step": step}, KEY, json.dumps({"rollout_of": step}))
         folders.append(_gathered(Path(root), f"checkpoint_{step}", rank, world))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -128,7 +129,8 @@ def _resume(rank: int, world: int, port: int, root: str, out: str) -> None:
     candidates = [Checkpoint.from_directory(str(f)) for f in reversed(folders)]
     train_state = checkpoint.restore(candidates, model, optimizer, torch.device("cpu"), KEY)
     restored = [p.full_tensor() for p in model.parameters()]
-    result = {"read": {name: sum(n for _, n in r) for name, r in read.items()}, "problems": found, "step": train_state["step"],
+    result = {"read": {name: sum(n for _, n in r) for name, r in read.items()}, "problems": found,
+              "step": train_state["step"], "objective": train_state["objective"],
               "weights_of_20": all(torch.equal(a, b) for a, b in zip(restored, weights[1]))}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -145,6 +147,7 @@ def test_each_rank_verifies_what_it_reads_and_all_fall_back_together(tmp_path):
     assert ranks[0]["problems"] == [], "rank 0 does not read rank 1's shard"
     assert ranks[1]["problems"] == ["__1_0.distcp does not match its checksum"]
     assert all(r["step"] == 20 and r["weights_of_20"] for r in ranks), "both ranks resumed from step 20"
+    assert all(r["objective"] == {"rollout_of": 20} for r in ranks), "with the objective's state of that step"
 
 
 class _Planted:
@@ -221,6 +224,15 @@ def test_metadata_without_a_signed_checksum_is_not_read(tmp_path):
     found = problems(local(folder), {"model": {"w": torch.zeros(2)}}, 0, KEY)
     assert found == [".metadata has no checksum"], found
     assert not marker.exists()
+
+
+def test_an_objective_state_that_no_writer_signed_is_not_read(tmp_path):
+    """A rollout planted as the objective's state of a checkpoint whose writers kept none: training data someone
+    who can write the bucket chose. The checkpoint is refused, not resumed on it."""
+    folder = fake_checkpoint(tmp_path, "checkpoint_000003", 30)
+    (folder / checkpoint.OBJECTIVE_STATE).write_text(json.dumps({"rollout": "planted"}))
+    found = problems(local(folder), {"model": {"w": torch.zeros(2)}}, 0, KEY)
+    assert found == [f"{checkpoint.OBJECTIVE_STATE} has no checksum"], found
 
 
 def _save_in_background(rank: int, world: int, port: int, root: str, out: str) -> None:

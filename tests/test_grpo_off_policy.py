@@ -263,3 +263,54 @@ def test_off_policy_settings_are_checked_when_the_recipe_loads():
     for bad in ({"num_iterations": 0}, {"epsilon": 1.0}, {"epsilon_high": 0}):
         with pytest.raises(ValidationError):
             train_stage({**fields, **bad})
+
+
+@pytest.mark.parametrize("async_rollout,iterations", [(True, 1), (True, 2), (False, 2)])
+def test_a_resumed_stage_trains_on_the_rollouts_of_one_never_stopped(tmp_path, monkeypatch, async_rollout,
+                                                                      iterations):
+    """A stage stopped after its third step and resumed from that checkpoint's state (through JSON, as stored)
+    trains on the same completions with the same advantages as one never stopped, samples each later rollout with
+    the same weights, and draws every prompt once: the checkpoint kept the rollout still being trained on (two steps
+    a rollout: mid-way), with every rank's log-probabilities from its first step, and the async rollout being
+    sampled, waited for."""  # the loop's own save and restore of this state: tests/test_checkpoint_files.py
+    import json
+
+    import torch.distributed as dist
+
+    def steps(objective, sampler, numbers):
+        trained = []
+        for step in numbers:
+            model.version = step
+            rows = objective.step_rows(model, sampler, 4)
+            trained.append(json.loads(json.dumps([objective.buffer[i] for i in rows])))
+        return trained
+
+    fields = {"async_rollout": async_rollout, "num_iterations": iterations}
+    model = type("Model", (), {"version": 0})()
+    folders = [tmp_path / name for name in ("whole", "stopped", "resumed")]
+    for folder in folders:
+        folder.mkdir()
+    try:
+        whole = _objective(folders[0], monkeypatch, **fields)
+        expected = steps(whole, whole.sampler(0), range(6))
+        stopped = _objective(folders[1], monkeypatch, **fields)
+        sampler = stopped.sampler(0)
+        trained = steps(stopped, sampler, range(3))
+        kept = {1: torch.tensor([-0.5, -0.125]), 2: torch.tensor([-1.0, -2.0])}  # as a first step's loss keeps them
+        stopped._old_logps = dict(kept)
+        state, data = json.loads(json.dumps(stopped.state_dict())), json.loads(json.dumps(sampler.state_dict()))
+        resumed = _objective(folders[2], monkeypatch, **fields)
+        resumed.load_state_dict(state)
+        restored_logps = {k: v.tolist() for k, v in resumed._old_logps.items()}
+        sampler = resumed.sampler(0)
+        sampler.load_state_dict(data)
+        trained += steps(resumed, sampler, range(3, 6))
+    finally:
+        dist.destroy_process_group()
+    assert trained == expected
+    assert stopped.fleet.asked + resumed.fleet.asked == whole.fleet.asked, "each rollout sampled by the same weights"
+    assert len(whole.fleet.asked) == 6 // iterations
+    if iterations == 2 and not async_rollout:  # stopped mid-rollout: its next step is against what the first kept
+        assert restored_logps == {k: v.tolist() for k, v in kept.items()}
+    else:  # one step a rollout, or async: the engine's own log-probabilities are the old policy
+        assert restored_logps == {}

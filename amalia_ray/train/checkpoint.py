@@ -46,6 +46,7 @@ def loading_options(model) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 TRAIN_STATE = "train_state.json"
+OBJECTIVE_STATE = "objective_state.json"  # what the objective keeps across steps (a rollout being trained on)
 DCP_METADATA = ".metadata"
 CHECKSUMS = "checksums_rank{rank}.json"
 RNG = "rng_rank{rank}.pt"
@@ -62,9 +63,9 @@ def _state(model, optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save(folder: Path, model, optimizer, train_state: dict, key: str) -> None:
+def save(folder: Path, model, optimizer, train_state: dict, key: str, objective_state: str = "") -> None:
     dcp.save(_state(model, optimizer), checkpoint_id=str(folder))
-    _write_rest(folder, train_state, key, rng_state())
+    _write_rest(folder, train_state, key, rng_state(), objective_state)
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -82,13 +83,16 @@ def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_rest(folder: Path, train_state: dict, key: str, rng: dict[str, torch.Tensor]) -> None:
-    """What follows the DCP shard in a rank's folder: its RNG state, rank 0's train state, the signed checksums of
-    every file (so after the shard is complete)."""
+def _write_rest(folder: Path, train_state: dict, key: str, rng: dict[str, torch.Tensor],
+                objective_state: str = "") -> None:
+    """What follows the DCP shard in a rank's folder: its RNG state, rank 0's train state and objective state (JSON
+    text, taken when the step ended), the signed checksums of every file (so after the shard is complete)."""
     rank = dist.get_rank()
     torch.save(rng, folder / RNG.format(rank=rank))
     if rank == 0:
         (folder / TRAIN_STATE).write_text(json.dumps({**train_state, "world_size": dist.get_world_size()}, indent=2))
+        if objective_state:
+            (folder / OBJECTIVE_STATE).write_text(objective_state)
     write_checksums(folder, rank, key)
 
 
@@ -100,8 +104,9 @@ class BackgroundSave:
     The thread's collectives (DCP plans the save across ranks) go through `group`, a gloo group of their own: on the
     training's group they could interleave with the step's collectives running at the same time."""
 
-    def __init__(self, folder: Path, model, optimizer, train_state: dict, key: str, group) -> None:
-        self.folder, self.train_state, self.key = folder, train_state, key
+    def __init__(self, folder: Path, model, optimizer, train_state: dict, key: str, group,
+                 objective_state: str = "") -> None:
+        self.folder, self.train_state, self.key, self.objective_state = folder, train_state, key, objective_state
         self.rng = rng_state()  # the step's, as a save that does not wait would take it
         self.started = time.perf_counter()
         self.written: float | None = None
@@ -111,7 +116,7 @@ class BackgroundSave:
     def finish(self) -> float:
         """Wait for the shard, write the rest; the seconds the whole save took (what one written in place would)."""
         self.future.result()
-        _write_rest(self.folder, self.train_state, self.key, self.rng)
+        _write_rest(self.folder, self.train_state, self.key, self.rng, self.objective_state)
         return (self.written or time.perf_counter()) - self.started
 
 
@@ -217,10 +222,12 @@ def problems(files: CheckpointFiles, state: dict | None, rank: int, key: str) ->
         return found
     if state is None:
         return _damaged(files, {name: None for name in digests}, digests)
-    # the train state and DCP's metadata (a pickle) must have signed checksums; a rank's RNG file only where its
-    # writer was (an elastic stage may resume on more ranks than saved)
+    # the train state, DCP's metadata (a pickle) and the objective's state wherever it is (a restore reads it when
+    # it is there) must have signed checksums; a rank's RNG file only where its writer was (an elastic stage may
+    # resume on more ranks than saved)
     rng = RNG.format(rank=rank)
-    whole = {TRAIN_STATE: None, DCP_METADATA: None, **({rng: None} if rng in digests else {})}
+    whole = {TRAIN_STATE: None, DCP_METADATA: None, **({rng: None} if rng in digests else {}),
+             **({OBJECTIVE_STATE: None} if OBJECTIVE_STATE in digests or files.get(OBJECTIVE_STATE) else {})}
     wrong = _damaged(files, whole, digests)
     if wrong:
         return wrong
@@ -279,7 +286,10 @@ def restore(candidates: list, model, optimizer, device: torch.device, key: str) 
             rng = files.get(RNG.format(rank=rank))
             if rng is not None:
                 set_rng_state(torch.load(rng, weights_only=True))
-            return json.loads(files.get(TRAIN_STATE).read_text())
+            train_state = json.loads(files.get(TRAIN_STATE).read_text())
+            if (objective := files.get(OBJECTIVE_STATE)) is not None:
+                train_state["objective"] = json.loads(objective.read_text())
+            return train_state
         finally:
             files.close()
     unsigned = any("not signed" in p for p in first)

@@ -248,6 +248,8 @@ def setup(run: LoopConfig) -> Training:
         train_state = checkpoint.restore(checkpoint.registered(resumed, reported), model, optimizer, device,
                                          run.checkpoint_key)
         start_step = train_state["step"]
+        if "objective" in train_state:
+            objective.load_state_dict(train_state["objective"])
         if "data" in train_state:
             sampler.load_state_dict(train_state["data"])
         else:  # a checkpoint from before the read position was saved: replay the draws (deterministic)
@@ -344,21 +346,24 @@ def describe_collectives(t: Training) -> dict:
 
 
 def save_checkpoint(t: Training, record: dict, wait: bool) -> None:
-    """The sharded checkpoint of the step just taken (DCP: model, optimizer, step, the sampler's read position),
-    reported to Ray Train with the step's record: written in place, or in the background when the stage writes
-    checkpoints that way and `wait` is false (then reported by `finish_checkpoint` after the next step)."""
+    """The sharded checkpoint of the step just taken (DCP: model, optimizer, step, the sampler's read position, the
+    objective's own state), reported to Ray Train with the step's record: written in place, or in the background
+    when the stage writes checkpoints that way and `wait` is false (then reported by `finish_checkpoint` after the
+    next step)."""
     finish_checkpoint(t)  # one still being written goes first: Ray Train registers them in order
     done = record["step"]
     folder = Path(tempfile.mkdtemp(prefix=f"amalia-checkpoint-{done}-"))
     train_state = {"step": done, "params": sum(p.numel() for p in t.model.parameters()),
                    "data": t.sampler.state_dict()}
+    objective_state = t.objective.state_dict()  # a collective; text now, as the next step changes what it holds
+    objective_state = json.dumps(objective_state, separators=(",", ":")) if objective_state and t.rank == 0 else ""
     with _writing(t, done, folder):
         if t.checkpoint_group is not None and not wait:
             t.pending = (checkpoint.BackgroundSave(folder, t.model, t.optimizer, train_state, t.run.checkpoint_key,
-                                                   t.checkpoint_group), folder, record)
+                                                   t.checkpoint_group, objective_state), folder, record)
             return
         saving = time.perf_counter()
-        checkpoint.save(folder, t.model, t.optimizer, train_state, t.run.checkpoint_key)
+        checkpoint.save(folder, t.model, t.optimizer, train_state, t.run.checkpoint_key, objective_state)
         _report_checkpoint(t, folder, record, time.perf_counter() - saving)
 
 

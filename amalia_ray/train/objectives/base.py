@@ -95,6 +95,15 @@ class Objective(ABC):
         """The rows of one optimizer step. On-policy objectives sample them now, from the current weights."""
         return sampler.next_rows(global_batch_size)
 
+    def state_dict(self) -> dict:
+        """What a resumed stage needs beyond the weights, the optimizer and the read position to go on as if never
+        stopped (JSON: it is stored beside the train state and signed with it). A collective: every rank calls it
+        when a checkpoint is taken, and rank 0's is saved. Empty: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Every rank, after the checkpoint is restored: rank 0's `state_dict` of that step."""
+
     def take_metrics(self) -> dict[str, tuple[float, float]]:
         """Objective metrics as (sum, count) over the items since the last call; the loop averages them per step."""
         return {}

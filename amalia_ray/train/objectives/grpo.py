@@ -91,6 +91,13 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, ref_logps: torch.
     return loss, kl, clipped
 
 
+class Sampled:
+    """A rollout's completions already collected from the fleet (kept in a checkpoint, or waited for to be)."""
+
+    def __init__(self, completions: list) -> None:
+        self.completions = completions
+
+
 class GRPO(Objective):
     name = "grpo"
     config = GRPOStage
@@ -121,7 +128,8 @@ class GRPO(Objective):
         self.temperature, self.kl_coef = stage.temperature, stage.kl_coef
         self.num_iterations, self.epsilon, self.epsilon_high = stage.num_iterations, stage.epsilon, stage.epsilon_high
         self.async_rollout = stage.async_rollout
-        self._next: tuple[np.ndarray, object] | None = None  # async: the rollout being sampled (prompt rows, ref)
+        # async: the rollout being sampled (prompt rows, what rank 0 collects: the fleet's ref, or `Sampled`)
+        self._next: tuple[np.ndarray, object] | None = None
         self.engine_config = stage.rollout.for_length(seq_len)
         # the base is the policy with its adapters off, unless modules_to_save train in place beside them
         self.lora = bool(stage.lora) and stage.lora.adapters_only
@@ -150,8 +158,8 @@ class GRPO(Objective):
         # (sum, tokens) of the step's k3 KL and clipped tokens, kept on the device: no host sync per micro-batch
         self._kl, self._clipped = [0.0, 0], [0.0, 0]
         self._steps_on_rollout = 0  # optimizer steps taken on the current rollout so far
-        # steps left in this process (a resumed stage has fewer: then a last rollout may be sampled for nothing)
-        self._steps_left = stage.steps
+        self._steps_left = stage.steps  # async: no rollout is started after the stage's last step
+        self.device: torch.device | None = None
         # a completion's log-probabilities under the policy that sampled it, from its rollout's first step
         self._old_logps: dict[int, torch.Tensor] = {}
 
@@ -171,6 +179,7 @@ class GRPO(Objective):
             # awake all the time it would also need the KL reference and any unsharded gradients
             raise ValueError("async_rollout samples while the trainer steps, so on GPU its engine needs a GPU of its "
                              "own: set rollout.placement: separate (or async_rollout: false)")
+        self.device = device
         longest = max(map(len, self.prompts)) + self.max_new  # what a step's sequences are padded to
         step = self.step_transient(longest) if self.step_transient else 0
         self.fleet = fleet_on_model(model, self.tokenizer_dir, self.work_dir, self.engine_config, self.seed,
@@ -183,8 +192,8 @@ class GRPO(Objective):
         drawn and G completions sampled for each with the current weights (pushed to the engine first); the steps
         between train on the same completions again. Every rank gets the same completions. Async, the rollout is the
         one sampled while the previous step trained, and the last step on a rollout starts the next one (with the
-        weights it starts from) before it trains. A resumed stage starts with a fresh rollout: completions are not
-        part of the checkpoint. Records `rollout_wait_s`: how long rank 0 spent on the rollout in the step (weights
+        weights it starts from) before it trains. A resumed stage goes on with the rollouts its checkpoint kept
+        (`state_dict`). Records `rollout_wait_s`: how long rank 0 spent on the rollout in the step (weights
         pushed, completions sampled or, async, what was left of their sampling, scored, and async the next rollout
         started), part of `step_time_s`; about 0 on a step that trains on a rollout again."""
         started = time.perf_counter()
@@ -196,7 +205,7 @@ class GRPO(Objective):
                 pushed = True
                 self._next = self._start_sampling(sampler, prompts)
             (prompt_rows, sampling), self._next = self._next, None
-            sampled = self.fleet.collect(sampling) if sampling is not None else None
+            sampled = self._collect(sampling)
             if sampled is not None and not self.async_rollout:
                 self.fleet.sleep()  # colocated on GPU: the memory is the trainer's while it steps
         self._steps_left -= 1
@@ -212,6 +221,50 @@ class GRPO(Objective):
         self._stats = dict(self._rollout_stats)
         self._stats["rollout_wait_s"] = (time.perf_counter() - started, 1) if dist.get_rank() == 0 else (0.0, 0)
         return np.arange(len(self.buffer))
+
+    def _collect(self, sampling) -> list | None:
+        """Rank 0: the completions of a rollout (waited for); None on other ranks."""
+        if sampling is None:
+            return None
+        return sampling.completions if isinstance(sampling, Sampled) else self.fleet.collect(sampling)
+
+    def state_dict(self) -> dict:
+        """Where the stage stands between rollouts, so that a resumed stage trains on what this one would have: the
+        rollout still being trained on (its completions with their advantages and reward statistics and, sync, every
+        rank's log-probabilities of them from its first step, the policy that sampled them) and, async, the next
+        rollout, waited for here (the step after a checkpoint does not overlap its sampling) and kept with its
+        prompts. Without them a resumed stage would sample again, with other weights, and skip the prompts the lost
+        rollout had drawn."""
+        mid_rollout = self._steps_on_rollout % self.num_iterations != 0
+        old_logps = None
+        if mid_rollout and not self.async_rollout:  # each rank holds those of its own micro-batches
+            mine = {str(k): v.float().tolist() for k, v in self._old_logps.items()}
+            gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+            old_logps = {k: v for part in gathered or () for k, v in part.items()}
+        if dist.get_rank() != 0:
+            return {}
+        state = {"steps_left": self._steps_left, "steps_on_rollout": self._steps_on_rollout, "rollout": None,
+                 "next": None}
+        if mid_rollout:
+            state["rollout"] = {"buffer": self.buffer, "stats": self._rollout_stats, "old_logps": old_logps}
+        if self._next is not None:
+            prompt_rows, sampling = self._next
+            self._next = (prompt_rows, Sampled(self._collect(sampling)))
+            state["next"] = {"prompt_rows": prompt_rows.tolist(), "completions": self._next[1].completions}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._steps_left, self._steps_on_rollout = state["steps_left"], state["steps_on_rollout"]
+        if rollout := state["rollout"]:
+            self.buffer = [tuple(item) for item in rollout["buffer"]]
+            stats = {k: tuple(v) for k, v in rollout["stats"].items()}
+            self._rollout_stats = stats if dist.get_rank() == 0 else {k: (0.0, 0) for k in stats}
+            self._old_logps = {int(k): torch.tensor(v, device=self.device)
+                               for k, v in (rollout["old_logps"] or {}).items()}
+        if nxt := state["next"]:
+            self._next = (np.asarray(nxt["prompt_rows"], dtype=np.int64),
+                          Sampled(nxt["completions"]) if dist.get_rank() == 0 else None)
 
     def _share(self, prompt_rows: np.ndarray, sampled: list | None) -> None:
         """Rank 0 scores the completions and normalizes the rewards within each group; every rank gets the
