@@ -138,10 +138,21 @@ def test_validation_loss_per_source_adds_up_to_the_overall(tmp_path):
     try:
         overall, per_source = validation_losses(Model(), Objective(), micro=2, rank=0, world=1,
                                                 device=torch.device("cpu"))
+        # at most 2 rows of each source, the same two at every validation, others with another seed
+        read = []
+        objective = Objective()
+        objective.batch = lambda rows, split="validation": read.append(rows.tolist()) or {
+            "input_ids": objective.rows[rows]}
+        limited = [validation_losses(Model(), objective, 8, 0, 1, torch.device("cpu"), limit=2, seed=seed)
+                   for seed in (0, 0, 1)]
     finally:
         dist.destroy_process_group()
     assert set(per_source) == {"same", "noise"} and per_source["same"] < per_source["noise"]
     assert abs(overall - (per_source["same"] + per_source["noise"]) / 2) < 1e-9, "equal token counts: plain mean"
+    assert all(len(rows) == 2 and rows == sorted(rows) for rows in read) and len(read) == 6
+    assert read[:2] == read[2:4] and read[:2] != read[4:] and limited[0] == limited[1]
+    assert read[0][0] < 3 <= read[1][0], "two of each source"
+    assert limited[0][1]["same"] == per_source["same"], "a source of one repeated token scores alike on any rows"
 
 
 def test_the_chunked_loss_equals_cross_entropy_and_keeps_no_full_fp32_logits():

@@ -1,12 +1,12 @@
-"""A sweep's Tune state, signed. Tune restores an interrupted sweep from files it pickled: `tuner.pkl`, the
-cloudpickle inside its experiment state, its searcher's state. Unpickling a planted one runs its code, and the sweep
-folder sits in the run's storage, which others may write.
+"""A sweep's Tune state, signed by the driver that wrote it and verified before Tune restores (unpickles) it.
 
-So while a sweep runs, a Tune callback copies those files into `tune-state/` beside the experiment after each of
-Tune's saves, with a list of their sha256 signed with the project's key (core/signing.py). Before a restore, the list
-is verified and the verified copies replace every state file in the experiment folder, so Tune reads only what this
-user's own driver wrote. A sweep folder whose state is not signed with this machine's key is refused, with the way
-to start it over."""
+Tune restores an interrupted sweep from files it pickled: `tuner.pkl`, the cloudpickle inside its experiment state,
+its searcher's state. Unpickling a planted one runs its code, and the sweep folder sits in the run's storage, which
+others may write. So while a sweep runs, a Tune callback copies those files into `tune-state/` beside the
+experiment after each of Tune's saves, with a list of their sha256 signed with the project's key (core/signing.py).
+Before a restore, the list is verified and the verified copies replace every state file in the experiment folder,
+so Tune reads only what this user's own driver wrote. A sweep folder whose state is not signed with this machine's
+key is refused, with the way to start it over."""
 
 from __future__ import annotations
 

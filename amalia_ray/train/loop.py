@@ -110,14 +110,24 @@ def _log(path: Path, record: dict, keep_through: int | None = None) -> None:
 
 
 @torch.no_grad()
-def validation_losses(model, objective, micro: int, rank: int, world: int,
-                      device: torch.device) -> tuple[float | None, dict[str, float]]:
+def validation_sample(rows: np.ndarray, limit: int | None, seed: int) -> np.ndarray:
+    """At most `limit` of a group's validation rows (None: all): drawn from the run's seed, so every validation of
+    the run, and of a resumed or rerun one, scores the same rows; in order, as they are read."""
+    if limit is None or len(rows) <= limit:
+        return rows
+    return np.sort(np.random.default_rng(seed).choice(rows, limit, replace=False))
+
+
+def validation_losses(model, objective, micro: int, rank: int, world: int, device: torch.device,
+                      limit: int | None = None, seed: int = 0) -> tuple[float | None, dict[str, float]]:
     """Mean loss per item over the validation split, and per source when the objective groups its validation rows
-    by source (packed pretraining data does): the data-mix ablations compare trials on these."""
+    by source (packed pretraining data does): the data-mix ablations compare trials on these. At most `limit` rows
+    of each group (`validation_sample`): a validation split is a share of the corpus, and scored whole at every
+    checkpoint it would cost more than the training between two."""
     n = objective.num_validation()
     if n == 0:
         return None, {}
-    groups = objective.validation_groups()
+    groups = {name: validation_sample(rows, limit, seed) for name, rows in objective.validation_groups().items()}
     model.eval()
     sums: list[float] = []
     for rows_of_group in groups.values():
@@ -454,8 +464,9 @@ def train_loop(config: dict) -> None:
                 record.update(describe_collectives(t))
             save_now = done % stage.checkpoint_every == 0 or done == stage.steps or stopping
             if save_now and not stopping:  # a stop has seconds before the time limit: its checkpoint comes first
-                record["val_loss"], per_source = validation_losses(t.model, t.objective, stage.micro_batch_size, t.rank,
-                                                                   t.world, t.device)
+                record["val_loss"], per_source = validation_losses(
+                    t.model, t.objective, stage.micro_batch_size, t.rank, t.world, t.device, stage.validation_rows,
+                    t.run.seed)
                 record.update({f"val_loss/{source}": loss for source, loss in per_source.items()})
             if t.rank == 0:
                 _write_record(t, record, save_now)

@@ -199,6 +199,10 @@ class TrainStageConfig(Strict):
         "fit, so the gradient all-reduce stays inside a node; SPREAD = one per node where possible, so losing a node "
         "costs fewer workers")
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints (DCP) and validation losses")
+    validation_rows: int | None = Field(
+        1024, ge=1, description="validation rows (packed sequences, conversations, pairs) scored per source at each "
+        "checkpoint: a sample drawn once from the run's seed, the same rows every time; null scores the whole "
+        "validation split (a share of the corpus: at scale, more compute than the training between two checkpoints)")
     checkpoint_async: bool | Literal["auto"] = Field(
         "auto", description="write checkpoints while training goes on (DCP's async_save): the save copies this rank's "
         "shard of the weights and AdamW state into host memory, the next step runs while a thread writes it, and the "
