@@ -481,6 +481,33 @@ def test_items_seen_in_a_runs_corpus_are_flagged_and_scored_apart(tmp_path):
                  transport=httpx.MockTransport(fake), contamination_of=[tmp_path / "nope"])
 
 
+def test_every_tasks_items_are_looked_up_in_one_parallel_pass_over_the_corpus(ray_cluster, tmp_path):
+    """The eval stage's `contamination_of`: one index of all tasks' items, the corpus files scanned in Ray tasks
+    side by side, each returning only the items it found; each task gets its own seen ids."""
+    from amalia_ray.evals.contamination import seen_items
+    from amalia_ray.evals.tasks import load_task
+
+    long_a = ("Em que ano foi assinado o tratado que fixou a fronteira entre Portugal e Castela ao longo do rio "
+              "Guadiana e das terras de Riba-Coa?")
+    long_b = ("Qual foi o nome da primeira universidade portuguesa, fundada em Lisboa no final do século treze pelo "
+              "rei Dom Dinis?")
+    tasks = {}
+    for name, question in (("history", long_a), ("culture", long_b)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps({"id": f"{name}-{i}", "question": q, "choices": ["x", "y"], "answer": 0},
+                                             ensure_ascii=False)
+                                  for i, q in enumerate([question, f"Uma pergunta de {name} que ninguém citou?"])))
+        tasks[name] = load_task(path, "mcq")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):  # the quotes in two of six files
+        text = {1: f"Lido num fórum: {long_a} Ninguém sabia.", 4: f"{long_b} Resposta: Estudo Geral."}.get(i, "nada")
+        (corpus / f"part-{i}.jsonl").write_text(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    seen = seen_items(tasks, [corpus])
+    assert seen == {"history": {"history-0"}, "culture": {"culture-0"}}
+    assert seen_items(tasks, [corpus / "part-4.jsonl"]) == {"history": set(), "culture": {"culture-0"}}
+
+
 def test_the_eval_stage_scores_the_models_that_answer_and_says_why_the_others_cannot_be(tmp_path, monkeypatch):
     """A model whose engine fails its first request (the server's start reports it, see readiness.py) gets rows
     that say why in the results and the report; every other model is scored. (A real engine that dies:

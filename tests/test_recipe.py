@@ -46,6 +46,10 @@ def test_cross_field_rules():
     parse_recipe(demo_text().replace("global_batch_size: 8", "global_batch_size: 6"))  # any batch, any workers
     with pytest.raises(RecipeError, match="seq_len 1024 exceeds"):
         parse_recipe(demo_text().replace("seq_len: 256", "seq_len: 1024"))
+    recipe = yaml.safe_load(demo_text())
+    recipe["eval"]["tasks"].append(dict(recipe["eval"]["tasks"][0]))  # results are keyed by task name
+    with pytest.raises(RecipeError, match=f"each name once; given more than once: {recipe['eval']['tasks'][0]['name']}"):
+        parse_recipe(yaml.safe_dump(recipe))
 
 
 def test_yaml_syntax_error_has_line():

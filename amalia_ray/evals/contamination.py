@@ -66,18 +66,61 @@ def _texts(path: Path) -> Iterator[str]:
                     yield line
 
 
-def seen_items(items: list[Item], targets: list[Path], task: str = "task") -> set[str]:
-    """Ids of the items that share at least one 13-gram (or, for an item shorter than 13 words, its whole text)
-    with some document of the targets."""
-    index = ItemIndex.build({task: [(it.id, item_text(it)) for it in items]}, NGRAM, MIN_ITEM_WORDS)
-    seen: set[str] = set()
-    for target in targets:
-        for path in corpus_files(target):
-            for text in _texts(path):
-                seen.update(index.items[i][1] for i in index.overlaps(text, MIN_OVERLAP))
-            if len(seen) == len(index.items):
-                return seen
+def seen_items(tasks: dict[str, list[Item]], targets: list[Path]) -> dict[str, set[str]]:
+    """For each task, the ids of its items that share at least one 13-gram (or, for an item shorter than 13 words,
+    its whole text) with some document of the targets. One index holds every task's items, so the corpus is read
+    once whatever the number of tasks, and its files are scanned side by side (`_file_hits`)."""
+    index = ItemIndex.build({task: [(it.id, item_text(it)) for it in items] for task, items in tasks.items()},
+                            NGRAM, MIN_ITEM_WORDS)
+    files = [f for target in targets for f in corpus_files(target)]
+    found: set[int] = set()
+    if index.items:
+        scans = _scans(index, files)
+        for hits in scans:
+            found.update(hits)
+            if len(found) == len(index.items):
+                scans.close()  # every item seen: the rest of the corpus cannot change that
+                break
+    seen: dict[str, set[str]] = {task: set() for task in tasks}
+    for i in found:
+        task, item_id = index.items[i]
+        seen[task].add(item_id)
     return seen
+
+
+def _file_hits(index: ItemIndex, path: str) -> list[int]:
+    """The items (indices into `index.items`) that some document of one corpus file overlaps."""
+    hits: set[int] = set()
+    for text in _texts(Path(path)):
+        hits.update(index.overlaps(text, MIN_OVERLAP))
+        if len(hits) == len(index.items):
+            break
+    return sorted(hits)
+
+
+def _scans(index: ItemIndex, files: list[Path]) -> Iterator[list[int]]:
+    """Each file's hits. Connected to Ray (the eval stage of a run): one Ray task per file over the cluster's CPUs,
+    at most two per CPU in flight, each returning only the items it found, so nothing of the corpus reaches this
+    process. Otherwise the files one after another here."""
+    import ray
+
+    if not ray.is_initialized() or len(files) < 2:
+        for path in files:
+            yield _file_hits(index, str(path))
+        return
+    scan = ray.remote(num_cpus=1)(_file_hits)
+    shared = ray.put(index)
+    window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    queue, pending = list(reversed(files)), []
+    try:
+        while queue or pending:
+            while queue and len(pending) < window:
+                pending.append(scan.remote(shared, str(queue.pop())))
+            done, pending = ray.wait(pending, num_returns=1)
+            yield ray.get(done[0])
+    finally:
+        for ref in pending:  # stopped early: every item seen, or an error
+            ray.cancel(ref)
 
 
 def with_contamination(result: dict, seen: set[str], metrics: tuple[str, ...], targets: list[Path]) -> dict:

@@ -102,7 +102,7 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
     training text and score the unseen ones apart (`seen`: those ids, when already computed)."""
     items = task_items(task, task_path)
     if contamination_of and seen is None:
-        seen = seen_items(items, contamination_of, task.name)
+        seen = seen_items({task.name: items}, contamination_of)[task.name]
     client_args = {"concurrency": settings.concurrency, "timeout_s": settings.request_timeout_s,
                    "retries": settings.retries, "transport": transport}
 

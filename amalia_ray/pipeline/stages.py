@@ -482,8 +482,8 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
                  **({"adapters": on} if on else {})}
     targets = [p.run_dir if t == "this_run" else p.loaded.resolve(t) for t in r.eval.contamination_of]
     eval_settings = with_variety_model(p, r.eval)
-    seen = {t.name: seen_items(load_task(p.loaded.resolve(t.path), t.format, t.limit), targets, t.name)
-            for t in r.eval.tasks} if targets else {}
+    seen = seen_items({t.name: load_task(p.loaded.resolve(t.path), t.format, t.limit) for t in r.eval.tasks},
+                      targets) if targets else {}
     try:
         served = serve_app.start(models, r.serve, use_gpu(p), name, adapters, keep_going=True)
         out["base_url"] = base_url = served.base_url

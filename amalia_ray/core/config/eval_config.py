@@ -114,4 +114,7 @@ class EvalConfig(Strict):
     def _judge(self) -> EvalConfig:
         if any(t.format == "judge" for t in self.tasks) and self.judge is None:
             raise ValueError("a 'judge' task needs eval.judge (the served model that grades the answers)")
+        names = [t.name for t in self.tasks]
+        if dup := sorted({n for n in names if names.count(n) > 1}):  # results are keyed by model and task name
+            raise ValueError(f"eval.tasks: each name once; given more than once: {', '.join(dup)}")
         return self
