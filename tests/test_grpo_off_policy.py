@@ -312,5 +312,6 @@ def test_a_resumed_stage_trains_on_the_rollouts_of_one_never_stopped(tmp_path, m
     assert len(whole.fleet.asked) == 6 // iterations
     if iterations == 2 and not async_rollout:  # stopped mid-rollout: its next step is against what the first kept
         assert restored_logps == {k: v.tolist() for k, v in kept.items()}
+        assert resumed.fleet.slept == 1 + whole.fleet.slept - stopped.fleet.slept, "it trains beside a sleeping engine"
     else:  # one step a rollout, or async: the engine's own log-probabilities are the old policy
         assert restored_logps == {}

@@ -141,3 +141,32 @@ def test_the_benchmarked_trials_are_served_on_one_engine_when_they_are_adapters(
         assert scored == ["trial-b", "trial-a"]
     best = summary["trials"][1]["benchmark"]
     assert best["model"] == scored[0] and best["one_engine"] is lora_base and "benchmark" not in summary["trials"][2]
+
+
+def test_a_trial_that_finished_reports_its_last_step_once_more(tmp_path, monkeypatch):
+    """A trial restored after its last report reached Tune, but before Tune saved it, trains no step and Ray Train
+    reports nothing: the trial reports its last step's record again, so Tune holds the finished result and the
+    trial is not taken as stopped early. A trial that stopped before its last step reports nothing more."""
+    from ray import tune
+    from ray.tune.integration import ray_train
+
+    from amalia_ray.pipeline.sweep import _trial
+    from amalia_ray.train import train_stage
+
+    stage = proxy_stage(load_recipe(write_recipe(tmp_path, **{"train.0.proxy": {"steps": 6, "validate_every": 3}}))
+                        .recipe.train[0])
+    reported = []
+    monkeypatch.setattr(tune, "report", reported.append)
+    monkeypatch.setattr(tune, "get_context", lambda: type("Context", (), {"get_trial_id": lambda self: "t1"})())
+    monkeypatch.setattr(ray_train, "TuneReportCallback", lambda: None)  # what Ray Train's reports went through
+    for last in (6, 3):
+        def trained(stage, model, *, stage_dir, **kwargs):
+            stage_dir.mkdir(parents=True, exist_ok=True)
+            (stage_dir / "metrics.jsonl").write_text("".join(
+                json.dumps({"step": s, "loss": 1.0 / s, "val_loss": 2.0 / s}) + "\n" for s in range(1, last + 1)))
+
+        monkeypatch.setattr(train_stage, "run_train_stage", trained)
+        _trial({"lr": 0.01}, base=stage.model_dump(mode="json"), model={}, data_dir=str(tmp_path), tokenizer_dir="",
+               init_hf_dir=None, trials_dir=str(tmp_path / "trials"), seed=0, use_gpu=False, hf_config={},
+               space={"parameters": {"lr": {"values": [0.01]}}}, weights={})
+    assert reported == [{"step": 6, "loss": 1.0 / 6, "val_loss": 2.0 / 6}]

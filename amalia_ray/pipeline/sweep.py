@@ -18,6 +18,7 @@ from pathlib import Path
 from amalia_ray.core.config import ModelConfig, TrainStageConfig, train_stage
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.formats.step_metrics import read_step_records
 from amalia_ray.core.storage import hash_path, write_json
 from amalia_ray.pipeline.sweep_space import MIX, SweepSpace, adapters_servable, with_values
 from amalia_ray.pipeline.spec import RunContext
@@ -68,6 +69,12 @@ def _trial(config: dict, *, base: dict, model: dict, data_dir: str, tokenizer_di
                     tokenizer_dir=Path(tokenizer_dir), init_hf_dir=Path(init_hf_dir) if init_hf_dir else None,
                     stage_dir=out, ray_run_name=f"trial-{trial_id}", seed=seed, use_gpu=use_gpu,
                     hf_config=hf_config, callbacks=[TuneReportCallback()], progress=False)
+    # the last step's record once more: a trial whose sweep driver died after that report reached Tune but before
+    # Tune saved it is restored, trains no step and reports nothing, and would keep an earlier step's result (a
+    # finished trial taken as stopped early); otherwise Tune gets the same last result twice
+    records = read_step_records(out / "metrics.jsonl")
+    if records and records[-1]["step"] >= stage.steps:
+        tune.report(records[-1])
 
 
 def run_sweep(p: RunContext, stage_name: str, space: SweepSpace) -> Path:
@@ -162,8 +169,9 @@ def _fit(trainable, space: SweepSpace, stage: TrainStageConfig, out: Path, cpus:
     trainable = tune.with_resources(trainable, {"CPU": 0.1})
     if tune.Tuner.can_restore(str(experiment)) and restore_signed_state(experiment):
         stage_line("sweep", f"[yellow]resuming[/] the interrupted sweep in {experiment}")
+        # a trial that failed is a result (trials do not retry): it is not run again
         tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True,
-                                   resume_errored=True, param_space=space.tune_space())
+                                   resume_errored=False, param_space=space.tune_space())
     else:
         # a sweep whose driver stopped before Tune first saved: nothing of it to restore
         shutil.rmtree(experiment, ignore_errors=True)

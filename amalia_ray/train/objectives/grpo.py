@@ -262,6 +262,8 @@ class GRPO(Objective):
             self._rollout_stats = stats if dist.get_rank() == 0 else {k: (0.0, 0) for k in stats}
             self._old_logps = {int(k): torch.tensor(v, device=self.device)
                                for k, v in (rollout["old_logps"] or {}).items()}
+            if self.fleet is not None and not self.async_rollout:
+                self.fleet.sleep()  # the steps left on this rollout train as they did: beside a sleeping engine
         if nxt := state["next"]:
             self._next = (np.asarray(nxt["prompt_rows"], dtype=np.int64),
                           Sampled(nxt["completions"]) if dist.get_rank() == 0 else None)
