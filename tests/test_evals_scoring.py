@@ -377,6 +377,27 @@ def test_a_judge_reply_cut_at_max_tokens_counts_only_with_its_named_grade():
     assert parse_score("Nota: 3. A resposta é fluente mas", cut_short=True) == 3
 
 
+@pytest.mark.reliability
+def test_a_reply_crafted_to_make_the_parsers_backtrack_is_read_in_linear_time():
+    """Megabytes of white space after "Nota" or "resposta", unclosed answer tags, a run of punctuation (an external
+    judge's reply, a served model's generation): before, 20,000 spaces took 9 s to parse and the time grew as the
+    square (2 MB: hours, with the asyncio loop, and the step's deadline, blocked). Now the grade is read from the
+    reply's first and last 1,024 characters and runs of white space are made one before choices are looked for;
+    60 s is a guard against a hang, not a speed target. Honest replies parse as before."""
+    import time
+
+    from amalia_ray.core.judge import final_answer
+
+    started = time.monotonic()
+    for reply in ("Nota" + " " * 2_000_000 + "x", "Nota" + "*" * 2_000_000, "<answer>" * 300_000, "!" * 2_000_000):
+        assert parse_score(final_answer(reply)) is None
+    assert parse_score("Nota: 4" + " " * 2_000_000) == 4 and parse_score("x" * 2_000_000 + " Dou-lhe 4.") == 4
+    for text in ("resposta" + " " * 2_000_000 + "B", "Resposta:" + "\n" * 2_000_000 + "B"):
+        assert extract_choice(text, ["x", "y", "z"]) == 1
+    assert time.monotonic() - started < 60
+    assert final_answer("<answer>a</answer></answer>") == "a" and final_answer("<answer>1</answer> <answer>2") == "1"
+
+
 class TooLong(FakeModel):
     """Answers 400, as vLLM does for a prompt over the model's context, to any request holding a 'LONGO' prompt."""
 

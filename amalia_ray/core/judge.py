@@ -20,16 +20,20 @@ JUDGE_TEMPLATE = (
     "Resposta a avaliar: {answer}\n\n"
     "Atribui uma nota inteira de 1 (muito má) a 5 (excelente) segundo os critérios. Responde na forma \"Nota: N\"."
 )
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+# what of a judge's reply is parsed: a grade is asked for in a few tokens; the regexes below are quadratic in the
+# worst case, and a reply (an external judge's) may be megabytes
+REPLY_PARSED = 1024
 
 
 def final_answer(text: str) -> str:
     """The part of a generation that gives the answer, for reasoning models (DeepSeek-R1's format, which our GRPO
     stage rewards): inside the last `<answer>…</answer>`, else what follows `</think>`; a reasoning block that never
     closed (the generation ran out of tokens mid-thought) gives no answer. Other text is the answer as it is."""
-    tagged = _ANSWER_TAG.findall(text)
-    if tagged:
-        return tagged[-1]
+    tagged, at = None, 0
+    while (start := text.find("<answer>", at)) >= 0 and (end := text.find("</answer>", start + 8)) >= 0:
+        tagged, at = text[start + 8:end], end + 9  # the pairs a left-to-right scan closes, as a lazy regex would
+    if tagged is not None:
+        return tagged
     if "</think>" in text:
         return text.rsplit("</think>", 1)[1]
     return "" if "<think>" in text else text
@@ -48,7 +52,10 @@ def parse_score(text: str, cut_short: bool = False) -> int | None:
     else a grade alone on the reply's first line ("4", then the reasons) or one that ends the reply ("4/5",
     "Dou-lhe 4."); None for a non-integer grade, one out of range, two different named grades, or a digit elsewhere
     ("tem 2 erros…": a count, not a grade). A reply `cut_short` (at max_tokens) counts only with its "Nota:" or
-    its first line: what ends it is where it was cut."""
+    its first line: what ends it is where it was cut. Of a longer reply, its first and last `REPLY_PARSED`
+    characters."""
+    if len(text) > 2 * REPLY_PARSED:
+        text = f"{text[:REPLY_PARSED]}\n{text[-REPLY_PARSED:]}"
     text = re.sub(r"(?i)\s*(?:/|de|em|out of)\s*5(?!\d)", "", text)
     if re.search(r"\d[.,]\d", text):
         return None

@@ -47,7 +47,9 @@ def _letters(labels) -> str:
 def extract_choice(text: str, choices: list[str]) -> int | None:
     """The chosen option in a generation, most explicit form first; None when it names none (or several)."""
     valid = LETTERS[:len(choices)]
-    text = final_answer(text)
+    # each run of white space made one space or newline (in one linear pass), so the patterns' adjacent \s* cannot
+    # make a long run quadratic
+    text = re.sub(r"\s+", lambda run: "\n" if "\n" in run.group() else " ", final_answer(text))
     patterns = (
         r"\\boxed\{\s*\(?([A-Za-z])\)?\s*\}",  # \boxed{B}
         r"(?i:resposta|answer|op[çc][ãa]o|alternativa)(?:\s+(?i:correta|certa|final))?\s*(?:[:=]|(?i:é|is))?\s*"
