@@ -321,3 +321,16 @@ def test_a_ranks_random_state_comes_back_as_saved_and_from_a_bare_host_state(tmp
     assert torch.equal(torch.rand(4), ahead)
     set_rng_state(saved["cpu"])
     assert torch.equal(torch.rand(4), ahead)
+
+
+@pytest.mark.parametrize("manifest", [b"\xff\xfe not UTF-8", b'{"files": {}, "hmac": "\xc3\xa9"}', b"[" * 100_000,
+                                      b'{"files": {"a": 1' + b"0" * 5000 + b'}, "hmac": "00"}'])
+def test_a_damaged_checksums_file_makes_the_checkpoint_damaged_not_the_resume_fail(tmp_path, manifest):
+    """Bit rot or a forger's bytes in a writer's checksums (not UTF-8, a hmac that is not ASCII, nesting past the
+    parser's depth, a 5,000-digit number): the checkpoint is reported damaged (so a resume moves to an older one),
+    instead of the check raising and failing every retry of the stage the same way."""
+    folder = fake_checkpoint(tmp_path, "checkpoint_000003", 30)
+    (folder / "checksums_rank1.json").write_bytes(manifest)
+    found = problems(local(folder), {"model": {"w": torch.zeros(2)}}, 0, KEY)
+    assert found == ["checksums of rank 1 are not signed with this machine's checkpoint key (AMALIA_CHECKPOINT_KEY): "
+                     "written with another key, or forged"], found

@@ -524,6 +524,8 @@ def test_every_tasks_items_are_looked_up_in_one_parallel_pass_over_the_corpus(ra
     for i in range(6):  # the quotes in two of six files
         text = {1: f"Lido num fórum: {long_a} Ninguém sabia.", 4: f"{long_b} Resposta: Estudo Geral."}.get(i, "nada")
         (corpus / f"part-{i}.jsonl").write_text(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    # lines JSON cannot read (nesting past its depth, a 5,000-digit number) are scanned as text, not a failed stage
+    (corpus / "part-2.jsonl").write_text("[" * 100_000 + "\n" + '{"n": ' + "9" * 5000 + "}\n")
     seen = seen_items(tasks, [corpus])
     assert seen == {"history": {"history-0"}, "culture": {"culture-0"}}
     assert seen_items(tasks, [corpus / "part-4.jsonl"]) == {"history": set(), "culture": {"culture-0"}}

@@ -78,6 +78,11 @@ def test_a_minified_json_array_without_ids_numbers_its_items(tmp_path):
         ("cloze", json.dumps({"text": "palavra"}), "needs a context before its last word"),
         ("judge", json.dumps({"reference": "r"}), "missing field 'prompt'"),
         ("variety", json.dumps({"prompt": ""}), "'prompt' must be a non-empty string"),
+        # digits str.isdigit takes and int() does not: superscript two, 5,000 of them
+        ("mcq", json.dumps({"question": "q", "choices": ["a", "b"], "answer": "²"}), "'answer' must be an index"),
+        ("mcq", json.dumps({"question": "q", "choices": ["a", "b"], "answer": "1" * 5000}), "'answer' must be"),
+        ("mcq", '{"question": "q", "n": ' + "9" * 5000 + "}", r"not readable JSON \(ValueError\)"),
+        ("mcq", "[" * 100_000, r"not readable JSON \(RecursionError\)"),
     ],
 )
 def test_malformed_task_names_file_and_line(tmp_path, fmt, line, message):
@@ -159,3 +164,11 @@ def test_a_prompt_only_file_or_an_empty_folder_says_what_is_missing(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AmaliaError, match="a task folder needs .json or .jsonl files"):
         load_task(tmp_path / "empty", "mcq")
+
+
+def test_choices_keyed_by_a_digit_int_refuses_still_load(tmp_path):
+    """"²" is a digit to str.isdigit, not to int(): such a key sorts with the letters, it does not crash the load."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"question": "q", "choices": {"B": "b", "²": "a", "A": "c"}, "answer": "A"}) + "\n")
+    (item,) = load_task(path, "mcq")
+    assert item.choices == ["c", "b", "a"] and item.answer == 0

@@ -99,9 +99,10 @@ def test_an_unreadable_record_reruns_its_stage_and_keeps_the_others(pipeline, tm
     pipeline.execute(make_spec(pipeline, source, calls))
     (pipeline.run_dir / "manifest.d" / "thing.json").write_text('{"status": "compl')  # cut short
     (pipeline.run_dir / "manifest.d" / "other.json").write_text(json.dumps({"status": "completed"}))
-    (pipeline.run_dir / "manifest.json").write_text("")
+    (pipeline.run_dir / "manifest.d" / "deep.json").write_text("[" * 100_000)  # past the parser's depth
+    (pipeline.run_dir / "manifest.json").write_text("{" * 100_000)
     again = Pipeline(pipeline.loaded)
-    assert again.manifest.stages["other"].status == "completed" and "thing" not in again.manifest.stages
+    assert again.manifest.stages["other"].status == "completed" and not {"thing", "deep"} & set(again.manifest.stages)
     again.execute(make_spec(again, source, calls))
     assert len(calls) == 2 and "record unreadable" in capsys.readouterr().out
 
@@ -239,6 +240,24 @@ def test_two_stage_jobs_finishing_at_the_same_moment_are_both_recorded(tmp_path)
         assert {name: rec["status"] for name, rec in stages.items()} == want, f"attempt {attempt}"
         loaded = Manifest.load_or_new(run_dir, "r").stages
         assert {name: rec.status for name, rec in loaded.items()} == want and list(loaded)[0] == "pretrain"
+
+
+def test_a_training_history_left_empty_or_damaged_does_not_break_the_report(pipeline, tmp_path):
+    """A stage restarted from no checkpoint cuts its metrics back to nothing; stopped before its first step, that
+    empty history (or lines that are not step records: a list, a step that is not a number, nesting past the
+    parser's depth) is left out of the report, instead of an IndexError in every later command that writes it."""
+    from amalia_ray.core.formats.step_metrics import read_step_records
+    from amalia_ray.pipeline.report import write_report
+
+    source = tmp_path / "in.txt"
+    source.write_text("x")
+    pipeline.execute(make_spec(pipeline, source, []))
+    history = pipeline.run_dir / "thing" / "metrics.jsonl"
+    history.parent.mkdir(exist_ok=True)
+    history.write_text('[1, 2]\n{"step": "one"}\n{"step": true}\n' + "[" * 100_000 + "\n")
+    assert read_step_records(history) == []
+    report = write_report(pipeline.run_dir, pipeline.manifest).read_text()
+    assert "first loss" not in report, "no training table: no stage has a step"
 
 
 @pytest.mark.reliability

@@ -40,11 +40,14 @@ def verified_list(text: str, key: str) -> dict | None:
     """A signed list file's list when it is signed with `key`, else None (also for text that is not one)."""
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or not isinstance(data.get("hmac"),
+                                                                                                   str):
+            return None
+        # as bytes: compare_digest refuses a str that is not ASCII
+        signed = hmac.compare_digest(sign(key, data["files"]).encode(), data["hmac"].encode("utf-8", "replace"))
+    except (ValueError, RecursionError, TypeError):  # not JSON, a 5,000-digit number, too deep, not serializable
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or not isinstance(data.get("hmac"), str):
-        return None
-    return data["files"] if hmac.compare_digest(sign(key, data["files"]), data["hmac"]) else None
+    return data["files"] if signed else None
 
 
 def file_sha256(path: Path) -> str:

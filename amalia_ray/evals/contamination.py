@@ -15,6 +15,7 @@ from amalia_ray.evals.scores import summarize
 from amalia_ray.evals.tasks import Item, item_text
 
 NGRAM, MIN_OVERLAP, MIN_ITEM_WORDS = 13, 1, 8
+LINE_CHARS = 16 << 20
 
 
 def corpus_files(target: Path) -> list[Path]:
@@ -58,11 +59,13 @@ def _texts(path: Path) -> Iterator[str]:
 
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for line in f:
+        # a line is read in pieces of at most LINE_CHARS (a file of one huge line is not held whole); a piece that is
+        # not JSON, or that JSON cannot be read for (a 5,000-digit number, nesting past its depth), is text as it is
+        for line in iter(lambda: f.readline(LINE_CHARS), ""):
             if line.strip():
                 try:
                     yield "\n".join(_strings(json.loads(line)))
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):
                     yield line
 
 

@@ -138,13 +138,20 @@ def read_records(path: Path) -> Iterator[tuple[str, dict]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise TaskError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
+        except (ValueError, RecursionError) as e:  # a 5,000-digit number; nesting past the parser's depth
+            raise TaskError(f"{where}: not readable JSON ({type(e).__name__})") from None
         yield where, _object(row, where)
 
 
 def _json_array(path: Path, text: str) -> Iterator[tuple[str, dict]]:
     """Walks the array element by element so that each item keeps its line number."""
     decoder = json.JSONDecoder()
-    line_of = lambda pos: text.count("\n", 0, pos) + 1  # noqa: E731
+    counted = [0, 1]  # (position, its line): items come in order, so each count starts where the last ended
+
+    def line_of(pos: int) -> int:
+        counted[:] = [pos, counted[1] + text.count("\n", counted[0], pos)]
+        return counted[1]
+
     pos = text.index("[") + 1
     for index in itertools.count(1):
         pos = _skip_space(text, pos)
@@ -155,6 +162,8 @@ def _json_array(path: Path, text: str) -> Iterator[tuple[str, dict]]:
             row, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise TaskError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})") from None
+        except (ValueError, RecursionError) as e:
+            raise TaskError(f"{where}: not readable JSON ({type(e).__name__})") from None
         yield where, _object(row, where)
         pos = _skip_space(text, pos)
         if pos < len(text) and text[pos] == ",":
@@ -196,10 +205,15 @@ def _text(row: dict, names: tuple[str, ...], where: str, required: bool = True) 
 def _choices(row: dict, where: str) -> list[str]:
     value = _field(row, CHOICES, where)
     if isinstance(value, dict):  # {"A": "...", "B": "..."}, or numbered keys {"1": ..., …, "10": ...}
-        value = [value[k] for k in sorted(value, key=lambda k: (0, int(k), "") if k.isdigit() else (1, 0, k))]
+        value = [value[k] for k in sorted(value, key=lambda k: (0, int(k), "") if _small_number(k) else (1, 0, k))]
     if not isinstance(value, list) or len(value) < 2 or not all(isinstance(c, str) and c.strip() for c in value):
         raise TaskError(f"{where}: field 'choices' must be a list (or A/B/… dict) of at least 2 non-empty strings")
     return value
+
+
+def _small_number(text: str) -> bool:
+    """ASCII digits int() takes: "²" and "٣" are digits to str.isdigit, and int() refuses 5,000 of them."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
 
 
 def _answer(value, choices: list[str], where: str) -> int:
@@ -215,7 +229,7 @@ def _answer(value, choices: list[str], where: str) -> int:
             return LETTERS.index(letter.group(1).upper())
         if value in choices:
             return choices.index(value)
-        if value.strip().isdigit() and 0 <= int(value) < n:
+        if _small_number(value.strip()) and 0 <= int(value) < n:
             return int(value)
     raise TaskError(f"{where}: field 'answer' must be an index 0..{n - 1}, a letter A..{LETTERS[n - 1]} "
                     f"or the text of one choice, got {value!r}")

@@ -79,7 +79,7 @@ class Manifest(BaseModel):
             manifest = cls.model_validate(json.loads(path.read_text(encoding="utf-8")))
         except FileNotFoundError:
             manifest = cls(run_name=run_name)
-        except (OSError, ValueError) as e:  # rebuilt from the stage records, which are what count
+        except (OSError, ValueError, RecursionError) as e:  # rebuilt from the stage records, which are what count
             from amalia_ray.core.console import stage_line
 
             stage_line("manifest", f"[yellow]unreadable[/] ({path}: {type(e).__name__}): rebuilt from the stage "
@@ -127,7 +127,8 @@ def _read_record(path: Path) -> StageRecord | None:
         return StageRecord.model_validate(json.loads(path.read_text(encoding="utf-8")))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not a record (pydantic's ValidationError)
+    # ValueError: not JSON, or not a record (pydantic's ValidationError); RecursionError: nested past the parser's depth
+    except (OSError, ValueError, RecursionError) as e:
         from amalia_ray.core.console import stage_line
 
         stage_line(path.stem, f"[yellow]record unreadable[/] ({path}: {type(e).__name__}): treated as never run")

@@ -321,7 +321,8 @@ def sweeps_section(run_dir: Path) -> list[str]:
 def write_report(run_dir: Path, manifest: Manifest, objectives: dict[str, str] | None = None) -> Path:
     """`objectives`: each training stage's objective (which loss panel its curve goes on)."""
     stages = manifest.stages
-    train_stages = [n for n, rec in stages.items() if (run_dir / n / "metrics.jsonl").exists()]
+    # stages with a step recorded (an attempt restarted from no checkpoint and stopped before its first has none)
+    train_stages = [n for n in stages if read_step_records(run_dir / n / "metrics.jsonl")]
     parts = [f"# Run report: {manifest.run_name}", "", f"Recipe: `{manifest.recipe_path}` (hash {manifest.recipe_hash})", ""]
     for prov in manifest.provenance:
         parts += [f"Promoted from sweep {prov.get('sweep_id')}: stage {prov.get('stage')} takes {prov.get('values')} "
@@ -372,13 +373,13 @@ def write_report(run_dir: Path, manifest: Manifest, objectives: dict[str, str] |
             history = read_step_records(run_dir / n / "metrics.jsonl")
             vals = [h["val_loss"] for h in history if h.get("val_loss") is not None]
             steady = history[1:] or history  # the first step of an attempt waits for start-up work
-            tps = [h["tokens_per_s"] for h in steady]
+            tps = [h["tokens_per_s"] for h in steady if h.get("tokens_per_s") is not None]
             mfu = [h["mfu"] for h in steady if h.get("mfu") is not None]
             m = stages[n].metrics
             placed = ", ".join(str(m[k]) for k in ("worker_layout", "placement", "sharding", "transport")
                                if m.get(k)) if m.get("worker_layout") else None
-            rows.append([n, len(history), history[0]["loss"], history[-1]["loss"], vals[-1] if vals else None,
-                         sum(h["tokens"] for h in history), sum(tps) / len(tps),
+            rows.append([n, len(history), history[0].get("loss"), history[-1].get("loss"), vals[-1] if vals else None,
+                         sum(h.get("tokens", 0) for h in history), sum(tps) / len(tps) if tps else None,
                          f"{sum(mfu) / len(mfu):.0%}" if mfu else None, placed])
         parts += ["## Training", "", _table(
             ["stage", "steps", "first loss", "last loss", "validation loss", "tokens", "tokens/s (mean)",

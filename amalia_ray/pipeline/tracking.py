@@ -20,6 +20,7 @@ from typing import Any
 
 from amalia_ray.core.config import TrackingConfig
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.formats.step_metrics import step_record
 
 log = logging.getLogger("amalia_ray.tracking")
 MLFLOW_DIR = "mlruns"
@@ -213,13 +214,10 @@ class _Follower(threading.Thread):
         self.last_line = whole[whole.rfind(b"\n", 0, len(whole) - 1) + 1:]
         records = []
         for line in whole.decode("utf-8", "replace").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("step", 0) > self.last_step:  # each step once, as trackers keep steps increasing
+            record = step_record(line)
+            if record is not None and record["step"] > self.last_step:  # each step once: trackers keep steps rising
                 records.append(record)
-                self.last_step = record.get("step", 0)
+                self.last_step = record["step"]
         if records:
             self.stage.log(records)
 

@@ -10,12 +10,14 @@ from pathlib import Path
 
 
 def step_record(line: str) -> dict | None:
-    """A metrics line as its record; None for a blank line, a line cut short or anything else that is not one."""
+    """A metrics line as its record; None for a blank line, a line cut short or anything else that is not one (an
+    object with an integer step)."""
     try:
         record = json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a 5,000-digit number, nesting past the parser's depth
         return None
-    return record if isinstance(record, dict) else None
+    step = record.get("step") if isinstance(record, dict) else None
+    return record if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def read_step_records(path: Path) -> list[dict]:
