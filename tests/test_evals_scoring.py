@@ -422,8 +422,33 @@ def test_an_item_the_server_refuses_is_reported_and_the_rest_still_scored(tmp_pa
     if not task:  # the group was refused whole, then sent again item by item
         assert len(fake.requests[0]["prompt"]) == 3 + 2 + 3
         assert sorted(len(r["prompt"]) for r in fake.requests[1:]) == [2, 3, 3]
-    with pytest.raises(AmaliaError, match="rejected every item, e.g. item b: .*maximum context length"):
+    with pytest.raises(AmaliaError,
+                       match=r"no item could be scored \(1 rejected by the server\), e.g. item b: .*maximum context"):
         run(TooLong(), tmp_path, fmt, rows[1:2], **task)
+
+
+class Garbles(FakeModel):
+    """Answers 200 with a body that is not JSON to any request holding a 'RUIDO' prompt (a broken proxy)."""
+
+    async def __call__(self, request):
+        body = json.loads(request.content)
+        text = json.dumps(body.get("prompt") or body.get("messages"), ensure_ascii=False)
+        if "RUIDO" in text and request.url.path != "/tokenize":
+            return httpx.Response(200, content=b"<html>bad gateway</html>")
+        return await super().__call__(request)
+
+
+@pytest.mark.parametrize("task", [{}, {"method": "generate"}])
+def test_an_item_whose_request_fails_is_reported_and_the_rest_still_scored(tmp_path, task):
+    """A reply that is not JSON (or retries spent, or a reply over the size limit) fails that item, or that
+    request's group of items for log-likelihood: they are kept in the result as failed and left out of the scores;
+    the task fails only when every item did."""
+    rows = [{**MC[0], "id": "a"}, {**MC[1], "id": "b", "question": "RUIDO"}, {**MC[0], "id": "c"}]
+    result = run(Garbles(liked={"Lisboa"}), tmp_path, "mcq", rows, prompts_per_request=1, **task)
+    assert result["failed"] == 1 and result["n"] == 2 and result["scores"]["acc"] == 1.0
+    assert result["items"][1]["failed"] and "not a JSON object" in result["items"][1]["rejected"]
+    with pytest.raises(AmaliaError, match=r"no item could be scored \(1 failed\), e\.g\. item b: .*not a JSON"):
+        run(Garbles(), tmp_path, "mcq", rows[1:2], **task)
 
 
 def test_transient_errors_are_retried_and_others_are_not(tmp_path):

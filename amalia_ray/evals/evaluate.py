@@ -61,11 +61,13 @@ def _scorer(task: EvalTaskConfig, client: OpenAIClient, judge_client: OpenAIClie
         one = partial(judge.score_judged, client, judge_client, **gen, judge_chat=j.chat, judge_max_tokens=j.max_tokens,
                       rubric=j.rubric or judge.DEFAULT_RUBRIC)
 
-    async def kept(i: int, item):  # an item the server refuses is reported, the others still scored
+    async def kept(i: int, item):  # an item the server refuses, or that fails, is reported, the others still scored
         try:
             return await one(item, seed=task.seed + i)
         except RequestRejected as e:
             return rejected_row(item, e)
+        except AmaliaError as e:  # retries spent, a reply over the size limit or not of the shape asked for
+            return rejected_row(item, e, failed=True)
 
     return lambda items: asyncio.gather(*(kept(i, item) for i, item in enumerate(items)))
 
@@ -128,12 +130,15 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
     t0 = time.perf_counter()
     rows = asyncio.run(go())
     rejected = [r for r in rows if "rejected" in r]
+    failed = sum(bool(r.get("failed")) for r in rejected)
     if rejected:
+        how = ", ".join(part for part in (f"{len(rejected) - failed} rejected by the server" if failed < len(rejected)
+                                          else "", f"{failed} failed" if failed else "") if part)
         if len(rejected) == len(rows):
-            raise AmaliaError(f"task {task.name}: the server rejected every item, e.g. item {rejected[0]['id']}: "
+            raise AmaliaError(f"task {task.name}: no item could be scored ({how}), e.g. item {rejected[0]['id']}: "
                               f"{rejected[0]['rejected']}")
-        log.warning(f"task {task.name}: {len(rejected)} of {len(rows)} items rejected by the server and left out "
-                    f"of the scores (in the result's items), e.g. item {rejected[0]['id']}: {rejected[0]['rejected']}")
+        log.warning(f"task {task.name}: {len(rejected)} of {len(rows)} items left out of the scores ({how}; in the "
+                    f"result's items), e.g. item {rejected[0]['id']}: {rejected[0]['rejected']}")
     metrics = metrics_of(task)
     scores = summarize(rows, metrics)
     if task.format in CHOICE_FORMATS:
@@ -143,7 +148,7 @@ def run_task(task: EvalTaskConfig, task_path: Path, *, base_url: str, model: str
         scores["invalid"] = sum(bool(r.get("invalid")) for r in rows)
     result = {"task": task.name, "format": task.format, "method": task.scoring, "model": model, "base_url": base_url,
               "task_path": str(task_path), "wall_time_s": time.perf_counter() - t0, "scores": scores,
-              "n": len(rows) - len(rejected), "rejected": len(rejected), "usage": usage}
+              "n": len(rows) - len(rejected), "rejected": len(rejected), "failed": failed, "usage": usage}
     if any("subject" in it.meta for it in items):  # PHEB's exams, EuroEval's datasets that have the column
         result["by_subject"] = by_group(rows, "subject", metrics)
     if task.format == "judge":

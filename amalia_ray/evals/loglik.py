@@ -186,13 +186,16 @@ async def score_items(client: OpenAIClient, items: list[MCItem], prompts_per_req
 
 async def _group_or_each(client: OpenAIClient, items: list[MCItem], chat: dict | None) -> list[dict]:
     """A group the server refuses is sent again item by item, so one item it cannot take (a prompt over the model's
-    context) is reported as rejected without losing the others."""
+    context) is reported as rejected without losing the others. A group whose request fails (retries spent, a reply
+    over the size limit or not of the shape asked for) fails its items; the other groups are still scored."""
     try:
         return await score_group(client, items, chat)
     except RequestRejected as e:
         if len(items) == 1:
             return [rejected_row(items[0], e)]
         return await score_items(client, items, prompts_per_request=1, chat=chat)  # a group of one item each
+    except AmaliaError as e:
+        return [rejected_row(item, e, failed=True) for item in items]
 
 
 def _row(item: MCItem, scored: list[tuple[float, bool]]) -> dict:

@@ -27,10 +27,12 @@ def summarize(rows: list[dict], metrics: tuple[str, ...]) -> dict:
     return out
 
 
-def rejected_row(item, error: Exception) -> dict:
-    """An item the server refused (e.g. its prompt is over the model's context): kept in the result with the
-    server's message, left out of every score."""
-    return {"id": item.id, "rejected": str(error), "meta": getattr(item, "meta", {})}
+def rejected_row(item, error: Exception, failed: bool = False) -> dict:
+    """An item the server refused (e.g. its prompt is over the model's context), or whose requests `failed`
+    (retries spent, a reply over the size limit or not of the shape asked for): kept in the result with the
+    message, left out of every score."""
+    return {"id": item.id, "rejected": str(error), **({"failed": True} if failed else {}),
+            "meta": getattr(item, "meta", {})}
 
 
 def by_group(rows: list[dict], key: str, metrics: tuple[str, ...]) -> dict:
