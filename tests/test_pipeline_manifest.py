@@ -122,6 +122,22 @@ def test_failed_stage_is_recorded_then_resumed(pipeline, tmp_path, capsys):
     assert again.manifest.stages["thing"].attempts == 2
 
 
+@pytest.mark.reliability
+def test_a_failed_stage_whose_inputs_changed_says_it_starts_over(pipeline, tmp_path, capsys):
+    """A failed attempt's checkpoints belong to its inputs, settings and code: with another input the stage starts
+    over, and says so and why, instead of a plain "running" that hides the lost work."""
+    source = tmp_path / "in.txt"
+    source.write_text("x")
+    calls = []
+    with pytest.raises(RuntimeError):
+        pipeline.execute(make_spec(pipeline, source, calls, fail=True))
+    source.write_text("y")
+    again = Pipeline(pipeline.loaded)
+    again.execute(make_spec(again, source, calls))
+    assert "starting over: its failed attempt ran with other inputs" in capsys.readouterr().out
+    assert again.manifest.stages["thing"].attempts == 1
+
+
 def test_a_stage_that_completed_partially_runs_again(pipeline, tmp_path, capsys):
     """A stage whose completed run left part of its work undone (the eval stage, with a model it could not serve:
     its metrics say `incomplete`) is not skipped by the next run, as an unchanged complete one is."""

@@ -130,11 +130,18 @@ def test_rewards_and_curriculum_hooks_are_checked_when_the_recipe_loads():
         parse_recipe(yaml.safe_dump(data, sort_keys=False))
 
 
+@pytest.mark.reliability
 def test_config_hash_tracks_content():
     a = parse_recipe(demo_text())
     b = parse_recipe(demo_text().replace("steps: 200", "steps: 201"))
     assert config_hash(a.data) == config_hash(b.data)
     assert config_hash(a.train[0]) != config_hash(b.train[0])
+    # how a stage runs is not what it trains: an interrupted stage given more retries or workers resumes
+    stage = a.train[0]
+    for field, value in [("max_failures", 3), ("num_workers", 4), ("log_every", 7), ("checkpoints_to_keep", 5),
+                         ("placement", "SPREAD"), ("checkpoint_async", False), ("proxy", {"steps": 3})]:
+        assert config_hash(stage.model_copy(update={field: value})) == config_hash(stage), field
+    assert config_hash(stage.model_copy(update={"lr": stage.lr * 2})) != config_hash(stage)
 
 
 def test_the_recipe_reference_is_what_the_models_say():

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from amalia_ray.core.config import PretrainStage, Recipe
+from amalia_ray.core.config import PretrainStage, Recipe, TrainStageConfig
 from amalia_ray.core.errors import RecipeError
 from amalia_ray.core.rewards import get_reward
 from amalia_ray.core.formats.shards import load_hook
@@ -181,6 +181,8 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
 
 
 def config_hash(*parts: BaseModel | dict | list | str | None) -> str:
-    """Stable hash of config sections, used to decide whether a stage must run again."""
-    payload = [p.model_dump(mode="json") if isinstance(p, BaseModel) else p for p in parts]
+    """Stable hash of config sections, used to decide whether a stage must run again (of a training stage, the
+    fields that decide what it trains: TrainStageConfig.fingerprinted)."""
+    payload = [p.fingerprinted() if isinstance(p, TrainStageConfig) else p.model_dump(mode="json")
+               if isinstance(p, BaseModel) else p for p in parts]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

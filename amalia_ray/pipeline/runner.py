@@ -184,10 +184,17 @@ class Pipeline:
             if rec.cost:  # what the failed attempt burnt still counts
                 rec.earlier_attempts_cost = total_cost([rec.earlier_attempts_cost, rec.cost])
         else:
-            rec.attempts, rec.earlier_attempts_cost, rec.slurm_jobs = 0, {}, []  # tries at this fingerprint
-            if not incomplete:  # said above
+            changed = [what for what, before, now in (("settings", rec.config_hash, cfg), ("inputs", rec.inputs, inputs),
+                                                      ("code", rec.code_hash, code_hash())) if before != now]
+            if rec.status in ("running", "failed", "stopped") and rec.fingerprint and changed:
+                stage_line(spec.name, f"[yellow]starting over[/]: its {rec.status} attempt ran with other "
+                           f"{', '.join(changed)}, so its checkpoints are not this run's (for a training stage, a "
+                           "change of only how it runs — workers, retries, placement, logging, checkpoints kept — "
+                           "resumes)")
+            elif not incomplete:  # said above
                 stage_line(spec.name, "running again: the code changed since its completed run (--reuse-stale "
                            "keeps such a result)" if stale else "running")
+            rec.attempts, rec.earlier_attempts_cost, rec.slurm_jobs = 0, {}, []  # tries at this fingerprint
         rec.status, rec.fingerprint, rec.config_hash, rec.inputs = "running", fp, cfg, inputs
         rec.code_version, rec.resources, rec.started_at, rec.error = self.code_version, spec.resources, now_iso(), None
         rec.code_hash, rec.reused_stale = code_hash(), None

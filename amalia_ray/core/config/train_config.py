@@ -4,7 +4,7 @@ proxy a sweep shrinks the stage to."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
@@ -220,6 +220,17 @@ class TrainStageConfig(Strict):
     proxy: ProxyConfig = Field(default_factory=ProxyConfig, description="how the stage shrinks for `amalia sweep`")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters on the frozen starting weights (PEFT); "
                                     "null: train every weight")
+
+    # how a stage runs, not what it trains: changing one keeps the stage's fingerprint, so an interrupted stage
+    # resumes from its checkpoints and a completed one is kept (another worker count sums gradients in another order:
+    # the same training up to floating-point rounding)
+    OPERATIONAL: ClassVar[frozenset[str]] = frozenset({
+        "num_workers", "cpus_per_worker", "elastic_resize_interval_s", "placement", "max_failures",
+        "checkpoints_to_keep", "checkpoint_async", "log_every", "proxy"})
+
+    def fingerprinted(self) -> dict:
+        """The stage's fields that decide what it trains (all but OPERATIONAL)."""
+        return self.model_dump(mode="json", exclude=set(self.OPERATIONAL))
 
     @property
     def worker_range(self) -> tuple[int, int]:
