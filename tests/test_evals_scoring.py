@@ -556,6 +556,27 @@ def test_every_tasks_items_are_looked_up_in_one_parallel_pass_over_the_corpus(ra
     assert seen_items(tasks, [corpus / "part-4.jsonl"]) == {"history": set(), "culture": {"culture-0"}}
 
 
+def test_the_corpora_items_are_looked_up_in_are_inputs_of_the_eval_stage(ray_cluster, tmp_path):
+    """Another run re-curated, or a corpus file changed: the eval stage's fingerprint holds the text its items are
+    looked up in (this run's curated corpus, another run's, a corpus file), so its seen flags are scored again."""
+    from amalia_ray.core.recipe import load_recipe
+    from amalia_ray.pipeline import stages
+    from amalia_ray.pipeline.runner import Pipeline
+    from tests.conftest import write_recipe
+
+    corpus, other = tmp_path / "corpus.jsonl", tmp_path / "runs" / "other"
+    corpus.write_text('{"text": "x"}\n')
+    (other / "data" / "kept").mkdir(parents=True)
+    (other / "manifest.json").write_text("{}")
+    p = Pipeline(load_recipe(write_recipe(tmp_path, **{"eval.contamination_of": ["this_run", str(corpus),
+                                                                                  str(other)]})))
+    p.cluster_info = {"resources": {"CPU": 4}, "billable_cpus": 4}
+    (spec,) = stages.build(p, ["eval"])
+    assert {k: v for k, v in spec.inputs.items() if k.startswith("contamination:")} == {
+        "contamination:0": p.run_dir / "data" / "kept", "contamination:1": corpus,
+        "contamination:2": other / "data" / "kept"}
+
+
 def test_the_eval_stage_scores_the_models_that_answer_and_says_why_the_others_cannot_be(tmp_path, monkeypatch):
     """A model whose engine fails its first request (the server's start reports it, see readiness.py) gets rows
     that say why in the results and the report; every other model is scored. (A real engine that dies:

@@ -18,12 +18,16 @@ NGRAM, MIN_OVERLAP, MIN_ITEM_WORDS = 13, 1, 8
 LINE_CHARS = 16 << 20
 
 
+def corpus_root(target: Path) -> Path:
+    """What of a target is its training text: a run folder's curated corpus (data/kept), else the file or folder."""
+    return target / "data" / "kept" if (target / "manifest.json").is_file() else target
+
+
 def corpus_files(target: Path) -> list[Path]:
     """A run folder's curated corpus, or the jsonl/Parquet files of a file or folder."""
-    if (target / "manifest.json").is_file():  # a run folder: what its data stage kept
-        if not (target / "data" / "kept").is_dir():
-            raise AmaliaError(f"--contamination-of {target}: the run has no curated corpus (data/kept) yet")
-        target = target / "data" / "kept"
+    if (target / "manifest.json").is_file() and not corpus_root(target).is_dir():
+        raise AmaliaError(f"--contamination-of {target}: the run has no curated corpus (data/kept) yet")
+    target = corpus_root(target)
     if not target.exists():
         raise AmaliaError(f"--contamination-of: not found: {target} (a run folder, or a jsonl/Parquet corpus)")
     files = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file())

@@ -19,7 +19,7 @@ from amalia_ray.core.stop import stop_file
 from amalia_ray.core.variety_model import VarietyModel, label_margin, model_for_workers, variety_model_folder
 from amalia_ray.data import curate as data_stage
 from amalia_ray.data.steps.quality_model import QualityModel
-from amalia_ray.evals.contamination import seen_items
+from amalia_ray.evals.contamination import corpus_root, seen_items
 from amalia_ray.evals.fewshot import task_items
 from amalia_ray.evals.evaluate import metrics_of, run_task
 from amalia_ray.evals.tasks import item_text, load_task, task_of_file
@@ -234,12 +234,20 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         serve_held = _serve_held(r.serve, replicas, use_gpu(p), p.cluster_info["billable_cpus"])
         served = {**models, **{serve_app.adapter_id(m, a): path for m, named in adapters.items()
                                for a, path in named.items()}}
-        inputs, named = by_content({**{f"model:{k}": v for k, v in served.items()}, **tasks,
+        # the training text items are looked up in: another run re-curated, or a corpus changed, scores again
+        corpora = {f"contamination:{i}": d("data") / "kept" if t == p.run_dir else corpus_root(t)
+                   for i, t in enumerate(contamination_targets(p))}
+        inputs, named = by_content({**{f"model:{k}": v for k, v in served.items()}, **tasks, **corpora,
                                     **variety_models(p, r.eval)})
         yield StageSpec("eval", [r.eval, r.serve, *([named] if named else [])], inputs,
                         {"results": d("eval")}, lambda: _serve_and_evaluate(p, models, adapters),
                         {"replicas": r.serve.min_replicas, "CPU_per_replica": r.serve.cpus_per_replica},
                         held=lambda m: serve_held, tokens=lambda m: m.get("tokens_processed"))
+
+
+def contamination_targets(p: RunContext) -> list[Path]:
+    """The run folders and corpora `eval.contamination_of` names (`this_run`: this run's folder)."""
+    return [p.run_dir if t == "this_run" else p.loaded.resolve(t) for t in p.recipe.eval.contamination_of]
 
 
 def served_models(p: RunContext, paths: bool = True) -> tuple[dict[str, Path | None], dict[str, dict[str, Path]]]:
@@ -480,7 +488,7 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
     on = {serve_app.adapter_id(m, a): m for m, named in adapters.items() for a in named}  # adapter id -> engine
     out: dict = {"results": {}, "tokens_processed": 0, **({"base_model": p.model_id("base")} if r.model.base else {}),
                  **({"adapters": on} if on else {})}
-    targets = [p.run_dir if t == "this_run" else p.loaded.resolve(t) for t in r.eval.contamination_of]
+    targets = contamination_targets(p)
     eval_settings = with_variety_model(p, r.eval)
     seen = seen_items({t.name: load_task(p.loaded.resolve(t.path), t.format, t.limit) for t in r.eval.tasks},
                       targets) if targets else {}
