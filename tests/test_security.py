@@ -114,6 +114,36 @@ def test_a_stored_run_cannot_write_outside_the_run_folder(tmp_path):
     with pytest.raises(AmaliaError, match="would be written outside"):
         store.pull("thing", tmp_path / "run" / "thing")
     assert not (tmp_path / "escaped.txt").exists()
+    assert not list((tmp_path / "run").iterdir()), "nothing of the refused folder is left, whole or in part"
+
+
+def test_a_pull_cut_short_leaves_nothing_a_later_attempt_would_take_for_whole(tmp_path, monkeypatch):
+    """A job preempted while it pulls a stage's folder from run.storage: the folder is copied beside its place and
+    renamed once whole, so the next attempt, which pulls what is missing, finds it missing and pulls it again."""
+    import pyarrow.fs as pafs
+
+    from amalia_ray.core import filesystem
+
+    uri = f"memory://bucket-{uuid.uuid4().hex[:8]}/runs"
+    store = RunStore(uri, None, "r")
+    memory = fsspec.filesystem("memory")
+    for i in range(3):
+        memory.pipe(f"{store.root}/pack/shard-{i}.parquet", b"x" * 10)
+    copied, copy = [], pafs.copy_files
+
+    def preempted(*args, **kwargs):
+        if len(copied) == 2:
+            raise OSError("preempted")
+        copied.append(args[0])
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem.pafs, "copy_files", preempted)
+    with pytest.raises(AmaliaError, match="preempted"):
+        store.pull("pack", tmp_path / "run" / "pack")
+    assert not list((tmp_path / "run").iterdir()), "no partial pack/ (two of its three shards) left in place"
+    monkeypatch.setattr(filesystem.pafs, "copy_files", copy)
+    assert store.pull("pack", tmp_path / "run" / "pack")
+    assert sorted(f.name for f in (tmp_path / "run" / "pack").iterdir()) == [f"shard-{i}.parquet" for i in range(3)]
 
 
 def test_secrets_reach_no_file_and_no_log(tmp_path, monkeypatch, caplog, capsys):

@@ -8,7 +8,9 @@ pulls back what a fresh machine needs to skip or resume. Ray Train writes its ch
 
 from __future__ import annotations
 
+import os
 import posixpath
+import shutil
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -95,11 +97,22 @@ class RunStore:
             pafs.copy_files(str(child), dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs)
 
     def pull(self, rel: str, local: Path) -> bool:
-        """Copy `rel` from the store to `local`; False (nothing written) when the store has no such entry."""
+        """Copy `rel` from the store to `local` (which must not exist); False (nothing written) when the store has
+        no such entry. The copy is made beside it and renamed into place once whole: a pull cut short (a preempted
+        job) leaves no partial folder that a later attempt, seeing it there, would take for the whole."""
+        partial = local.with_name(f".{local.name}.pulling-{os.getpid()}")
         try:
-            return self._pull(rel, local)
+            if not self._pull(rel, partial):
+                return False
+            os.replace(partial, local)
+            return True
         except OSError as e:
             raise AmaliaError(f"fetching {self.uri}/{rel} failed: {e}") from None
+        finally:
+            if partial.is_dir():
+                shutil.rmtree(partial, ignore_errors=True)
+            elif partial.exists():
+                partial.unlink()
 
     def _pull(self, rel: str, local: Path) -> bool:
         info = self.fs.get_file_info(self.path(rel))
