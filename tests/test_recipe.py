@@ -4,7 +4,7 @@ import yaml
 from amalia_ray.core.config import Recipe
 from amalia_ray.core.errors import RecipeError
 from amalia_ray.core.recipe import config_hash, load_recipe, parse_recipe
-from tests.conftest import DEMO_RECIPE
+from tests.conftest import DEMO_RECIPE, write_recipe
 
 
 def demo_text() -> str:
@@ -161,3 +161,27 @@ def test_the_readme_recipe_validates():
     assert len(block.splitlines()) <= 20
     recipe = parse_recipe(block, "README.md")
     assert [s.objective for s in recipe.train] == ["pretrain", "sft", "dpo"]
+
+
+@pytest.mark.reliability
+def test_code_a_recipe_names_is_fingerprinted_with_its_stage(tmp_path, monkeypatch):
+    """A fix to the curriculum hook (or a reward) a lab's own package provides changes what the stage trains: the
+    source of its whole top-level package is hashed into the stage's config (pipeline/stages.py), so the stage
+    trains again rather than being skipped or resumed on other code."""
+    from amalia_ray.core.recipe import named_code
+    from amalia_ray.pipeline.manifest import named_code_hash
+
+    package = tmp_path / "lab_sched"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mix.py").write_text("from lab_sched.shared import W\n\n\ndef weights(tokens, sources):\n"
+                                    "    return {s: W for s in sources}\n")
+    (package / "shared.py").write_text("W = 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stage = load_recipe(write_recipe(tmp_path, **{"run.trusted_modules": ["lab_sched"], "train.0.curriculum": {
+        "hook": "lab_sched.mix:weights"}})).recipe.train[0]
+    assert named_code(stage) == ["lab_sched.mix:weights"]
+    before = named_code_hash("lab_sched.mix:weights")
+    assert named_code_hash("lab_sched.mix:weights") == before
+    (package / "shared.py").write_text("W = 2.0\n")  # a module beside the hook's, which it imports
+    assert named_code_hash("lab_sched.mix:weights") != before

@@ -136,6 +136,15 @@ def untrusted(spec: str, trusted: list[str]) -> str | None:
             "code it names, so list the module (or its package) there to allow it")
 
 
+def named_code(stage) -> list[str]:
+    """The code a training stage names from outside this package ('package.module:function'): its rule rewards
+    and its curriculum hook."""
+    names = [r.name for r in stage.sampled_rewards if r.name and ":" in r.name]
+    if isinstance(stage, PretrainStage) and stage.curriculum and stage.curriculum.hook:
+        names.append(stage.curriculum.hook)
+    return [n for n in names if not n.startswith("amalia_ray.")]
+
+
 def check_named_code(recipe: Recipe, source: str, lines: dict[tuple, int]) -> None:
     """Rewards and curriculum hooks named by the recipe come from trusted modules, exist and import here, before
     any stage starts (not in a Ray worker an hour later)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import json
 import subprocess
 import time
@@ -158,6 +159,24 @@ def code_hash() -> str:
     h = hashlib.sha256()
     for f in sorted(root.rglob("*.py")):
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def named_code_hash(spec: str) -> str:
+    """sha256 of the source of the code a recipe names ('package.module:function'): every .py file of its top-level
+    package (what the function may import from beside it), or its module's file. A change to it changes what a
+    stage computes, as a change to this package's code does."""
+    top = spec.partition(":")[0].split(".")[0]
+    found = importlib.util.find_spec(top)
+    if found is None:
+        return "not found"
+    h = hashlib.sha256()
+    if found.submodule_search_locations:
+        root = Path(next(iter(found.submodule_search_locations)))
+        for f in sorted(root.rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    elif found.origin and Path(found.origin).is_file():
+        h.update(Path(found.origin).read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -15,6 +15,7 @@ from amalia_ray.core import hf_model
 from amalia_ray.core.config import EvalConfig
 from amalia_ray.core.console import stage_line
 from amalia_ray.core.errors import AmaliaError
+from amalia_ray.core.recipe import named_code
 from amalia_ray.core.stop import stop_file
 from amalia_ray.core.variety_model import VarietyModel, label_margin, model_for_workers, variety_model_folder
 from amalia_ray.data import curate as data_stage
@@ -23,6 +24,7 @@ from amalia_ray.evals.contamination import corpus_root, seen_items
 from amalia_ray.evals.fewshot import task_items
 from amalia_ray.evals.evaluate import metrics_of, run_task
 from amalia_ray.evals.tasks import item_text, load_task, task_of_file
+from amalia_ray.pipeline.manifest import named_code_hash
 from amalia_ray.pipeline.spec import RunContext, StageSpec
 from amalia_ray.serve import app as serve_app
 from amalia_ray.serve import reward_server
@@ -217,8 +219,11 @@ def build(p: RunContext, names: list[str]) -> Iterator[StageSpec]:
         # a LoRA stage exports its adapter folder, and the merged weights when it merges
         outputs = {**({"adapter": d(stage.name) / "adapter"} if stage.lora else {}),
                    **({} if stage.lora and not stage.lora.merge else {"checkpoint": p.checkpoint_of(stage.name)})}
+        # the rewards and curriculum hook it names from the user's own code: a fix to them trains again
+        code = {spec: named_code_hash(spec) for spec in named_code(stage)}
         yield StageSpec(
-            stage.name, [stage, r.model, r.run.seed, *([named] if named else [])], inputs, outputs,
+            stage.name, [stage, r.model, r.run.seed, *([named] if named else []), *([code] if code else [])], inputs,
+            outputs,
             _train_body(p, stage, init, gpu),
             {"workers": stage.num_workers, "CPU_per_worker": stage.cpus_per_worker, "GPU_per_worker": int(gpu),
              "placement": stage.placement},
