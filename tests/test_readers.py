@@ -271,6 +271,31 @@ def test_a_warc_of_blank_runs_or_an_overshooting_record_is_read_in_linear_time()
         assert problems == expected, (name, problems[:5])
 
 
+@pytest.mark.reliability
+@pytest.mark.parametrize("archive", ["warc", "arc"])
+def test_headers_that_each_claim_megabytes_are_read_in_linear_time(archive):
+    """40,000 short headers in a row, each claiming 16 MB (an ARC's or a WARC's, their lengths landing mid-line):
+    each broken record's body was read again for the next header, 38 bytes on, so the file was read once per
+    header (about 40,000 × 0.8 MB here; a 19 MB one took hours). Now what is read again is bounded by a multiple of
+    what was passed: the reading ends in seconds, every header quarantined; a length of 5,000 digits is one too."""
+    import threading
+
+    from amalia_ray.data.read.archives import arc_records, warc_records
+
+    unit = (b"WARC/1.0\r\nContent-Length: 16000000\r\n\r\n" if archive == "warc"
+            else b"http://x/ 1.2.3.4 20200101000000 text/html 16000000\n")
+    digits = (b"WARC/1.0\r\nContent-Length: " + b"7" * 5000 + b"\r\n\r\n" if archive == "warc"
+              else b"http://x/ 1.2.3.4 20200101000000 text/html " + b"7" * 5000 + b"\n")
+    records = warc_records if archive == "warc" else arc_records
+    out = []
+    worker = threading.Thread(target=lambda: out.append([p and p.reason for *_, p in records(
+        io.BufferedReader(io.BytesIO(digits + unit * 40_000)), 1 << 26)]), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert out, "still reading after 60 s"
+    assert out[0] and all(reason is not None and reason.startswith("broken") for reason in out[0]), out[0][:3]
+
+
 def test_a_nested_value_over_the_limit_is_measured_as_itself_not_at_the_columns_mean(tmp_path):
     """One row of 1,000 holds 50 KB in a list<string> (a struct and a map likewise): measured as its own elements,
     not at the column's mean, it is quarantined as too large before it is decoded; the other rows are read."""

@@ -57,6 +57,13 @@ _HEADER_LINE = 64 << 10
 _VERSION_LINE = re.compile(rb"WARC/\d\.\d+\r?\n$")
 
 
+def _may_reread(reread: int, at: int) -> bool:
+    """Whether the body of a broken record, `reread` bytes read again so far in the file at offset `at`, is searched
+    for the records after it: yes until what was read again is 4 times what was passed plus 64 MB, so reading stays
+    linear; past that, the broken record's body is skipped (the records inside it are lost: a file this broken)."""
+    return reread <= 4 * at + (64 << 20)
+
+
 def _record_start(line: bytes) -> int:
     """Where a `WARC/1.x` version line begins inside `line` (a record cut short runs straight into the next one),
     or -1."""
@@ -70,7 +77,7 @@ def warc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quara
     `limit` bytes, and bytes between records that are no record come back as problems; the reader then looks for
     the next `WARC/1.x` line, so one broken record never costs the records after it."""
     s = _Rewindable(f)
-    junk_at, resyncing = None, False
+    junk_at, resyncing, reread = None, False, 0
     while line := s.readline(_HEADER_LINE):
         at = s.pos - len(line)
         if (start := _record_start(line)) > 0:
@@ -98,7 +105,7 @@ def warc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quara
             pass
         elif not line:
             problem = "the file ends inside the record header"
-        elif not length.isdigit():
+        elif not length.isdigit() or len(length) > 19:  # int() refuses 4,300 digits and more
             problem = f"Content-Length {length[:40]!r} is not a number"
         elif int(length) > limit:
             problem = f"Content-Length {int(length)} over max_record_bytes={limit}"
@@ -113,7 +120,9 @@ def warc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quara
                 s.unread(following)
                 yield at, header, b"".join(header) + b"\r\n" + body + b"\r\n\r\n", None
                 continue
-            s.unread(body + gap + following)  # the next record may start inside what was read: look there
+            # the next record may start inside what was read: look there, within a budget of bytes read again
+            # (a file of short headers each claiming megabytes would otherwise be read again megabytes per header)
+            s.unread((body + gap if _may_reread(reread := reread + len(body) + len(gap), at) else b"") + following)
             problem = ("Content-Length runs past the end of the file" if len(body) < int(length)
                        else "Content-Length does not end where the record does")
         yield at, header, b"".join(header)[:_RAW_LIMIT], Quarantine("broken WARC record", problem)
@@ -183,7 +192,7 @@ def arc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quaran
     the end of the file or does not end where the record does, one over `limit` bytes, and bytes between records
     that are no record come back as problems; the reader then looks for the next header line."""
     s = _Rewindable(f)
-    junk_at = None
+    junk_at, reread = None, 0
     while line := s.readline(_HEADER_LINE):
         at = s.pos - len(line)
         fields = _arc_header(line)
@@ -207,7 +216,8 @@ def arc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quaran
                 s.unread(following)
             yield at, fields, body, None
             continue
-        s.unread(body + following)  # the next record may start inside what was read: look there
+        # the next record may start inside what was read: look there, within a budget of bytes read again
+        s.unread((body if _may_reread(reread := reread + len(body), at) else b"") + following)
         problem = ("the length runs past the end of the file" if len(body) < length
                    else "the length does not end where the record does")
         yield at, fields, line, Quarantine("broken ARC record", problem)
@@ -218,7 +228,8 @@ def arc_records(f, limit: int) -> Iterator[tuple[int, list[bytes], bytes, Quaran
 def _arc_header(line: bytes) -> list[bytes] | None:
     """The fields of an ARC record's header line (5 in version 1, 10 in version 2; the length last), or None."""
     fields = line.split()
-    if len(fields) in (5, 10) and fields[-1].isdigit() and fields[2].isdigit() and line.endswith(b"\n"):
+    if (len(fields) in (5, 10) and fields[-1].isdigit() and len(fields[-1]) <= 19 and fields[2].isdigit()
+            and line.endswith(b"\n")):
         return fields
     return None
 
