@@ -207,6 +207,28 @@ def _package_boilerplate(n: int) -> list[str]:
     return blocks[::max(1, len(blocks) // n)][:n]
 
 
+def test_the_quality_models_documents_are_sampled_by_id_hash_as_they_are_read(tmp_path):
+    """At most max_docs documents, those of the smallest id hashes (the same every run), kept while the files are
+    read (a raw crawl as negatives is not held whole); blank ones do not count."""
+    import pyarrow.compute as pc
+
+    from amalia_ray.core.config import SourceConfig
+    from amalia_ray.data.read.readers import read_file_tables
+    from amalia_ray.data.steps.base import unit_hash
+    from amalia_ray.data.steps.quality_model import read_texts
+
+    texts = [f"Documento número {i} sobre a história de Portugal." for i in range(60)] + ["   "] * 5
+    path = str(tmp_path / "d.jsonl")
+    Path(path).write_text("\n".join(json.dumps({"id": f"d{i}", "text": t}, ensure_ascii=False)
+                                    for i, t in enumerate(texts)))
+    src = SourceConfig(name="negative", paths=[path], format="jsonl", text_field="text", split="paragraph")
+    read = [(i, t) for table in read_file_tables(path, src) if (ok := table.filter(pc.is_null(table["drop_reason"])))
+            for i, t in zip(ok["id"].to_pylist(), ok["text"].to_pylist()) if t.strip()]
+    smallest = sorted(sorted(read, key=lambda d: unit_hash(d[0]))[:10])
+    assert read_texts([path], "negative", "text", max_docs=10) == [t for _, t in smallest]
+    assert len(read_texts([path], "negative", "text", max_docs=100)) == 60
+
+
 def test_quality_classifier_trains_scores_and_loads_safely(tmp_path):
     """DCLM's recipe on real text: positives are the manuals' paragraphs, negatives the packages' changelog and
     licence blocks; held-out precision and recall, then scoring documents it never saw."""

@@ -88,8 +88,8 @@ def _curate(cfg: DataConfig, resolve, tmp: Path, scratch: Path, out_dir: Path,
     contamination = None
     if index is not None:
         flagged = docs.select(["contamination"]).dataset().filter(expr=col("contamination").is_not_null())
-        contamination = contamination_report(
-            index, [c for b in flagged.iter_batches(batch_format="pyarrow") for c in b["contamination"].to_pylist()],
+        contamination = contamination_report(  # streamed: the driver holds the counts, not every flagged document
+            index, (c for b in flagged.iter_batches(batch_format="pyarrow") for c in b["contamination"].to_pylist()),
             {t: len(items) for t, items in (benchmark_items or {}).items()})
     dropped = docs.dataset().filter(expr=col("drop_reason").is_not_null())
     write_shards(dropped, tmp / "dropped")

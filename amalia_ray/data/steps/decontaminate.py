@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pyarrow as pa
 
 from amalia_ray.core.ngrams import ItemIndex
@@ -24,7 +26,7 @@ class Decontaminate(DocumentStep):
         return add_drop_reasons(batch, [f"contamination:{self.index.items[f[0]][0]}" if f else None for f in found])
 
 
-def contamination_report(index: ItemIndex, flagged: list[list[str]], tasks: dict[str, int]) -> dict:
+def contamination_report(index: ItemIndex, flagged: Iterable[list[str]], tasks: dict[str, int]) -> dict:
     """Per task: its items, how many were checked, how many overlap some document, how many documents overlap."""
     items: dict[str, set[str]] = {t: set() for t in tasks}
     docs: dict[str, int] = {t: 0 for t in tasks}

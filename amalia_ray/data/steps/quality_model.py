@@ -9,6 +9,7 @@ stage runs it on a pool of Ray actors so each loads the model once."""
 
 from __future__ import annotations
 
+import heapq
 import json
 from functools import cached_property
 from pathlib import Path
@@ -93,9 +94,10 @@ class QualityModelScore(DocumentStep):
 
 def read_texts(paths: list[str], label: str, text_field: str, max_docs: int) -> list[str]:
     """The documents of some files (format by extension; plain text split into paragraphs), NFC-normalised like
-    the data stage's; at most `max_docs`, chosen by a hash of their ids (the same every run)."""
+    the data stage's; at most `max_docs`, chosen by a hash of their ids (the same every run), kept as they are read:
+    negatives may be a raw crawl, which is not held whole."""
     normalize = Normalize()
-    docs = []
+    kept: list[tuple[float, str, str]] = []  # (-hash, id, text): a heap of the max_docs smallest hashes so far
     for path in paths:
         if not Path(path).is_file():
             raise AmaliaError(f"--{label}: file not found: {path}")
@@ -105,10 +107,14 @@ def read_texts(paths: list[str], label: str, text_field: str, max_docs: int) -> 
         src = SourceConfig(name=label, paths=[path], format=suffix, text_field=text_field, split="paragraph")
         for table in read_file_tables(path, src):
             ok = table.filter(pc.is_null(table["drop_reason"]))
-            docs.extend(zip(ok["id"].to_pylist(), (normalize.clean(t) for t in ok["text"].to_pylist())))
-    docs = [(i, t) for i, t in docs if t.strip()]
-    if len(docs) > max_docs:
-        docs = sorted(docs, key=lambda d: unit_hash(d[0]))[:max_docs]
+            for doc_id, text in zip(ok["id"].to_pylist(), ok["text"].to_pylist()):
+                key = unit_hash(doc_id)
+                if len(kept) >= max_docs and key >= -kept[0][0]:
+                    continue
+                if not (text := normalize.clean(text)).strip():
+                    continue
+                (heapq.heappush if len(kept) < max_docs else heapq.heapreplace)(kept, (-key, doc_id, text))
+    docs = [(doc_id, text) for _, doc_id, text in kept]
     if not docs:
         raise AmaliaError(f"--{label}: no documents in {', '.join(paths)}")
     return [t for _, t in sorted(docs)]
