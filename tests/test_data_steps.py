@@ -117,3 +117,26 @@ def test_mix_by_source_weights_are_epochs_and_deterministic():
     assert 200 < sources.count("br") < 300  # a quarter of the br documents, by hash
     assert out.equals(MixBySource({"pt": 2.0, "br": 0.25}, seed=1)(batch))
     assert not out.equals(MixBySource({"pt": 2.0, "br": 0.25}, seed=2)(batch))
+
+
+def test_a_selection_of_staged_files_takes_its_schema_from_the_whole_ones(tmp_path):
+    """A column null in one staged file and typed in another unifies to the type; a selection made after the
+    whole schema is known takes it from there (no footer read again) and equals one read from the footers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from amalia_ray.data.exchange.staged import Staged, StagedFile
+
+    tables = [pa.table({"id": ["a"], "text": ["x"], "score": pa.array([None], pa.null())}),
+              pa.table({"id": ["b"], "text": ["y"], "score": pa.array([0.5], pa.float64())})]
+    files = []
+    for i, t in enumerate(tables):
+        pq.write_table(t, tmp_path / f"{i}.parquet")
+        files.append(StagedFile(str(tmp_path / f"{i}.parquet"), 1, 10))
+    whole = Staged(tuple(files))
+    fresh = whole.select(["score", "id"]).unified_schema
+    assert whole.unified_schema.field("score").type == pa.float64()
+    for f in tmp_path.iterdir():
+        f.unlink()  # a footer read now would fail
+    assert whole.select(["score", "id"]).unified_schema == fresh == pa.schema([("score", pa.float64()),
+                                                                              ("id", pa.string())])

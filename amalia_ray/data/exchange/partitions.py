@@ -8,6 +8,8 @@ Also here: the data context every data stage runs under (order preserved) and de
 
 from __future__ import annotations
 
+import bisect
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,15 +94,19 @@ def write_ordered_shards(ds: ray.data.Dataset | Staged, path: Path | str, rows_p
         schema = pa.unify_schemas([s for _, s in shapes], promote_options="permissive") if shapes else ds.schema()
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    total, starts = 0, []
+    total, starts, ends = 0, [], []
     for n, _ in shapes:
         starts.append(total)
         total += n
+        ends.append(total)
     jobs = []
     for index, lo in enumerate(range(0, total, rows_per_file)):
         hi = min(lo + rows_per_file, total)
-        chosen = [(ref, (max(lo - s, 0), min(hi - s, n))) for ref, s, (n, _) in zip(refs, starts, shapes)
-                  if s < hi and s + n > lo]
+        # the inputs overlapping [lo, hi): from the first that ends past lo (found by bisection, so the whole is
+        # linear in inputs + outputs, not their product) to the last that starts before hi
+        first = bisect.bisect_right(ends, lo)
+        last = bisect.bisect_left(starts, hi, lo=first)
+        chosen = [(refs[i], (max(lo - starts[i], 0), min(hi - starts[i], shapes[i][0]))) for i in range(first, last)]
         jobs.append(_write_file.remote(str(folder / f"part-{index:06}.parquet"), schema, [c for _, c in chosen],
                                        rows_per_group, *[r for r, _ in chosen]))
     if total == 0:

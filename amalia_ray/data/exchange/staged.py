@@ -85,10 +85,16 @@ class Staged:
         return sum(f.rows for f in self.files)
 
     def select(self, columns: list[str]) -> Staged:
-        """The same files, read for these columns only."""
+        """The same files, read for these columns only (their unified schema taken from this one's when it is
+        known: a pass of many files would read every footer again for each selection)."""
         empty = self.empty_schema
-        return Staged(tuple(replace(f, columns=tuple(columns)) for f in self.files),
-                      pa.schema([empty.field(c) for c in columns]) if empty is not None else None)
+        selected = Staged(tuple(replace(f, columns=tuple(columns)) for f in self.files),
+                          pa.schema([empty.field(c) for c in columns]) if empty is not None else None)
+        if self.files and "unified_schema" in self.__dict__:  # computed (cached_property keeps it there)
+            unified = self.unified_schema
+            selected.__dict__["unified_schema"] = pa.schema([unified.field(c) for c in columns
+                                                              if c in unified.names])
+        return selected
 
     @cached_property
     def unified_schema(self) -> pa.Schema:
