@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from amalia_ray.train.parallel import process_group_backend
+from amalia_ray.train.process_group import RendezvousTorchConfig
 from tests.conftest import free_port
 
 
@@ -78,6 +79,61 @@ def test_training_passes_the_backend_to_ray_train(monkeypatch, tmp_path):
                                          tokenizer_dir=tmp_path, init_hf_dir=None, stage_dir=tmp_path / "s",
                                          ray_run_name="r", seed=0, use_gpu=use_gpu, progress=False)
         assert seen["torch_config"].backend == process_group_backend(use_gpu)
+        assert isinstance(seen["torch_config"], RendezvousTorchConfig)
+
+
+def _listening(out: str) -> None:
+    """A Ray Train worker: its process group works, and the TCP ports its process listens on go to `out`."""
+    import json
+
+    import ray.train
+
+    total = torch.tensor([1.0])
+    dist.all_reduce(total)
+    dist.barrier(group=dist.new_group(backend="gloo"))  # a later group, as the loop's checkpoint and wait groups
+    ports = _own_listening()
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"sum": total.item(), "listening": ports}, f)
+
+
+def _own_listening() -> list[str]:
+    import psutil
+
+    return [f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN]
+
+
+@pytest.mark.reliability
+def test_the_training_workers_open_no_port_off_loopback_on_one_node(ray_cluster, tmp_path):
+    """Ray Train's default rendezvous is a TCPStore that rank 0 opens, unauthenticated, on every interface (shown
+    here: a listening socket off loopback). The training's own rendezvous goes through a Ray actor instead, and on
+    one node gloo connects over loopback: two workers sum, build a later group, and listen off loopback on nothing
+    but what every Ray worker process does (its gRPC server, behind Ray's token)."""
+    import json
+
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    def listening(config) -> list[list[str]]:
+        out = tmp_path / type(config).__name__
+        out.mkdir()
+        TorchTrainer(lambda: _listening(str(out)), torch_config=config, scaling_config=ScalingConfig(num_workers=2),
+                     run_config=RunConfig(storage_path=str(tmp_path / "ray"))).fit()
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        assert all(r["sum"] == 2.0 for r in ranks)
+        return [r["listening"] for r in ranks]
+
+    def off_loopback(ports: list[str]) -> list[str]:
+        return [p for p in ports if not p.startswith(("127.", "::1:"))]
+
+    # what any Ray worker process listens on by itself (its gRPC server, behind Ray's token): not the training's
+    ray_own = len(off_loopback(ray.get(ray.remote(_own_listening).remote())))
+    default = listening(TorchConfig(backend="gloo"))
+    assert len(off_loopback(default[0])) > ray_own, "Ray's default: rank 0's store on every interface"
+    ours = listening(RendezvousTorchConfig(backend="gloo"))
+    assert all(len(off_loopback(ports)) == ray_own for ports in ours), (ours, ray_own)
 
 
 def test_the_network_nccl_chose_is_read_from_its_log_and_tcp_between_nodes_is_warned_about(tmp_path, monkeypatch):

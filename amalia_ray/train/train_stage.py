@@ -102,9 +102,10 @@ def run_train_stage(
     from amalia_ray.train.hf_weights import stored_dtype
 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from amalia_ray.train.parallel import process_group_backend
+    from amalia_ray.train.process_group import RendezvousTorchConfig
 
     from amalia_ray.core.secrets import remember
     from amalia_ray.core.signing import signing_key
@@ -137,7 +138,7 @@ def run_train_stage(
             run_id=ray_run_name,
             checkpoint_key=key,  # masked wherever it might be printed, and left out of the config's repr
         )},
-        torch_config=TorchConfig(backend=process_group_backend(use_gpu)),
+        torch_config=RendezvousTorchConfig(backend=process_group_backend(use_gpu)),
         scaling_config=ScalingConfig(
             num_workers=stage.num_workers,
             use_gpu=use_gpu,
