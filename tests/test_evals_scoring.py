@@ -609,6 +609,13 @@ def test_the_eval_stage_scores_the_models_that_answer_and_says_why_the_others_ca
     assert out["incomplete"] == "1 model(s) could not be served", "so the next run evaluates again"
     report = "\n".join(evaluation_section(tmp_path, out))
     assert "not served (below)" in report and f"- wide-heads: {why}" in report and "0.500 ± 0.100" in report
+    # items that failed (a judge's outage, a bad reply) leave the stage incomplete too: scored on fewer items
+    monkeypatch.setattr(stages, "run_task", lambda task, path, *, model, **_: {**run_task(task, path, model=model),
+                                                                               "failed": 2})
+    out = stages._serve_and_evaluate(pipeline, {"demo-pretrain": tmp_path, "wide-heads": tmp_path}, {})
+    assert out["incomplete"] == (f"1 model(s) could not be served; {2 * len(tasks)} item(s) failed (retries spent, "
+                                 "or a bad reply)")
+    assert all(out["results"][f"demo-pretrain/{t}"]["failed_items"] == 2 for t in tasks)
 
 
 def test_the_reason_an_engine_gives_is_its_first_error_line_not_the_wrapper_that_it_died():

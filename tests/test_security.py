@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import uuid
+from pathlib import Path
 
 import fsspec
 import fsspec.implementations.memory
@@ -144,6 +145,18 @@ def test_a_pull_cut_short_leaves_nothing_a_later_attempt_would_take_for_whole(tm
     monkeypatch.setattr(filesystem.pafs, "copy_files", copy)
     assert store.pull("pack", tmp_path / "run" / "pack")
     assert sorted(f.name for f in (tmp_path / "run" / "pack").iterdir()) == [f"shard-{i}.parquet" for i in range(3)]
+    # two jobs on one shared filesystem pull the same folder: the one renamed second keeps the first one's
+    replace = filesystem.os.replace
+
+    def beaten(source, target):
+        Path(target).mkdir()
+        (Path(target) / "theirs").write_text("x")
+        return replace(source, target)
+
+    monkeypatch.setattr(filesystem.os, "replace", beaten)
+    assert store.pull("pack", tmp_path / "other" / "pack")
+    assert [f.name for f in (tmp_path / "other").iterdir()] == ["pack"], "its own copy removed"
+    assert [f.name for f in (tmp_path / "other" / "pack").iterdir()] == ["theirs"]
 
 
 def test_secrets_reach_no_file_and_no_log(tmp_path, monkeypatch, caplog, capsys):
@@ -311,7 +324,9 @@ class _Plant:
 def test_a_sweep_restores_only_tune_state_signed_with_this_machines_key(ray_cluster, tmp_path, monkeypatch):
     """Tune restores a sweep from files it pickled. A state file planted in the experiment folder is unpickled by
     Tune's own restore; before ours, every state file is replaced by the copy the sweep's driver signed, so the plant
-    is never read. A damaged copy, a list signed with another key or no list at all is refused, naming the fix."""
+    is never read; nor is a failed trial's error.pkl (deleted as it is written, and before a restore: the error is
+    read from its error.txt). A damaged copy, a list signed with another key or no list at all is refused, naming
+    the fix."""
     from ray import cloudpickle, tune
 
     from amalia_ray.pipeline.sweep_state import (SIGNED_DIR, SIGNED_LIST, TUNER_FILE, SignTuneState,
@@ -322,13 +337,19 @@ def test_a_sweep_restores_only_tune_state_signed_with_this_machines_key(ray_clus
     def trainable(config):
         for step in range(1, 4):
             tune.report({"score": config["x"] * step, "step": step})
+            if config["x"] == 2:
+                raise ValueError("a trial that fails")
 
     experiment, signed = tmp_path / "tune", tmp_path / SIGNED_DIR
-    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([1, 2])},
+    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([1, 2, 3])},
                        run_config=tune.RunConfig(name="tune", storage_path=str(tmp_path), verbose=0,
                                                  callbacks=[SignTuneState()]))
     sign_state([experiment / TUNER_FILE], signed)
-    assert sorted(r.metrics["score"] for r in tuner.fit()) == [3, 6]
+    results = tuner.fit()
+    assert sorted(r.metrics["score"] for r in results if not r.error) == [3, 9]
+    assert [str(r.error) for r in results if r.error] and "a trial that fails" in str(
+        next(r.error for r in results if r.error)), "read from its error.txt"
+    assert not list(experiment.glob("*/error.pkl")), "the pickled error is not left to be read"
     names = set(json.loads((signed / SIGNED_LIST).read_text())["files"])
     assert TUNER_FILE in names and any(n.startswith("experiment_state-") for n in names), names
 
@@ -341,10 +362,12 @@ def test_a_sweep_restores_only_tune_state_signed_with_this_machines_key(ray_clus
     marker.unlink()
 
     planted.write_text(json.dumps(plant))
+    failed = next(p.parent for p in experiment.glob("*/error.txt"))
+    (failed / "error.pkl").write_bytes(cloudpickle.dumps(_Plant(marker)))  # the failed trial's, replaced
     assert restore_signed_state(experiment)
-    assert not planted.exists()
-    restored = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True, resume_errored=True)
-    assert sorted(r.metrics["score"] for r in restored.fit()) == [3, 6]
+    assert not planted.exists() and not (failed / "error.pkl").exists()
+    restored = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True, resume_errored=False)
+    assert sorted(r.metrics["score"] for r in restored.fit() if not r.error) == [3, 9]
     assert not marker.exists()
 
     copy = next(f for f in signed.iterdir() if f.name.endswith(".json") and "experiment_state-" in f.name)

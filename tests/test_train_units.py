@@ -128,8 +128,11 @@ def test_validation_loss_per_source_adds_up_to_the_overall(tmp_path):
             return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1),
                                                      reduction="sum"), ids[:, 1:].numel()
 
+    grad_enabled = []
+
     class Model(torch.nn.Module):  # predicts token 5 with high confidence
         def forward(self, ids):
+            grad_enabled.append(torch.is_grad_enabled())
             out = torch.zeros(*ids.shape, 50)
             out[..., 5] = 6.0
             return out
@@ -147,6 +150,7 @@ def test_validation_loss_per_source_adds_up_to_the_overall(tmp_path):
                    for seed in (0, 0, 1)]
     finally:
         dist.destroy_process_group()
+    assert grad_enabled and not any(grad_enabled), "validation builds no autograd graph"
     assert set(per_source) == {"same", "noise"} and per_source["same"] < per_source["noise"]
     assert abs(overall - (per_source["same"] + per_source["noise"]) / 2) < 1e-9, "equal token counts: plain mean"
     assert all(len(rows) == 2 and rows == sorted(rows) for rows in read) and len(read) == 6

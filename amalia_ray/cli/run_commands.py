@@ -131,7 +131,7 @@ def data_train_quality(
     text_field: Annotated[str, typer.Option(help="jsonl/Parquet: the field holding the text")] = "text",
     holdout: Annotated[float, typer.Option(help="share of each side held back to measure precision and recall")
                        ] = 0.1,
-    max_docs: Annotated[int, typer.Option(help="documents per side at most (a fixed hash-chosen subset)")] = 200_000,
+    max_docs: Annotated[int, typer.Option(min=1, help="documents per side at most (a fixed hash-chosen subset)")] = 200_000,
     min_chars: Annotated[int, typer.Option(help="shorter documents are left out")] = 200,
     seed: int = 0,
 ) -> None:

@@ -102,12 +102,16 @@ class RunStore:
         job) leaves no partial folder that a later attempt, seeing it there, would take for the whole."""
         partial = local.with_name(f".{local.name}.pulling-{os.getpid()}")
         try:
-            if not self._pull(rel, partial):
-                return False
-            os.replace(partial, local)
+            try:
+                if not self._pull(rel, partial):
+                    return False
+                os.replace(partial, local)
+            except OSError as e:
+                if not (local.exists() and partial.exists()):
+                    raise AmaliaError(f"fetching {self.uri}/{rel} failed: {e}") from None
+                # whole, but another process renamed its own copy into place first (two stage jobs on one
+                # shared filesystem): theirs is kept
             return True
-        except OSError as e:
-            raise AmaliaError(f"fetching {self.uri}/{rel} failed: {e}") from None
         finally:
             if partial.is_dir():
                 shutil.rmtree(partial, ignore_errors=True)

@@ -491,6 +491,7 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
     r = p.recipe
     name = serve_app.app_name(p.run_name)
     on = {serve_app.adapter_id(m, a): m for m, named in adapters.items() for a in named}  # adapter id -> engine
+    failed_items = 0
     out: dict = {"results": {}, "tokens_processed": 0, **({"base_model": p.model_id("base")} if r.model.base else {}),
                  **({"adapters": on} if on else {})}
     targets = contamination_targets(p)
@@ -519,8 +520,13 @@ def _serve_and_evaluate(p: RunContext, models: dict[str, Path], adapters: dict[s
                                                      if not k.endswith("_stderr")}} if targets else {}
                 out["results"][f"{model_id}/{task.name}"] = {**res["scores"], "n": res["n"],
                                                              "rejected": res["rejected"],
+                                                             "failed_items": res.get("failed", 0),
                                                              "metric": metrics_of(task)[0], **clean}
+                failed_items += res.get("failed", 0)  # scored on fewer items than it has (an outage, a bad reply)
                 out["tokens_processed"] += sum(res["usage"].values())
+        if failed_items:  # recorded, and the next run evaluates again, as for a model that could not be served
+            out["incomplete"] = "; ".join([*([out["incomplete"]] if "incomplete" in out else []),
+                                           f"{failed_items} item(s) failed (retries spent, or a bad reply)"])
     finally:
         serve_app.stop(name)
     return out

@@ -5,7 +5,8 @@ its searcher's state. Unpickling a planted one runs its code, and the sweep fold
 others may write. So while a sweep runs, a Tune callback copies those files into `tune-state/` beside the
 experiment after each of Tune's saves, with a list of their sha256 signed with the project's key (core/signing.py).
 Before a restore, the list is verified and the verified copies replace every state file in the experiment folder,
-so Tune reads only what this user's own driver wrote. A sweep folder whose state is not signed with this machine's
+so Tune reads only what this user's own driver wrote. A failed trial's pickled exception (error.pkl, in its folder)
+is deleted as it is written and before a restore: its error.txt is read instead. A sweep folder whose state is not signed with this machine's
 key is refused, with the way to start it over."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ TUNER_FILE = "tuner.pkl"
 STATE_FILES = (TUNER_FILE, "experiment_state-*.json", "basic-variant-state-*.json", "search_gen_state-*.json",
                "searcher-state-*.pkl", "callback-states-*.pkl")
 EXPERIMENT_STATE = STATE_FILES[1]
+ERROR_PICKLE = "error.pkl"  # a failed trial's exception, pickled, in its folder: never left to be read
 SIGNED_DIR = "tune-state"
 SIGNED_LIST = "signed.json"
 
@@ -68,6 +70,14 @@ class SignTuneState(Callback):
     def on_step_end(self, iteration: int, trials: list, **info) -> None:
         self._sign(trials)
 
+    def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
+        """A failed trial's error is read from its error.txt, not unpickled from the error.pkl Tune writes beside
+        it in the trial's folder, which no signature covers."""
+        trial.run_metadata.pickled_error_filename = None
+        for folder in (trial.local_path, trial.storage.trial_fs_path):
+            if folder and (pickled := Path(folder) / ERROR_PICKLE).is_file():
+                pickled.unlink()
+
     def on_experiment_end(self, trials: list, **info) -> None:
         self._sign(trials)  # after Tune's last save
 
@@ -108,6 +118,8 @@ def restore_signed_state(experiment: Path) -> bool:
     for old in experiment.iterdir():
         if is_state_file(old.name):
             shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    for pickled in experiment.glob(f"*/{ERROR_PICKLE}"):  # a trial's pickled error: its error.txt says the same
+        pickled.unlink()
     for name, entry in files.items():
         shutil.copyfile(folder / entry["stored"], experiment / name)
     return True

@@ -109,7 +109,6 @@ def _log(path: Path, record: dict, keep_through: int | None = None) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-@torch.no_grad()
 def validation_sample(rows: np.ndarray, limit: int | None, seed: int) -> np.ndarray:
     """At most `limit` of a group's validation rows (None: all): drawn from the run's seed, so every validation of
     the run, and of a resumed or rerun one, scores the same rows; in order, as they are read."""
@@ -118,6 +117,7 @@ def validation_sample(rows: np.ndarray, limit: int | None, seed: int) -> np.ndar
     return np.sort(np.random.default_rng(seed).choice(rows, limit, replace=False))
 
 
+@torch.no_grad()
 def validation_losses(model, objective, micro: int, rank: int, world: int, device: torch.device,
                       limit: int | None = None, seed: int = 0) -> tuple[float | None, dict[str, float]]:
     """Mean loss per item over the validation split, and per source when the objective groups its validation rows

@@ -3,9 +3,10 @@
 torch's TCPStore listens, without authentication, on every interface of the first worker's node, and whoever
 reaches it can rewrite the rendezvous: the addresses the later groups (checkpoint writes, rank 0's long waits)
 connect to, and so the objects those groups hand over. Here the store is a `RendezvousStore` actor, reached over
-Ray's own channel (token auth), and no store port is opened. When every worker runs on one node, gloo and NCCL
-connect over loopback too, so a single-machine run opens no port off loopback; across nodes their connections
-need the network, as in any torch.distributed job."""
+Ray's own channel (token auth), and no store port is opened. When every worker runs on one node, gloo connects
+over loopback too, so a CPU run on one machine opens no port off loopback; across nodes its connections need the
+network, as in any torch.distributed job. NCCL's interface is left alone: it is chosen once per process, and the
+trainer's first worker also joins the rollout engines' weight group, whose engines may run on other nodes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from ray.train.torch import TorchConfig
+from ray.train._internal.worker_group import WorkerGroup as V1WorkerGroup
 from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
 
 from amalia_ray.train.weight_sync import NAMESPACE, RayStore, RendezvousStore
@@ -38,8 +40,11 @@ class _RendezvousBackend(_TorchBackend):
 
         name = f"amalia-train-rendezvous-{uuid.uuid4().hex}"
         # held by this backend for as long as the worker group: a restarted group gets a store of its own
-        self.store = ray.remote(RendezvousStore).options(name=name, namespace=NAMESPACE, num_cpus=0).remote()
-        worker_group.execute(_set_torch_distributed_env_vars)
+        # every rank may wait in the store at once (a get blocks until the key is set): room for all of them
+        self.store = ray.remote(RendezvousStore).options(name=name, namespace=NAMESPACE, num_cpus=0,
+                                                         max_concurrency=1 << 16).remote()
+        if not isinstance(worker_group, V1WorkerGroup):  # as Ray's own on_start (V1 sets them once training starts)
+            worker_group.execute(_set_torch_distributed_env_vars)
         one_node = len(set(worker_group.execute(_node_id))) == 1
         world = len(worker_group)
         ray.get([worker_group.execute_single_async(i, join_process_group, backend=backend_config.backend,
@@ -64,12 +69,10 @@ def loopback_interface() -> str | None:
 
 def join_process_group(backend: str, world_rank: int, world_size: int, store_name: str, timeout_s: float,
                        one_node: bool) -> None:
-    """One worker's part of the setup: the default process group on the actor's store; gloo's and NCCL's
-    connections over loopback when every worker shares this node (unless the environment already names an
-    interface)."""
+    """One worker's part of the setup: the default process group on the actor's store; gloo's connections over
+    loopback when every worker shares this node (unless the environment already names an interface)."""
     if one_node and (loopback := loopback_interface()):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
     if "nccl" in backend:  # as Ray Train sets it: a timed-out NCCL collective fails instead of hanging
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     global _store

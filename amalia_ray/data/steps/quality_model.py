@@ -96,6 +96,8 @@ def read_texts(paths: list[str], label: str, text_field: str, max_docs: int) -> 
     """The documents of some files (format by extension; plain text split into paragraphs), NFC-normalised like
     the data stage's; at most `max_docs`, chosen by a hash of their ids (the same every run), kept as they are read:
     negatives may be a raw crawl, which is not held whole."""
+    if max_docs < 1:
+        raise AmaliaError(f"--max-docs {max_docs}: at least 1 document per side")
     normalize = Normalize()
     kept: list[tuple[float, str, str]] = []  # (-hash, id, text): a heap of the max_docs smallest hashes so far
     for path in paths:
