@@ -462,9 +462,10 @@ def test_a_stop_seen_while_a_checkpoint_is_written_stops_at_that_checkpoint(monk
     from amalia_ray.train import loop
 
     calls = []
-    stage = types.SimpleNamespace(name="s", steps=5, checkpoint_every=2, log_every=1, micro_batch_size=1)
+    stage = types.SimpleNamespace(name="s", steps=5, checkpoint_every=2, log_every=1, micro_batch_size=1,
+                                  validation_rows=None)
     t = types.SimpleNamespace(stage=stage, start_step=0, rank=0, world=1, model=None, objective=None, device=None,
-                              board=None, pending=None)
+                              board=None, pending=None, run=types.SimpleNamespace(seed=0))
 
     def save(t, record, wait):
         calls.append(("save", record["step"], "in place" if wait else "background"))
