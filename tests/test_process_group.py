@@ -107,14 +107,14 @@ def _own_listening() -> list[str]:
 @pytest.mark.reliability
 def test_the_training_workers_open_no_port_off_loopback_on_one_node(ray_cluster, tmp_path):
     """Ray Train's default rendezvous is a TCPStore that rank 0 opens, unauthenticated, on every interface (shown
-    here: a listening socket off loopback). The training's own rendezvous goes through a Ray actor instead, and on
+    here: a TCPStore given 127.0.0.1 listens off loopback). The training's own rendezvous goes through a Ray actor instead, and on
     one node gloo connects over loopback: two workers sum, build a later group, and listen off loopback on nothing
     but what every Ray worker process does (its gRPC server, behind Ray's token)."""
     import json
 
     import ray
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     def listening(config) -> list[list[str]]:
         out = tmp_path / type(config).__name__
@@ -128,10 +128,12 @@ def test_the_training_workers_open_no_port_off_loopback_on_one_node(ray_cluster,
     def off_loopback(ports: list[str]) -> list[str]:
         return [p for p in ports if not p.startswith(("127.", "::1:"))]
 
+    # Ray's default rendezvous: a TCPStore, which listens on every interface even when given 127.0.0.1
+    store = dist.TCPStore("127.0.0.1", port := free_port(), 1, True)
+    assert [p for p in off_loopback(_own_listening()) if p.endswith(f":{port}")], "a TCPStore off loopback"
+    del store
     # what any Ray worker process listens on by itself (its gRPC server, behind Ray's token): not the training's
     ray_own = len(off_loopback(ray.get(ray.remote(_own_listening).remote())))
-    default = listening(TorchConfig(backend="gloo"))
-    assert len(off_loopback(default[0])) > ray_own, "Ray's default: rank 0's store on every interface"
     ours = listening(RendezvousTorchConfig(backend="gloo"))
     assert all(len(off_loopback(ports)) == ray_own for ports in ours), (ours, ray_own)
 

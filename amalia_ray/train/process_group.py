@@ -20,7 +20,8 @@ from ray.train.torch import TorchConfig
 from ray.train._internal.worker_group import WorkerGroup as V1WorkerGroup
 from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
 
-from amalia_ray.train.weight_sync import NAMESPACE, RayStore, RendezvousStore
+from amalia_ray.train.rendezvous import RendezvousStore
+from amalia_ray.train.weight_sync import NAMESPACE, RayStore
 
 
 @dataclass

@@ -17,18 +17,18 @@ port is opened either. Gloo's own connections bind to loopback when every engine
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import ctypes
 import json
 import math
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from amalia_ray.train.rendezvous import RendezvousStore
 
 BACKEND = "amalia_collective"
 NAMESPACE = "amalia-weight-sync"
@@ -150,50 +150,6 @@ class Channel:
 
 
 # -- rendezvous -------------------------------------------------------------------------------------------------
-
-class RendezvousStore:
-    """The key-value store gloo's rendezvous needs, in a Ray actor (reached over Ray's own authenticated channel)
-    rather than a TCPStore, which listens on every interface."""
-
-    def __init__(self):
-        self.values: dict[str, bytes] = {}
-        self.changed = asyncio.Event()
-
-    async def set(self, key: str, value: bytes) -> None:
-        self.values[key] = value
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    async def get(self, keys: list[str], timeout_s: float) -> list[bytes] | None:
-        deadline = time.monotonic() + timeout_s
-        while not all(k in self.values for k in keys):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self.changed.wait(), left)
-            except asyncio.TimeoutError:
-                return None
-        return [self.values[k] for k in keys]
-
-    async def add(self, key: str, amount: int) -> int:
-        value = int(self.values.get(key, b"0")) + amount
-        await self.set(key, str(value).encode())
-        return value
-
-    async def check(self, keys: list[str]) -> bool:
-        return all(k in self.values for k in keys)
-
-    async def delete(self, key: str) -> bool:
-        return self.values.pop(key, None) is not None
-
-    async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        current = self.values.get(key)
-        if (current is None and not expected) or current == expected:
-            await self.set(key, desired)
-            return desired
-        return current if current is not None else expected
-
 
 class RayStore(dist.Store):
     """torch.distributed's Store interface over a `RendezvousStore` actor."""
