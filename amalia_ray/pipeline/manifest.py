@@ -155,7 +155,11 @@ def now_iso() -> str:
 def code_hash() -> str:
     """sha256 of the package's own source (every .py file's path and content): what a stage's result depends on
     besides its config and inputs, whether or not the code runs from a git checkout (a wheel has no commit)."""
-    root = Path(amalia_ray.__file__).resolve().parent
+    return _source_hash(Path(amalia_ray.__file__).resolve().parent)
+
+
+def _source_hash(root: Path) -> str:
+    """sha256 over a package folder's .py files: each one's path and content."""
     h = hashlib.sha256()
     for f in sorted(root.rglob("*.py")):
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
@@ -170,14 +174,10 @@ def named_code_hash(spec: str) -> str:
     found = importlib.util.find_spec(top)
     if found is None:
         return "not found"
-    h = hashlib.sha256()
     if found.submodule_search_locations:
-        root = Path(next(iter(found.submodule_search_locations)))
-        for f in sorted(root.rglob("*.py")):
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    elif found.origin and Path(found.origin).is_file():
-        h.update(Path(found.origin).read_bytes())
-    return h.hexdigest()[:16]
+        return _source_hash(Path(next(iter(found.submodule_search_locations))))
+    origin = Path(found.origin) if found.origin else None
+    return hashlib.sha256(origin.read_bytes()).hexdigest()[:16] if origin and origin.is_file() else "not found"
 
 
 def code_version() -> str:

@@ -6,8 +6,8 @@ others may write. So while a sweep runs, a Tune callback copies those files into
 experiment after each of Tune's saves, with a list of their sha256 signed with the project's key (core/signing.py).
 Before a restore, the list is verified and the verified copies replace every state file in the experiment folder,
 so Tune reads only what this user's own driver wrote. A failed trial's pickled exception (error.pkl, in its folder)
-is deleted as it is written and before a restore: its error.txt is read instead. A sweep folder whose state is not signed with this machine's
-key is refused, with the way to start it over."""
+is deleted as it is written and before a restore: its error.txt is read instead. A sweep folder whose state is not
+signed with this machine's key is refused, with the way to start it over."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class SignTuneState(Callback):
         experiment, staging = Path(storage.experiment_fs_path), Path(storage.experiment_driver_staging_path)
         sources = [experiment / TUNER_FILE] + sorted(
             f for f in (staging.iterdir() if staging.is_dir() else ()) if f.is_file() and is_state_file(f.name))
-        seen = {str(f): (f.stat().st_mtime_ns, f.stat().st_size) for f in sources}
+        seen = {str(f): (stat.st_mtime_ns, stat.st_size) for f in sources for stat in [f.stat()]}
         if seen != self._signed:
             sign_state(sources, experiment.parent / SIGNED_DIR)
             self._signed = seen
